@@ -1,0 +1,398 @@
+"""The :class:`Run` object a training process logs through, and :func:`init`."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import socket
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Mapping
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any, Final, Literal
+
+from ranklog._version import __version__
+from ranklog.errors import ConfigError, InvalidValueError, RanklogWarning
+from ranklog.producer._env import detect_rank
+from ranklog.producer._sink import DURABILITY_LEVELS, SpoolSink
+from ranklog.producer._values import as_float, check_step, flatten_params, op_spec
+from ranklog.schemas import Metrics, Params, RankEnd, RankStart, StepEnd, Text, Timer
+from ranklog.spool import DEFAULT_SEGMENT_BYTES, IncarnationWriter, SpoolLayout, ensure_run
+
+__all__ = ["Durability", "Run", "init"]
+
+Durability = Literal["buffered", "step", "fsync"]
+SPOOL_ENV: Final = "RANKLOG_SPOOL"
+MAX_TEXT_BYTES: Final = 8 * 1024 * 1024
+_NAME_CACHE_MAX: Final = 100_000
+_live_runs: weakref.WeakSet[Run] = weakref.WeakSet()
+
+
+class _Timer:
+    """Context manager returned by :meth:`Run.timer`."""
+
+    __slots__ = ("_name", "_reduce", "_run", "_start", "_step", "seconds")
+
+    def __init__(self, run: Run, name: str, step: int, reduce: str) -> None:
+        self._run = run
+        self._name = name
+        self._step = step
+        self._reduce = reduce
+        self._start = 0.0
+        self.seconds = 0.0
+
+    def __enter__(self) -> _Timer:
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self._start
+        self._run._sink.append(
+            Timer(time.time(), self._step, self._name, self.seconds, self._reduce)
+        )
+
+
+class Run:
+    """One incarnation of one rank, appending events to its own segment files.
+
+    Create it with :func:`ranklog.init`. Logging methods never perform I/O in
+    the calling thread, except :meth:`step_end` at durability ``step`` (the
+    step's bytes are handed to the OS before it returns) and ``fsync`` (and
+    fsync'd). A disk error never raises out of a logging call.
+    """
+
+    def __init__(
+        self,
+        spool: str | os.PathLike[str],
+        *,
+        rank: int,
+        world_size: int | None,
+        local_rank: int | None,
+        durability: Durability,
+        flush_interval: float,
+        max_buffer_bytes: int,
+        heartbeat_interval: float,
+        max_segment_bytes: int,
+        name: str | None,
+        handle_signals: bool,
+    ) -> None:
+        if durability not in DURABILITY_LEVELS:
+            raise ConfigError(f"durability must be one of {DURABILITY_LEVELS}, got {durability!r}")
+        if flush_interval <= 0 or heartbeat_interval <= 0:
+            raise ConfigError("flush_interval and heartbeat_interval must be positive")
+        if max_buffer_bytes < 1024:
+            raise ConfigError(f"max_buffer_bytes={max_buffer_bytes} is too small")
+        self.spool = Path(spool)
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = local_rank
+        self.durability: Durability = durability
+        self.layout = SpoolLayout(self.spool)
+        self.info = ensure_run(self.spool, name=name, world_size=world_size)
+        writer = IncarnationWriter.create(
+            self.layout,
+            self.info,
+            rank,
+            world_size=world_size,
+            max_segment_bytes=max_segment_bytes,
+        )
+        self.incarnation = writer.incarnation
+        self._sink = SpoolSink(
+            writer,
+            flush_interval=flush_interval,
+            max_buffer_bytes=max_buffer_bytes,
+            heartbeat_interval=heartbeat_interval,
+        )
+        self._sync_step = durability != "buffered"
+        self._fsync = durability == "fsync"
+        self._closed_step = -1
+        self._late_warned = False
+        self._closed = False
+        self._names: dict[str | None, dict[str, str]] = {}
+        self._ops: dict[object, str] = {}
+        self._sink.append(
+            RankStart(
+                time.time(),
+                self.info.run_id,
+                rank,
+                world_size,
+                local_rank,
+                socket.gethostname(),
+                os.getpid(),
+                self.incarnation,
+                __version__,
+            )
+        )
+        self._sink.flush(sync=self._fsync)
+        _live_runs.add(self)
+        atexit.register(self._atexit)
+        self._prev_handler: Any = None
+        if handle_signals and threading.current_thread() is threading.main_thread():
+            with contextlib.suppress(ValueError, OSError):
+                self._prev_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def __repr__(self) -> str:
+        return (
+            f"<ranklog.Run spool={str(self.spool)!r} rank={self.rank} "
+            f"world_size={self.world_size} incarnation={self.incarnation}>"
+        )
+
+    # -- identity ----------------------------------------------------------------------
+
+    @property
+    def run_id(self) -> str:
+        """The run id every rank of this spool shares."""
+        return self.info.run_id
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran."""
+        return self._closed
+
+    # -- logging -----------------------------------------------------------------------
+
+    def log_metrics(
+        self,
+        metrics: Mapping[str, Any],
+        step: int,
+        *,
+        prefix: str | None = None,
+        reduce: str | tuple[str, ...] | Mapping[str, str | tuple[str, ...]] = "mean",
+    ) -> None:
+        """Log values for ``step``; across ranks each is reduced with ``reduce``.
+
+        ``reduce`` is one op (``"mean"``), several (``("mean", "max")``, each
+        shipped as ``name/op``) or a map from metric name to op(s). Raises
+        TypeError naming the key for a value that is not a real number (nothing
+        of the call is logged then), ValueError for a bad step.
+        """
+        if type(step) is not int or step < 0:
+            step = check_step(step)
+        names = self._names.get(prefix)
+        if names is None:
+            names = self._names[prefix] = {}
+        values: dict[str, float] = {}
+        for key, value in metrics.items():
+            name = names.get(key)
+            if name is None:
+                name = self._name(names, prefix, key)
+            values[name] = value if type(value) is float else as_float(name, value)
+        op = self._ops.get(reduce) if type(reduce) is str else None
+        if op is None:
+            op = self._reduce(reduce, prefix)
+        if step <= self._closed_step:
+            self._late(step)
+        self._sink.append(Metrics(time.time(), step, values, op))
+
+    def _name(self, names: dict[str, str], prefix: str | None, key: object) -> str:
+        if not isinstance(key, str) or not key:
+            raise InvalidValueError(f"metric name {key!r} is not a non-empty str")
+        name = f"{prefix}/{key}" if prefix else key
+        if len(names) < _NAME_CACHE_MAX:
+            names[key] = name
+        return name
+
+    def _reduce(self, reduce: object, prefix: str | None) -> Any:
+        if isinstance(reduce, Mapping):
+            out: dict[str, str] = {}
+            for key, ops in reduce.items():
+                name = f"{prefix}/{key}" if prefix else str(key)
+                out[name] = op_spec(ops, what=f"reduce for {name!r}")
+            return out
+        spec = op_spec(reduce)
+        if isinstance(reduce, str):
+            self._ops[reduce] = spec
+        return spec
+
+    def _late(self, step: int) -> None:
+        if not self._late_warned:
+            self._late_warned = True
+            warnings.warn(
+                f"ranklog: rank {self.rank} logged step {step} after closing step "
+                f"{self._closed_step}; it is recorded and reported as late",
+                RanklogWarning,
+                stacklevel=3,
+            )
+
+    def log_timing(self, name: str, seconds: float, step: int, *, reduce: str = "max") -> None:
+        """Log a duration in seconds; reduced with ``max`` across ranks by default."""
+        if type(step) is not int or step < 0:
+            step = check_step(step)
+        if not isinstance(name, str) or not name:
+            raise InvalidValueError(f"timer name {name!r} is not a non-empty str")
+        if type(seconds) is not float:
+            seconds = as_float(name, seconds)
+        if step <= self._closed_step:
+            self._late(step)
+        self._sink.append(Timer(time.time(), step, name, seconds, self._timer_op(reduce)))
+
+    def _timer_op(self, reduce: str) -> str:
+        op = self._ops.get(reduce)
+        if op is None:
+            op = op_spec(reduce, what="timer reduce")
+            self._ops[reduce] = op
+        return op
+
+    def timer(self, name: str, step: int, *, reduce: str = "max") -> _Timer:
+        """Context manager timing its block with ``perf_counter`` and logging it for ``step``."""
+        if not isinstance(name, str) or not name:
+            raise InvalidValueError(f"timer name {name!r} is not a non-empty str")
+        return _Timer(self, name, check_step(step), self._timer_op(reduce))
+
+    def log_text(self, name: str, text: str, step: int) -> None:
+        """Log a piece of text (a validation sample, say) for ``step``."""
+        step = check_step(step)
+        if not isinstance(name, str) or not name:
+            raise InvalidValueError(f"text name {name!r} is not a non-empty str")
+        if not isinstance(text, str):
+            raise InvalidValueError(f"text {name!r}: expected str, got {type(text).__name__}")
+        if len(text) > MAX_TEXT_BYTES // 4 and len(text.encode()) > MAX_TEXT_BYTES:
+            raise InvalidValueError(f"text {name!r} is larger than {MAX_TEXT_BYTES} bytes")
+        self._sink.append(Text(time.time(), step, name, text))
+
+    def log_hyperparams(self, params: Mapping[str, Any] | Any) -> None:
+        """Log hyperparameters: nested dicts flattened with ``.``, secrets redacted."""
+        self._sink.append(Params(time.time(), flatten_params(params)))
+
+    def step_end(self, step: int) -> None:
+        """Close every step up to ``step``: the shipper may reduce and ship them.
+
+        At durability ``step`` the bytes are in the OS when this returns (a
+        SIGKILL loses nothing up to here); at ``fsync`` they are also on disk.
+        """
+        if type(step) is not int or step < 0:
+            step = check_step(step)
+        if step > self._closed_step:
+            self._closed_step = step
+        else:
+            self._late(step)
+        self._sink.append(StepEnd(time.time(), step))
+        if self._sync_step:
+            self._sink.flush(sync=self._fsync)
+
+    def flush(self) -> bool:
+        """Write everything buffered now (fsync'd at durability ``fsync``)."""
+        return self._sink.flush(sync=self._fsync)
+
+    # -- closing -----------------------------------------------------------------------
+
+    def close(self, status: str = "ok", exit_code: int | None = 0) -> None:
+        """Write ``rank_end``, flush, seal and fsync. Idempotent; also runs at exit."""
+        if self._closed:
+            return
+        self._closed = True
+        _live_runs.discard(self)
+        with contextlib.suppress(Exception):
+            atexit.unregister(self._atexit)
+        self._sink.close(RankEnd(time.time(), status, exit_code))
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        elif issubclass(exc_type, KeyboardInterrupt):
+            self.close("interrupted", 130)
+        else:
+            self.close("error", 1)
+
+    def _atexit(self) -> None:
+        self.close("exit", None)
+
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        self.close("signal", 128 + signum)
+        prev = self._prev_handler
+        if callable(prev):
+            prev(signum, frame)
+        elif prev in (signal.SIG_DFL, None):
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    def _forget_after_fork(self) -> None:
+        """In a forked child: never touch the parent's files."""
+        self._closed = True
+        self._sink = _ForkedSink()  # type: ignore[assignment]
+        with contextlib.suppress(Exception):
+            atexit.unregister(self._atexit)
+
+
+class _ForkedSink:
+    """Stands in for the sink in a forked child: logging there is ignored, once warned."""
+
+    _warned = False
+
+    def append(self, event: object) -> None:
+        if not _ForkedSink._warned:
+            _ForkedSink._warned = True
+            warnings.warn(
+                "ranklog: logging from a forked child of a rank is ignored; "
+                "call ranklog.init() in the child if it should log",
+                RanklogWarning,
+                stacklevel=3,
+            )
+
+    def flush(self, *, sync: bool = False) -> bool:
+        return True
+
+    def close(self, final: object, *, timeout: float = 0.0) -> int:
+        return 0
+
+
+def _after_fork_in_child() -> None:
+    for run in list(_live_runs):
+        run._forget_after_fork()
+    _live_runs.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def init(
+    spool: str | os.PathLike[str] | None = None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    local_rank: int | None = None,
+    durability: Durability = "step",
+    flush_interval: float = 1.0,
+    max_buffer_bytes: int = 64 * 1024 * 1024,
+    heartbeat_interval: float = 10.0,
+    max_segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+    name: str | None = None,
+    handle_signals: bool = True,
+) -> Run:
+    """Start logging this rank into ``spool`` (default: ``$RANKLOG_SPOOL``).
+
+    Rank, world size and local rank come from the arguments, else from torchrun,
+    SLURM, Open MPI or PMI variables, else rank 0 of 1. A restarted rank (SLURM
+    requeue, restart from checkpoint) writes a new incarnation in the same spool.
+    """
+    if spool is None:
+        spool = os.environ.get(SPOOL_ENV)
+        if not spool:
+            raise ConfigError(f"no spool given: pass ranklog.init(PATH) or set ${SPOOL_ENV}")
+    who = detect_rank(rank, world_size, local_rank)
+    return Run(
+        spool,
+        rank=who.rank,
+        world_size=who.world_size,
+        local_rank=who.local_rank,
+        durability=durability,
+        flush_interval=flush_interval,
+        max_buffer_bytes=max_buffer_bytes,
+        heartbeat_interval=heartbeat_interval,
+        max_segment_bytes=max_segment_bytes,
+        name=name,
+        handle_signals=handle_signals,
+    )

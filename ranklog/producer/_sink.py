@@ -1,0 +1,238 @@
+"""The producer's buffer and its background writer.
+
+The training thread encodes an event and appends the bytes to the open chunk
+under a short lock: no I/O. A chunk becomes one frame. The background thread
+writes sealed chunks every ``flush_interval`` (and sends heartbeats when the
+rank is quiet); :meth:`SpoolSink.flush` writes them at once in the caller's
+thread, which is what ``step_end`` does at durability ``step`` and ``fsync``.
+
+Write errors (ENOSPC, EFBIG, EIO, ...) never reach the caller: the bytes stay
+in the buffer, a warning is issued once, and the background thread retries with
+backoff until the disk takes them. Past ``max_buffer_bytes`` of unwritten events
+the caller waits (and is warned once): events are never dropped silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from collections import deque
+from typing import Final
+
+import msgspec
+
+from ranklog.errors import InvalidValueError, RanklogWarning
+from ranklog.schemas import Event, Heartbeat
+from ranklog.spool import MAX_FRAME_BYTES, IncarnationWriter
+from ranklog.spool._format import msgpack_array_header
+
+__all__ = ["DURABILITY_LEVELS", "SpoolSink"]
+
+log = logging.getLogger("ranklog")
+
+DURABILITY_LEVELS: Final = ("buffered", "step", "fsync")
+#: A chunk is sealed into a frame once it holds this many bytes.
+FRAME_TARGET: Final = 1024 * 1024
+_MAX_EVENT: Final = MAX_FRAME_BYTES - 64
+
+
+class SpoolSink:
+    """Buffers encoded events of one incarnation and writes them as frames."""
+
+    def __init__(
+        self,
+        writer: IncarnationWriter,
+        *,
+        flush_interval: float,
+        max_buffer_bytes: int,
+        heartbeat_interval: float,
+    ) -> None:
+        self.writer = writer
+        self.flush_interval = flush_interval
+        self.max_buffer_bytes = max_buffer_bytes
+        self.heartbeat_interval = heartbeat_interval
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._lock = threading.RLock()  # buffers; re-entrant for signal handlers
+        self._io_lock = threading.RLock()  # the writer
+        self._cur: list[bytes] = []
+        self._cur_bytes = 0
+        self._chunks: deque[list[bytes]] = deque()
+        self._held_bytes = 0
+        self._appended = 0
+        self._written_events = 0
+        self._error: OSError | None = None
+        self._warned: set[str] = set()
+        self._closed = False
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="ranklog-writer", daemon=True)
+        self._thread.start()
+
+    # -- the hot path ------------------------------------------------------------------
+
+    def append(self, event: Event) -> None:
+        """Buffer one event (no I/O); waits only when the buffer is full."""
+        data = self._encode(event)
+        if len(data) > _MAX_EVENT:
+            raise InvalidValueError(
+                f"event of {len(data)} bytes is larger than a frame ({_MAX_EVENT} bytes)"
+            )
+        with self._lock:
+            self._cur.append(data)
+            self._cur_bytes += len(data)
+            self._appended += 1
+            if self._cur_bytes >= FRAME_TARGET:
+                self._seal_locked()
+            over = self._held_bytes + self._cur_bytes > self.max_buffer_bytes
+        if over:
+            self._backpressure()
+
+    def _seal_locked(self) -> None:
+        cur = self._cur
+        if not cur:
+            return
+        if not self._chunks or self._chunks[-1] is not cur:
+            self._chunks.append(cur)
+            self._held_bytes += self._cur_bytes
+        self._cur = []
+        self._cur_bytes = 0
+
+    def _backpressure(self) -> None:
+        self._warn_once(
+            "backpressure",
+            f"ranklog: more than {self.max_buffer_bytes} bytes of events are waiting to be "
+            f"written to {self.writer.path.parent}; logging calls now wait for the disk",
+        )
+        while True:
+            with self._lock:
+                if self._held_bytes + self._cur_bytes <= self.max_buffer_bytes or self._closed:
+                    return
+            self._wake.set()
+            time.sleep(0.002)
+
+    # -- writing -----------------------------------------------------------------------
+
+    @property
+    def pending_bytes(self) -> int:
+        """Encoded bytes not yet handed to the OS."""
+        return self._held_bytes + self._cur_bytes
+
+    @property
+    def error(self) -> OSError | None:
+        """The last write error, or None once writes succeed again."""
+        return self._error
+
+    def flush(self, *, sync: bool = False) -> bool:
+        """Write every buffered event now, in this thread. False if the disk refused."""
+        try:
+            self._drain(sync=sync)
+        except OSError as exc:
+            self._on_error(exc)
+            self._wake.set()
+            return False
+        return True
+
+    def _drain(self, *, sync: bool) -> None:
+        with self._io_lock:
+            with self._lock:
+                self._seal_locked()
+            wrote = False
+            while True:
+                with self._lock:
+                    if not self._chunks:
+                        break
+                    chunk = self._chunks[0]
+                body = b"".join(chunk)
+                self.writer.write_events(len(chunk), [msgpack_array_header(len(chunk)), body])
+                wrote = True
+                with self._lock:
+                    if self._chunks and self._chunks[0] is chunk:
+                        self._chunks.popleft()
+                        self._held_bytes -= len(body)
+                        self._written_events += len(chunk)
+            if sync and (wrote or self._error is not None):
+                self.writer.sync()
+            if self._error is not None:
+                self._recovered()
+
+    def _on_error(self, exc: OSError) -> None:
+        first = self._error is None
+        self._error = exc
+        if first:
+            log.debug("spool write failed: %s", exc)
+        self._warn_once(
+            "write-error",
+            f"ranklog: cannot write to {self.writer.path} ({exc.strerror or exc}); "
+            f"events are kept in memory (up to {self.max_buffer_bytes} bytes) and retried",
+        )
+
+    def _recovered(self) -> None:
+        self._error = None
+        log.warning("ranklog: spool %s is writable again", self.writer.path.parent)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RanklogWarning, stacklevel=3)
+
+    # -- the background thread ---------------------------------------------------------
+
+    def _loop(self) -> None:
+        seen = -1
+        quiet_since = time.monotonic()
+        backoff = 0.0
+        while not self._stop.is_set():
+            self._wake.wait(backoff or self.flush_interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            now = time.monotonic()
+            if self._appended != seen:
+                seen = self._appended
+                quiet_since = now
+            elif now - quiet_since >= self.heartbeat_interval:
+                self.append(Heartbeat(time.time()))
+                seen = self._appended
+                quiet_since = now
+            if self.pending_bytes or self._error is not None:
+                if self.flush():
+                    backoff = 0.0
+                else:
+                    backoff = min(max(backoff * 2, 0.05), max(self.flush_interval, 1.0))
+
+    def close(self, final: Event | None, *, timeout: float = 30.0) -> int:
+        """Append ``final``, write everything (retrying up to ``timeout``), seal and sync.
+
+        Returns the number of events that could not be written (0 normally).
+        """
+        if final is not None:
+            self.append(final)
+        self._closed = True
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+        deadline = time.monotonic() + timeout
+        delay = 0.05
+        while not self.flush(sync=False):
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+        with self._lock:
+            lost = sum(len(c) for c in self._chunks) + len(self._cur)
+        try:
+            with self._io_lock:
+                self.writer.close(seal=lost == 0, sync=True)
+        except OSError as exc:
+            self._on_error(exc)
+        if lost:
+            warnings.warn(
+                f"ranklog: {lost} events could not be written to {self.writer.path} "
+                f"before close ({self._error})",
+                RanklogWarning,
+                stacklevel=2,
+            )
+        return lost

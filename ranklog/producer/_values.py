@@ -1,0 +1,130 @@
+"""Checking and normalising what users log: numbers, steps, names, hyperparameters."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any, Final
+
+from ranklog.errors import InvalidStepError, InvalidValueError
+from ranklog.schemas import REDUCE_OPS, ParamValue
+
+__all__ = [
+    "REDACTED",
+    "as_float",
+    "check_step",
+    "flatten_params",
+    "op_spec",
+]
+
+REDACTED: Final = "<redacted>"
+_SECRET_RE: Final = re.compile(r"token|secret|password|passwd|api[_-]?key", re.IGNORECASE)
+
+
+def as_float(key: object, value: object) -> float:
+    """``value`` as a float, or InvalidValueError naming ``key``.
+
+    Accepts Python and numpy reals (bool and int included), and numpy arrays or
+    torch tensors of exactly one element. NaN and infinities are kept.
+    """
+    if isinstance(value, numbers.Real):
+        return float(value)
+    numel = getattr(value, "numel", None)  # torch.Tensor
+    size = numel() if callable(numel) else getattr(value, "size", None)  # numpy.ndarray
+    item = getattr(value, "item", None)
+    if isinstance(size, int) and callable(item):
+        if size == 1:
+            scalar = item()
+            if isinstance(scalar, numbers.Real):
+                return float(scalar)
+        else:
+            raise InvalidValueError(
+                f"metric {key!r}: expected a real number, got a {type(value).__name__} "
+                f"of {size} elements (log one element, or reduce it first)"
+            )
+    raise InvalidValueError(
+        f"metric {key!r}: expected a real number, got {type(value).__name__} {_short(value)}"
+    )
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_step(step: object) -> int:
+    """``step`` as a non-negative int, or InvalidStepError."""
+    if isinstance(step, bool) or not hasattr(step, "__index__"):
+        raise InvalidStepError(
+            f"step must be a non-negative int, got {type(step).__name__} {step!r}"
+        )
+    value = int(step.__index__())
+    if value < 0:
+        raise InvalidStepError(f"step must be a non-negative int, got {value}")
+    return value
+
+
+def op_spec(reduce: object, *, what: str = "reduce") -> str:
+    """Canonical op spec (``"mean"`` or ``"mean,max"``) for one op or a sequence of ops."""
+    ops: list[str]
+    if isinstance(reduce, str):
+        ops = [p.strip() for p in reduce.split(",")]
+    elif isinstance(reduce, Iterable) and not isinstance(reduce, Mapping):
+        ops = [str(p) for p in reduce]
+    else:
+        raise InvalidValueError(f"{what}: expected an op or a tuple of ops, got {reduce!r}")
+    bad = [o for o in ops if o not in REDUCE_OPS]
+    if not ops or bad:
+        raise InvalidValueError(
+            f"{what}: unknown reduce op {bad or ops!r}; choose from {sorted(REDUCE_OPS)}"
+        )
+    return ",".join(dict.fromkeys(ops))
+
+
+def flatten_params(params: Mapping[str, Any] | Any, *, sep: str = ".") -> dict[str, ParamValue]:
+    """Flatten nested mappings into ``a.b.c`` keys; redact values of secret-looking keys.
+
+    Objects with ``__dict__`` (``argparse.Namespace``, simple dataclasses) are
+    flattened like mappings; sequences and other objects become strings.
+    """
+    out: dict[str, ParamValue] = {}
+    _flatten(_as_mapping(params), "", sep, out)
+    return out
+
+
+def _as_mapping(obj: Any) -> Mapping[str, Any]:
+    if isinstance(obj, Mapping):
+        return obj
+    if hasattr(obj, "__dataclass_fields__"):
+        return {k: getattr(obj, k) for k in obj.__dataclass_fields__}
+    if hasattr(obj, "__dict__"):
+        return dict(vars(obj))
+    raise InvalidValueError(f"hyperparameters must be a mapping, got {type(obj).__name__}")
+
+
+def _flatten(node: Mapping[str, Any], prefix: str, sep: str, out: dict[str, ParamValue]) -> None:
+    for k, v in node.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping) or hasattr(v, "__dataclass_fields__"):
+            _flatten(_as_mapping(v), key + sep, sep, out)
+        elif _SECRET_RE.search(str(k)):
+            out[key] = REDACTED
+        else:
+            out[key] = _param_value(v)
+
+
+def _param_value(v: Any) -> ParamValue:
+    if v is None or isinstance(v, str | bool | int):
+        return v
+    if isinstance(v, float):
+        return v if math.isfinite(v) else str(v)
+    if isinstance(v, numbers.Integral):
+        return int(v)
+    if isinstance(v, numbers.Real):
+        f = float(v)
+        return f if math.isfinite(f) else str(f)
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(str(_param_value(x)) for x in v) + "]"
+    return str(v)

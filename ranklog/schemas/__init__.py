@@ -1,0 +1,51 @@
+"""Event schemas: what a rank writes into the spool.
+
+The kinds and their pinned tags are in :mod:`ranklog.schemas._events`; the
+reused encoder and the never-raising decoder in :mod:`ranklog.schemas._codec`.
+"""
+
+from ranklog.schemas._codec import DecodeStats, decode_events, encode_event, encode_events, encoder
+from ranklog.schemas._events import (
+    DEFAULT_METRIC_REDUCE,
+    DEFAULT_TIMER_REDUCE,
+    KINDS,
+    REDUCE_OPS,
+    SCHEMA_VERSION,
+    Event,
+    EventBase,
+    Gpu,
+    Heartbeat,
+    Metrics,
+    Params,
+    ParamValue,
+    RankEnd,
+    RankStart,
+    StepEnd,
+    Text,
+    Timer,
+)
+
+__all__ = [
+    "DEFAULT_METRIC_REDUCE",
+    "DEFAULT_TIMER_REDUCE",
+    "KINDS",
+    "REDUCE_OPS",
+    "SCHEMA_VERSION",
+    "DecodeStats",
+    "Event",
+    "EventBase",
+    "Gpu",
+    "Heartbeat",
+    "Metrics",
+    "ParamValue",
+    "Params",
+    "RankEnd",
+    "RankStart",
+    "StepEnd",
+    "Text",
+    "Timer",
+    "decode_events",
+    "encode_event",
+    "encode_events",
+    "encoder",
+]

@@ -1,0 +1,108 @@
+"""Encoding and decoding of frame payloads (msgpack arrays of events).
+
+One :class:`msgspec.msgpack.Encoder` and one typed decoder are built once and
+reused. Decoding takes a fast path (one typed decode of the whole payload) and
+falls back to decoding event by event when the fast path fails or when the frame
+was written by a newer schema; the slow path skips and counts unknown kinds,
+unknown trailing fields and events that do not validate, and never raises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgspec
+
+from ranklog.schemas._events import KINDS, SCHEMA_VERSION, Event
+
+__all__ = ["DecodeStats", "decode_events", "encode_event", "encode_events", "encoder"]
+
+#: The process-wide encoder. msgspec encoders are not thread-safe for concurrent
+#: ``encode_into`` on the *same buffer*, but are safe to share otherwise.
+encoder: Final = msgspec.msgpack.Encoder()
+_list_decoder: Final = msgspec.msgpack.Decoder(list[Event])
+_raw_decoder: Final = msgspec.msgpack.Decoder(list[msgspec.Raw])
+_one_decoder: Final = msgspec.msgpack.Decoder(Event)
+_any_decoder: Final = msgspec.msgpack.Decoder()
+_FIELD_COUNT: Final = {tag: len(cls.__struct_fields__) for tag, cls in KINDS.items()}
+
+
+@dataclass(slots=True)
+class DecodeStats:
+    """What a decode skipped: counts that readers accumulate and report."""
+
+    unknown_kinds: int = 0
+    unknown_fields: int = 0
+    invalid_events: int = 0
+    #: First few reasons an event was skipped, with its index in the frame.
+    reasons: list[str] | None = None
+
+    def note(self, reason: str) -> None:
+        """Remember a skip reason (the first ten are kept)."""
+        if self.reasons is None:
+            self.reasons = []
+        if len(self.reasons) < 10:
+            self.reasons.append(reason)
+
+
+def encode_event(event: Event) -> bytes:
+    """Encode one event as msgpack."""
+    return encoder.encode(event)
+
+
+def encode_events(events: list[Event]) -> bytes:
+    """Encode a list of events as one msgpack array (a frame payload)."""
+    return encoder.encode(events)
+
+
+def decode_events(
+    payload: bytes | memoryview, schema: int = SCHEMA_VERSION, stats: DecodeStats | None = None
+) -> list[Event]:
+    """Decode a frame payload into events; never raises on bad bytes.
+
+    ``schema`` is the version recorded in the frame header. Events this reader
+    cannot use are skipped and counted in ``stats``.
+    """
+    if schema <= SCHEMA_VERSION:
+        try:
+            return _list_decoder.decode(payload)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            pass
+    return _decode_slow(payload, schema, stats if stats is not None else DecodeStats())
+
+
+def _decode_slow(payload: bytes | memoryview, schema: int, stats: DecodeStats) -> list[Event]:
+    try:
+        raws = _raw_decoder.decode(payload)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        stats.invalid_events += 1
+        stats.note(f"payload is not a msgpack array: {exc}")
+        return []
+    out: list[Event] = []
+    for i, raw in enumerate(raws):
+        try:
+            out.append(_one_decoder.decode(raw))
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            generic: Any = _generic(raw)
+            tag = generic[0] if isinstance(generic, list) and generic else None
+            if isinstance(tag, str) and tag not in KINDS:
+                stats.unknown_kinds += 1
+                stats.note(f"event {i}: unknown kind {tag!r} skipped")
+            else:
+                stats.invalid_events += 1
+                stats.note(f"event {i}: {exc}")
+            continue
+        if schema > SCHEMA_VERSION:
+            generic = _generic(raw)
+            known = _FIELD_COUNT[generic[0]] + 1  # the tag is element 0
+            if len(generic) > known:
+                stats.unknown_fields += len(generic) - known
+    return out
+
+
+def _generic(raw: msgspec.Raw) -> Any:
+    try:
+        return _any_decoder.decode(raw)
+    except (msgspec.DecodeError, RecursionError):
+        return None

@@ -1,0 +1,153 @@
+"""The event types, as tagged msgspec Structs encoded as msgpack arrays.
+
+Evolution rules (as msgspec's ``docs/schema-evolution.rst``, for array-like structs):
+
+- the tag string of a kind is pinned forever, never derived from the class name;
+- a field is never removed, renamed, reordered or retyped;
+- a new field is appended at the end of its struct, with a default, and
+  :data:`SCHEMA_VERSION` is incremented;
+- a new kind gets a new tag and increments :data:`SCHEMA_VERSION`.
+
+Every event is ``[tag, ts, field, field, ...]`` on the wire. An older reader
+ignores trailing fields it does not know and skips kinds it does not know,
+counting both (see :mod:`ranklog.schemas._codec`).
+"""
+
+from __future__ import annotations
+
+from typing import Final, TypeAlias
+
+import msgspec
+
+__all__ = [
+    "DEFAULT_METRIC_REDUCE",
+    "DEFAULT_TIMER_REDUCE",
+    "KINDS",
+    "REDUCE_OPS",
+    "SCHEMA_VERSION",
+    "Event",
+    "EventBase",
+    "Gpu",
+    "Heartbeat",
+    "Metrics",
+    "ParamValue",
+    "Params",
+    "RankEnd",
+    "RankStart",
+    "StepEnd",
+    "Text",
+    "Timer",
+]
+
+#: Version of the event schema written by this release. Bumped whenever a field
+#: or a kind is added; a reader meeting a higher version counts what it skips.
+SCHEMA_VERSION: Final = 1
+
+#: Reductions a value may ask for (the NeMo RL timer set, plus ``last``).
+REDUCE_OPS: Final = frozenset({"mean", "sum", "min", "max", "median", "std", "count", "last"})
+DEFAULT_METRIC_REDUCE: Final = "mean"
+DEFAULT_TIMER_REDUCE: Final = "max"
+
+ParamValue: TypeAlias = str | int | float | bool | None
+
+
+class EventBase(msgspec.Struct, array_like=True, tag=True, frozen=True, gc=False):
+    """Fields every event carries: ``ts``, the wall-clock time (Unix seconds) it was logged."""
+
+    ts: float
+
+
+class RankStart(EventBase, tag="rank_start", frozen=True):
+    """First event of every incarnation of a rank."""
+
+    run_id: str
+    rank: int
+    world_size: int | None
+    local_rank: int | None
+    host: str
+    pid: int
+    incarnation: int
+    version: str
+
+
+class Metrics(EventBase, tag="metrics", frozen=True):
+    """Values a rank logged for a step.
+
+    ``reduce`` is either one op spec for every value (``"mean"``, or several ops
+    joined by commas: ``"mean,max"``) or a map from value name to op spec; names
+    absent from the map use ``"mean"``.
+    """
+
+    step: int
+    values: dict[str, float]
+    reduce: str | dict[str, str] = DEFAULT_METRIC_REDUCE
+
+
+class Timer(EventBase, tag="timer", frozen=True):
+    """A duration in seconds; reduced with ``max`` across ranks unless asked otherwise."""
+
+    step: int
+    name: str
+    seconds: float
+    reduce: str = DEFAULT_TIMER_REDUCE
+
+
+class Gpu(EventBase, tag="gpu", frozen=True):
+    """One sample of one GPU; only one process per host samples."""
+
+    host: str
+    index: int
+    util: float | None = None
+    mem_used: int | None = None
+    mem_total: int | None = None
+    temp: float | None = None
+    power: float | None = None
+    step: int | None = None
+    name: str = ""
+
+
+class Params(EventBase, tag="params", frozen=True):
+    """Hyperparameters, flattened with ``.``; secret-looking keys redacted."""
+
+    values: dict[str, ParamValue]
+
+
+class Text(EventBase, tag="text", frozen=True):
+    """Validation samples and other text logged at a step."""
+
+    step: int
+    name: str
+    text: str
+
+
+class StepEnd(EventBase, tag="step_end", frozen=True):
+    """Watermark: this rank has logged everything for steps up to and including ``step``."""
+
+    step: int
+
+
+class Heartbeat(EventBase, tag="heartbeat", frozen=True):
+    """Liveness during long steps (evaluation, checkpoint save)."""
+
+
+class RankEnd(EventBase, tag="rank_end", frozen=True):
+    """Clean close of an incarnation: ``status`` is ``ok``, ``error``, ``signal`` or ``exit``."""
+
+    status: str
+    exit_code: int | None = None
+
+
+Event: TypeAlias = RankStart | Metrics | Timer | Gpu | Params | Text | StepEnd | Heartbeat | RankEnd
+
+#: Pinned tag string -> struct type. Never rename a key.
+KINDS: Final[dict[str, type[EventBase]]] = {
+    "rank_start": RankStart,
+    "metrics": Metrics,
+    "timer": Timer,
+    "gpu": Gpu,
+    "params": Params,
+    "text": Text,
+    "step_end": StepEnd,
+    "heartbeat": Heartbeat,
+    "rank_end": RankEnd,
+}

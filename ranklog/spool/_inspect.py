@@ -1,0 +1,211 @@
+"""A read-only summary of a spool: ranks, incarnations, steps, ends and damage."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ranklog.schemas import Heartbeat, Metrics, RankEnd, RankStart, StepEnd, Text, Timer
+from ranklog.spool._layout import SegmentName, SpoolLayout, read_run
+from ranklog.spool._reader import BadRange, SegmentReader
+
+__all__ = ["IncarnationSummary", "SpoolSummary", "format_summary", "summarize"]
+
+
+@dataclass(slots=True)
+class IncarnationSummary:
+    """What one incarnation of one rank wrote."""
+
+    rank: int
+    incarnation: int
+    segments: int = 0
+    sealed: bool = False
+    bytes: int = 0
+    frames: int = 0
+    events: int = 0
+    host: str | None = None
+    pid: int | None = None
+    world_size: int | None = None
+    started: float | None = None
+    first_step: int | None = None
+    last_step: int | None = None
+    closed_step: int | None = None
+    late_events: int = 0
+    last_event: float | None = None
+    last_heartbeat: float | None = None
+    end_status: str | None = None
+    exit_code: int | None = None
+    pending_bytes: int = 0
+    bad_frames: int = 0
+    bad_bytes: int = 0
+    unknown_kinds: int = 0
+    unknown_fields: int = 0
+
+    @property
+    def state(self) -> str:
+        """``ended (status)``, ``superseded`` (a later incarnation exists) or ``open``."""
+        if self.end_status is not None:
+            return f"ended ({self.end_status})"
+        return "open"
+
+
+@dataclass(slots=True)
+class SpoolSummary:
+    """Everything ``ranklog inspect`` prints."""
+
+    spool: str
+    run_id: str | None
+    name: str | None
+    created: float | None
+    world_size: int | None
+    incarnations: list[IncarnationSummary] = field(default_factory=list)
+    bad: list[BadRange] = field(default_factory=list)
+    strays: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (``ranklog inspect --json``)."""
+        out = asdict(self)
+        for inc, d in zip(self.incarnations, out["incarnations"], strict=True):
+            d["state"] = inc.state
+        return out
+
+
+def summarize(root: str | os.PathLike[str]) -> SpoolSummary:
+    """Read every segment of a spool (never raises on corrupt bytes)."""
+    layout = SpoolLayout(root)
+    try:
+        info = read_run(root)
+        summary = SpoolSummary(str(root), info.run_id, info.name, info.created, info.world_size)
+    except FileNotFoundError:
+        summary = SpoolSummary(str(root), None, None, None, None)
+    for rank in layout.ranks():
+        segs = layout.segments(rank)
+        summary.strays += [str(p) for p in layout.strays(rank)]
+        by_inc: dict[int, list[SegmentName]] = {}
+        for s in segs:
+            by_inc.setdefault(s.incarnation, []).append(s)
+        incs = sorted(by_inc)
+        for n, inc in enumerate(incs):
+            later_inc = n + 1 < len(incs)
+            summary.incarnations.append(_one(rank, inc, by_inc[inc], later_inc, summary.bad))
+    return summary
+
+
+def _one(
+    rank: int, inc: int, segs: list[SegmentName], later_inc: bool, bad: list[BadRange]
+) -> IncarnationSummary:
+    out = IncarnationSummary(rank, inc, segments=len(segs))
+    for k, seg in enumerate(segs):
+        gone = later_inc or k + 1 < len(segs) or out.end_status is not None
+        res = SegmentReader(seg.path).read(0, writer_gone=gone)
+        if not gone and res.pending and out.end_status is not None:
+            res = SegmentReader(seg.path).read(0, writer_gone=True)
+        out.bytes += res.size
+        out.frames += len(res.frames)
+        out.pending_bytes += res.pending
+        out.sealed = res.sealed
+        out.unknown_kinds += res.stats.unknown_kinds
+        out.unknown_fields += res.stats.unknown_fields
+        for b in res.bad:
+            out.bad_frames += 1
+            out.bad_bytes += b.length
+            bad.append(b)
+        for ev in res.events:
+            out.events += 1
+            out.last_event = ev.ts
+            if isinstance(ev, Metrics | Timer | Text):
+                _step(out, ev.step)
+            elif isinstance(ev, StepEnd):
+                _step(out, ev.step)
+                out.closed_step = max(out.closed_step or 0, ev.step)
+            elif isinstance(ev, Heartbeat):
+                out.last_heartbeat = ev.ts
+            elif isinstance(ev, RankStart):
+                out.host, out.pid, out.world_size, out.started = (
+                    ev.host,
+                    ev.pid,
+                    ev.world_size,
+                    ev.ts,
+                )
+            elif isinstance(ev, RankEnd):
+                out.end_status, out.exit_code = ev.status, ev.exit_code
+    return out
+
+
+def _step(out: IncarnationSummary, step: int) -> None:
+    if out.closed_step is not None and step <= out.closed_step:
+        out.late_events += 1
+    out.first_step = step if out.first_step is None else min(out.first_step, step)
+    out.last_step = step if out.last_step is None else max(out.last_step, step)
+
+
+def _ago(ts: float | None, now: float) -> str:
+    if ts is None:
+        return "-"
+    d = max(0.0, now - ts)
+    if d < 120:
+        return f"{d:.0f}s ago"
+    if d < 7200:
+        return f"{d / 60:.0f}m ago"
+    return f"{d / 3600:.1f}h ago"
+
+
+def format_summary(s: SpoolSummary, *, now: float | None = None) -> str:
+    """The human-readable table of ``ranklog inspect``."""
+    now = time.time() if now is None else now
+    lines = [
+        f"spool   {s.spool}",
+        f"run     {s.run_id or '(no run.json)'}  name={s.name}  world_size={s.world_size}",
+    ]
+    ranks = {i.rank for i in s.incarnations}
+    ended = {i.rank for i in s.incarnations if i.end_status is not None}
+    lines.append(
+        f"ranks   {len(ranks)} seen, {len(ended)} ended"
+        + (
+            f", {len(s.incarnations) - len(ranks)} restarts"
+            if len(s.incarnations) > len(ranks)
+            else ""
+        )
+    )
+    header = (
+        "rank", "inc", "seg", "host", "pid", "steps", "closed", "events",
+        "late", "last event", "heartbeat", "state", "bad",
+    )  # fmt: skip
+    rows = [header]
+    for i in s.incarnations:
+        steps = "-" if i.first_step is None else f"{i.first_step}..{i.last_step}"
+        rows.append(
+            (
+                str(i.rank),
+                str(i.incarnation),
+                str(i.segments),
+                i.host or "?",
+                str(i.pid or "?"),
+                steps,
+                "-" if i.closed_step is None else str(i.closed_step),
+                str(i.events),
+                str(i.late_events),
+                _ago(i.last_event, now),
+                _ago(i.last_heartbeat, now),
+                i.state + (f" +{i.pending_bytes}B pending" if i.pending_bytes else ""),
+                f"{i.bad_frames} ({i.bad_bytes}B)" if i.bad_frames else "0",
+            )
+        )
+    widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    if s.bad:
+        lines.append(
+            f"damage  {len(s.bad)} bad ranges, {sum(b.length for b in s.bad)} bytes skipped"
+        )
+        lines += [f"  {b}" for b in s.bad[:50]]
+        if len(s.bad) > 50:
+            lines.append(f"  ... and {len(s.bad) - 50} more (--json lists all)")
+    if s.strays:
+        lines.append("strays  entries that are not segments (links are never followed):")
+        lines += [f"  {p}" for p in s.strays]
+    unknown = sum(i.unknown_kinds + i.unknown_fields for i in s.incarnations)
+    if unknown:
+        lines.append(f"newer   {unknown} unknown kinds/fields from a newer writer were skipped")
+    return "\n".join(lines)

@@ -1,0 +1,207 @@
+"""Where things live in a spool directory, and the run identity in ``run.json``.
+
+::
+
+    SPOOL/
+      run.json                                     run_id, created, name (created once)
+      ranks/<rank:05d>/<incarnation:04d>-<segment:06d>.rlog
+      cursors/<shipper-name>.json
+
+Listing never follows symbolic links: a link in the spool is reported, not read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import socket
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Final
+
+from ranklog.errors import ConfigError, SpoolFormatError
+
+__all__ = [
+    "DIR_MODE",
+    "FILE_MODE",
+    "RunInfo",
+    "SegmentName",
+    "SpoolLayout",
+    "ensure_run",
+    "read_run",
+]
+
+FILE_MODE: Final = 0o640
+DIR_MODE: Final = 0o750
+_SEGMENT_RE: Final = re.compile(r"^(\d{4,})-(\d{6,})\.rlog$")
+_RANK_RE: Final = re.compile(r"^\d{5,}$")
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class SegmentName:
+    """A segment's place, parsed from its file name: sorts in write order."""
+
+    rank: int
+    incarnation: int
+    segment: int
+    path: Path
+
+
+@dataclass(frozen=True, slots=True)
+class RunInfo:
+    """The identity every rank of a run agrees on, stored in ``run.json``."""
+
+    run_id: str
+    created: float
+    name: str
+    world_size: int | None = None
+    format: int = 1
+
+    def to_json(self) -> bytes:
+        """The file contents of ``run.json``."""
+        return json.dumps(asdict(self), indent=1, sort_keys=True).encode() + b"\n"
+
+
+class SpoolLayout:
+    """Paths inside one spool directory."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self.run_json = self.root / "run.json"
+        self.ranks_dir = self.root / "ranks"
+        self.cursors_dir = self.root / "cursors"
+
+    def __repr__(self) -> str:
+        return f"SpoolLayout({str(self.root)!r})"
+
+    def rank_dir(self, rank: int) -> Path:
+        """Directory holding every segment of ``rank``."""
+        return self.ranks_dir / f"{rank:05d}"
+
+    def segment_path(self, rank: int, incarnation: int, segment: int) -> Path:
+        """Path of one segment file."""
+        return self.rank_dir(rank) / f"{incarnation:04d}-{segment:06d}.rlog"
+
+    def ranks(self) -> list[int]:
+        """Ranks that have a directory, in order; links and stray names are ignored."""
+        out: list[int] = []
+        try:
+            with os.scandir(self.ranks_dir) as it:
+                for entry in it:
+                    if _RANK_RE.match(entry.name) and entry.is_dir(follow_symlinks=False):
+                        out.append(int(entry.name))
+        except FileNotFoundError:
+            return []
+        return sorted(out)
+
+    def segments(self, rank: int) -> list[SegmentName]:
+        """Segments of ``rank`` in write order (incarnation, then segment number)."""
+        return sorted(self._scan(rank)[0])
+
+    def strays(self, rank: int) -> list[Path]:
+        """Entries of a rank directory that are not segment files (links included)."""
+        return self._scan(rank)[1]
+
+    def _scan(self, rank: int) -> tuple[list[SegmentName], list[Path]]:
+        segs: list[SegmentName] = []
+        strays: list[Path] = []
+        try:
+            with os.scandir(self.rank_dir(rank)) as it:
+                for entry in it:
+                    m = _SEGMENT_RE.match(entry.name)
+                    if m and entry.is_file(follow_symlinks=False):
+                        segs.append(
+                            SegmentName(rank, int(m.group(1)), int(m.group(2)), Path(entry.path))
+                        )
+                    elif not entry.name.startswith("."):
+                        strays.append(Path(entry.path))
+        except FileNotFoundError:
+            pass
+        return segs, strays
+
+    def all_segments(self) -> list[SegmentName]:
+        """Every segment of every rank, in (rank, incarnation, segment) order."""
+        return [s for r in self.ranks() for s in self.segments(r)]
+
+
+def read_run(root: str | os.PathLike[str]) -> RunInfo:
+    """Read ``run.json``; raises :class:`SpoolFormatError` naming the file if damaged."""
+    path = SpoolLayout(root).run_json
+    try:
+        raw = json.loads(path.read_bytes())
+        return RunInfo(
+            run_id=str(raw["run_id"]),
+            created=float(raw["created"]),
+            name=str(raw.get("name", "")),
+            world_size=None if raw.get("world_size") is None else int(raw["world_size"]),
+            format=int(raw.get("format", 1)),
+        )
+    except FileNotFoundError:
+        raise
+    except (ValueError, KeyError, TypeError) as exc:
+        raise SpoolFormatError(f"{path}: not a valid run.json ({exc})") from exc
+
+
+def ensure_run(
+    root: str | os.PathLike[str], *, name: str | None = None, world_size: int | None = None
+) -> RunInfo:
+    """Create ``run.json`` once, or read the one another rank created first.
+
+    All ranks may call this at once, on NFS too: each writes its candidate to a
+    private temporary file and ``link()``s it to ``run.json``. ``link`` fails
+    with EEXIST when the name exists, atomically, like ``O_CREAT|O_EXCL``, and
+    unlike a plain exclusive create it never exposes a half-written file. The
+    winner's contents are what every rank reads back.
+    """
+    layout = SpoolLayout(root)
+    try:
+        layout.root.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        layout.ranks_dir.mkdir(mode=DIR_MODE, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create spool directory {layout.root}: {exc}") from exc
+    if not layout.root.is_dir():
+        raise ConfigError(f"spool {layout.root} is not a directory")
+    try:
+        return read_run(root)
+    except FileNotFoundError:
+        pass
+    info = RunInfo(
+        run_id=uuid.uuid4().hex,
+        created=time.time(),
+        name=name or layout.root.resolve().name,
+        world_size=world_size,
+    )
+    tmp = layout.root / f".run.json.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    try:
+        os.write(fd, info.to_json())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, layout.run_json)
+        fsync_dir(layout.root)
+    except FileExistsError:
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    return read_run(root)
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so a create or rename in it survives a crash (best effort)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
