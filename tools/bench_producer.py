@@ -1,0 +1,538 @@
+"""Benchmark ranklog's producer hot path against the loggers it replaces.
+
+Run from the repository root::
+
+    .venv/bin/python tools/bench_producer.py           # full run, a few minutes
+    .venv/bin/python tools/bench_producer.py --quick   # smoke run, well under a minute
+
+It prints one Markdown table measured in this run: ``Run.log_metrics`` (10 float
+keys) at each durability level; the same 10 keys through ``wandb`` (offline),
+TensorBoard's ``EventFileWriter`` and ``mlflow`` (sqlite store); ``Run.step_end``
+alone at each durability level; and the time of ``import ranklog`` in a fresh
+interpreter. Every call is timed on its own with ``time.perf_counter_ns`` while
+the garbage collector is paused. The targets are checked at the end.
+
+This is a developer tool, not a test: numbers depend on the machine and its load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib.metadata
+import json
+import logging
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:
+    from ranklog import Durability
+
+KEYS: Final = (
+    "train/loss",
+    "train/accuracy",
+    "train/lr",
+    "train/grad_norm",
+    "train/tokens_per_s",
+    "train/loss_scale",
+    "train/mfu",
+    "mem/allocated_gb",
+    "mem/reserved_gb",
+    "time/step_s",
+)
+CALLS_PER_STEP: Final = 100
+HEAVY_MODULES: Final = (
+    "pyarrow",
+    "wandb",
+    "mlflow",
+    "tensorboard",
+    "ray",
+    "torch",
+    "numpy",
+    "pandas",
+)
+DURABILITIES: Final[tuple[Durability, ...]] = ("buffered", "step", "fsync")
+PEER_VERSIONS: Final = ("ranklog", "wandb", "tensorboard", "mlflow")
+
+TARGET_LOG_P50_US: Final = 3.0
+TARGET_WANDB_RATIO: Final = 30.0
+TARGET_STEP_END_P50_US: Final = 15.0
+TARGET_IMPORT_MS: Final = 150.0
+
+_IMPORT_PROBE: Final = (
+    "import json, sys, time\n"
+    "t = time.perf_counter()\n"
+    "import ranklog\n"
+    "dt = time.perf_counter() - t\n"
+    f"heavy = [m for m in {HEAVY_MODULES!r} if m in sys.modules]\n"
+    "print(json.dumps({'seconds': dt, 'heavy': heavy}))\n"
+)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Iteration counts for one run of the benchmark."""
+
+    log_calls: int
+    log_warmup: int
+    step_end_calls: int
+    step_end_seconds: float
+    wandb_calls: int
+    tensorboard_calls: int
+    mlflow_calls: int
+    peer_warmup: int
+    import_runs: int
+
+
+FULL: Final = Budget(
+    log_calls=20_000,
+    log_warmup=2_000,
+    step_end_calls=5_000,
+    step_end_seconds=20.0,
+    wandb_calls=3_000,
+    tensorboard_calls=20_000,
+    mlflow_calls=300,
+    peer_warmup=50,
+    import_runs=5,
+)
+QUICK: Final = Budget(
+    log_calls=2_000,
+    log_warmup=200,
+    step_end_calls=500,
+    step_end_seconds=3.0,
+    wandb_calls=300,
+    tensorboard_calls=2_000,
+    mlflow_calls=30,
+    peer_warmup=10,
+    import_runs=3,
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the result table; times in microseconds, None when not measured."""
+
+    name: str
+    calls: int = 0
+    p50_us: float | None = None
+    p99_us: float | None = None
+    mean_us: float | None = None
+    note: str = ""
+    comparable: bool = True  # whether the ratio to ranklog log_metrics means anything
+
+    @classmethod
+    def from_ns(cls, name: str, samples: Sequence[int], note: str = "") -> Row:
+        ordered = sorted(samples)
+        return cls(
+            name,
+            len(ordered),
+            _percentile(ordered, 0.50) / 1e3,
+            _percentile(ordered, 0.99) / 1e3,
+            statistics.fmean(ordered) / 1e3,
+            note,
+        )
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    """``import ranklog`` in fresh interpreters."""
+
+    median_ms: float
+    runs_ms: list[float]
+    heavy: list[str]
+
+
+def _percentile(ordered: Sequence[int], q: float) -> float:
+    """Nearest-rank percentile of an already sorted sequence."""
+    return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _payloads(count: int = 64, seed: int = 0) -> list[dict[str, float]]:
+    """Distinct 10-key dicts of floats, cycled through by every benchmark."""
+    rng = random.Random(seed)
+    return [{key: rng.uniform(0.0, 10.0) for key in KEYS} for _ in range(count)]
+
+
+def _time_calls(call: Callable[[int], object], calls: int, warmup: int) -> list[int]:
+    """Time ``call(i)`` once per i, after ``warmup`` untimed calls; nanoseconds."""
+    for i in range(warmup):
+        call(i)
+    clock = time.perf_counter_ns
+    samples = [0] * calls
+    with _gc_paused():
+        for i in range(warmup, warmup + calls):
+            t0 = clock()
+            call(i)
+            samples[i - warmup] = clock() - t0
+    return samples
+
+
+def _clock_overhead_ns(calls: int = 10_000) -> float:
+    """Median cost of the two back-to-back clock reads around every timed call."""
+    clock = time.perf_counter_ns
+    samples = [0] * calls
+    for i in range(calls):
+        t0 = clock()
+        samples[i] = clock() - t0
+    return statistics.median(samples)
+
+
+# -- ranklog ----------------------------------------------------------------------------
+
+
+def _bench_log_metrics(base: Path, durability: Durability, budget: Budget) -> Row:
+    """``log_metrics`` of 10 keys; the step advances every CALLS_PER_STEP calls, no step_end."""
+    import ranklog
+
+    payloads = _payloads()
+    with tempfile.TemporaryDirectory(prefix=f"log-{durability}-", dir=base) as spool:
+        run = ranklog.init(spool, rank=0, world_size=1, durability=durability)
+        log = run.log_metrics
+        clock = time.perf_counter_ns
+        for i in range(budget.log_warmup):
+            log(payloads[i % len(payloads)], step=i // CALLS_PER_STEP)
+        first_step = budget.log_warmup // CALLS_PER_STEP + 1
+        samples = [0] * budget.log_calls
+        with _gc_paused():
+            for i in range(budget.log_calls):
+                metrics = payloads[i % len(payloads)]
+                step = first_step + i // CALLS_PER_STEP
+                t0 = clock()
+                log(metrics, step=step)
+                samples[i] = clock() - t0
+        run.close()
+    return Row.from_ns(f"ranklog log_metrics ({durability})", samples)
+
+
+def _bench_step_end(base: Path, durability: Durability, budget: Budget) -> Row:
+    """``step_end`` alone; one untimed 1-key ``log_metrics`` precedes each call."""
+    import ranklog
+
+    with tempfile.TemporaryDirectory(prefix=f"step-{durability}-", dir=base) as spool:
+        run = ranklog.init(spool, rank=0, world_size=1, durability=durability)
+        log, step_end = run.log_metrics, run.step_end
+        clock = time.perf_counter_ns
+        warmup = max(10, budget.step_end_calls // 20)
+        for step in range(warmup):
+            log({"train/loss": 1.0}, step=step)
+            step_end(step)
+        samples: list[int] = []
+        deadline = time.monotonic() + budget.step_end_seconds
+        with _gc_paused():
+            for step in range(warmup, warmup + budget.step_end_calls):
+                log({"train/loss": float(step)}, step=step)
+                t0 = clock()
+                step_end(step)
+                samples.append(clock() - t0)
+                if time.monotonic() > deadline:
+                    break
+        run.close()
+    note = "" if len(samples) == budget.step_end_calls else "stopped by the time limit"
+    return Row.from_ns(f"ranklog step_end ({durability})", samples, note)
+
+
+def _measure_import(runs: int) -> ImportResult:
+    """``import ranklog`` in ``runs`` fresh interpreters; the heavy modules it pulled in."""
+    seconds: list[float] = []
+    heavy: set[str] = set()
+    for _ in range(runs):
+        out = subprocess.run(
+            [sys.executable, "-c", _IMPORT_PROBE],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        seconds.append(result["seconds"])
+        heavy.update(result["heavy"])
+    runs_ms = [s * 1e3 for s in seconds]
+    return ImportResult(statistics.median(runs_ms), runs_ms, sorted(heavy))
+
+
+# -- peers ------------------------------------------------------------------------------
+
+
+def _bench_wandb(base: Path, budget: Budget) -> list[Row]:
+    name = "wandb run.log (offline)"
+    try:
+        import wandb
+    except ImportError:
+        return [Row(name, note="not installed")]
+    settings = wandb.Settings(
+        silent=True,
+        quiet=True,
+        console="off",
+        show_info=False,
+        show_warnings=False,
+        disable_git=True,
+        disable_code=True,
+        save_code=False,
+        x_disable_stats=True,
+        x_disable_meta=True,
+        x_save_requirements=False,
+    )
+    payloads = _payloads()
+    with tempfile.TemporaryDirectory(prefix="wandb-", dir=base) as tmp:
+        run = wandb.init(mode="offline", dir=tmp, project="bench", settings=settings)
+        try:
+            samples = _time_calls(
+                lambda i: run.log(payloads[i % len(payloads)], step=i),
+                budget.wandb_calls,
+                budget.peer_warmup,
+            )
+        finally:
+            run.finish()
+            wandb.teardown()
+    return [Row.from_ns(name, samples, "stats/meta/git/code capture off")]
+
+
+def _bench_tensorboard(base: Path, budget: Budget) -> list[Row]:
+    names = ("tensorboard add_event (prebuilt Event)", "tensorboard build Event + add_event")
+    try:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+    except ImportError:
+        return [Row(name, note="not installed") for name in names]
+
+    def build(i: int, metrics: dict[str, float]) -> Any:
+        values = [Summary.Value(tag=key, simple_value=value) for key, value in metrics.items()]
+        return Event(wall_time=time.time(), step=i, summary=Summary(value=values))
+
+    payloads = _payloads()
+    prebuilt = [build(i, metrics) for i, metrics in enumerate(payloads)]
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="tb-", dir=base) as tmp:
+        writer = EventFileWriter(tmp)
+        try:
+            samples = _time_calls(
+                lambda i: writer.add_event(prebuilt[i % len(prebuilt)]),
+                budget.tensorboard_calls,
+                budget.peer_warmup,
+            )
+            rows.append(Row.from_ns(names[0], samples, "serialize + enqueue only"))
+            samples = _time_calls(
+                lambda i: writer.add_event(build(i, payloads[i % len(payloads)])),
+                budget.tensorboard_calls,
+                budget.peer_warmup,
+            )
+            rows.append(Row.from_ns(names[1], samples, "what add_scalar x10 has to do"))
+        finally:
+            writer.close()
+    return rows
+
+
+def _bench_mlflow(base: Path, budget: Budget) -> list[Row]:
+    name = "mlflow log_metrics (sqlite)"
+    try:
+        import mlflow
+    except ImportError:
+        return [Row(name, note="not installed")]
+    payloads = _payloads()
+    with tempfile.TemporaryDirectory(prefix="mlflow-", dir=base) as tmp:
+        uri = f"sqlite:///{tmp}/mlflow.db"
+        os.environ["MLFLOW_TRACKING_URI"] = uri
+        mlflow.set_tracking_uri(uri)
+        mlflow.set_experiment("bench")
+        try:
+            with mlflow.start_run():
+                samples = _time_calls(
+                    lambda i: mlflow.log_metrics(payloads[i % len(payloads)], step=i),
+                    budget.mlflow_calls,
+                    budget.peer_warmup,
+                )
+        finally:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+    return [Row.from_ns(name, samples, "synchronous; tracking store in a temp dir")]
+
+
+def _run_peer(bench: Callable[[Path, Budget], list[Row]], base: Path, budget: Budget) -> list[Row]:
+    """Run one peer benchmark; a peer that breaks gives a row saying so, not a crash."""
+    try:
+        return bench(base, budget)
+    except Exception as exc:
+        label = bench.__name__.removeprefix("_bench_")
+        return [Row(label, note=f"failed: {type(exc).__name__}: {exc}"[:120])]
+
+
+# -- output -----------------------------------------------------------------------------
+
+
+def _quiet_peers() -> None:
+    """Keep wandb, mlflow and alembic from drowning the table in log lines."""
+    os.environ.setdefault("WANDB_SILENT", "true")
+    os.environ.setdefault("WANDB_CONSOLE", "off")
+    os.environ.setdefault("WANDB_DISABLE_GIT", "true")
+    os.environ.setdefault("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
+    os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    for logger in ("wandb", "mlflow", "alembic", "sqlalchemy", "tensorboard", "git"):
+        logging.getLogger(logger).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module=r"(wandb|mlflow|alembic|sqlalchemy|google)\b.*")
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _header(budget: Budget, base: Path, quick: bool) -> list[str]:
+    versions = ", ".join(f"{name} {_version(name)}" for name in PEER_VERSIONS)
+    return [
+        f"# ranklog producer benchmark{' (--quick)' if quick else ''}",
+        "",
+        f"- machine: {platform.platform()}, {platform.machine()}, "
+        f"{os.cpu_count()} CPUs, Python {platform.python_version()}",
+        f"- versions: {versions}",
+        f"- temp dir: {base}; 10 float keys per call; GC paused while timing; "
+        f"clock overhead ~{_clock_overhead_ns():.0f} ns per call (not subtracted)",
+        f"- calls: log_metrics {budget.log_calls} (step advances every {CALLS_PER_STEP}), "
+        f"step_end {budget.step_end_calls}, wandb {budget.wandb_calls}, "
+        f"tensorboard {budget.tensorboard_calls}, mlflow {budget.mlflow_calls}",
+        "",
+    ]
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.2f}" if value < 100 else f"{value:,.0f}"
+
+
+def _table(rows: Sequence[Row], reference_p50: float | None) -> list[str]:
+    lines = [
+        "| benchmark | calls | p50 µs | p99 µs | mean µs | p50 / ranklog(step) | note |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in rows:
+        ratio = "-"
+        if row.comparable and row.p50_us is not None and reference_p50:
+            ratio = f"{row.p50_us / reference_p50:,.1f}x"
+        lines.append(
+            f"| {row.name} | {row.calls or '-'} | {_fmt(row.p50_us)} | {_fmt(row.p99_us)} "
+            f"| {_fmt(row.mean_us)} | {ratio} | {row.note} |"
+        )
+    return lines
+
+
+def _p50(rows: Sequence[Row], name: str) -> float | None:
+    return next((row.p50_us for row in rows if row.name == name), None)
+
+
+def _verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("PASS" if ok else "FAIL")
+
+
+def _targets(rows: Sequence[Row], imported: ImportResult) -> list[str]:
+    log_p50 = _p50(rows, "ranklog log_metrics (step)")
+    wandb_p50 = _p50(rows, "wandb run.log (offline)")
+    step_p50 = _p50(rows, "ranklog step_end (step)")
+    ratio = wandb_p50 / log_p50 if wandb_p50 is not None and log_p50 else None
+    checks = [
+        (
+            f"log_metrics p50 <= {TARGET_LOG_P50_US:g} µs per 10-key call (durability=step)",
+            f"{_fmt(log_p50)} µs",
+            None if log_p50 is None else log_p50 <= TARGET_LOG_P50_US,
+        ),
+        (
+            f">= {TARGET_WANDB_RATIO:g}x below wandb run.log p50",
+            "-" if ratio is None else f"{ratio:,.1f}x",
+            None if ratio is None else ratio >= TARGET_WANDB_RATIO,
+        ),
+        (
+            f"step_end p50 <= {TARGET_STEP_END_P50_US:g} µs (durability=step)",
+            f"{_fmt(step_p50)} µs",
+            None if step_p50 is None else step_p50 <= TARGET_STEP_END_P50_US,
+        ),
+        (
+            f"import ranklog < {TARGET_IMPORT_MS:g} ms",
+            f"{imported.median_ms:.1f} ms",
+            imported.median_ms < TARGET_IMPORT_MS,
+        ),
+        (
+            "no heavy module after import ranklog",
+            ", ".join(imported.heavy) or "none",
+            not imported.heavy,
+        ),
+    ]
+    lines = ["", "## Targets", ""]
+    lines += [f"- {_verdict(ok)}: {what}: {got}" for what, got, ok in checks]
+    if ratio is not None:
+        lines.append(
+            f"\nwandb run.log p50 / ranklog log_metrics(step) p50 = {ratio:,.1f}x "
+            f"({_fmt(wandb_p50)} µs / {_fmt(log_p50)} µs)"
+        )
+    return lines
+
+
+def _import_row(imported: ImportResult) -> Row:
+    runs = ", ".join(f"{ms:.1f}" for ms in imported.runs_ms)
+    heavy = ", ".join(imported.heavy) or "none"
+    return Row(
+        "import ranklog (fresh interpreter)",
+        len(imported.runs_ms),
+        imported.median_ms * 1e3,
+        note=f"median of {runs} ms; heavy modules loaded: {heavy}",
+        comparable=False,
+    )
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument(
+        "--quick", action="store_true", help="few iterations: a smoke run in well under a minute"
+    )
+    parser.add_argument(
+        "--tmp-dir",
+        type=Path,
+        default=None,
+        help="where the spools and peer files go (default: the system temp dir)",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse_args(argv)
+    budget = QUICK if args.quick else FULL
+    _quiet_peers()
+    base = Path(args.tmp_dir or tempfile.gettempdir()).resolve()
+    base.mkdir(parents=True, exist_ok=True)
+    lines = _header(budget, base, args.quick)
+    imported = _measure_import(budget.import_runs)
+    rows = [_bench_log_metrics(base, level, budget) for level in DURABILITIES]
+    for bench in (_bench_wandb, _bench_tensorboard, _bench_mlflow):
+        rows += _run_peer(bench, base, budget)
+    rows += [_bench_step_end(base, level, budget) for level in DURABILITIES]
+    rows.append(_import_row(imported))
+    lines += _table(rows, _p50(rows, "ranklog log_metrics (step)"))
+    lines += _targets(rows, imported)
+    print("\n".join(lines), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
