@@ -350,6 +350,7 @@ def _bench_mlflow(base: Path, budget: Budget) -> list[Row]:
         import mlflow
     except ImportError:
         return [Row(name, note="not installed")]
+    _silence_loggers()  # mlflow installs its own handlers and levels on import
     payloads = _payloads()
     with tempfile.TemporaryDirectory(prefix="mlflow-", dir=base) as tmp:
         uri = f"sqlite:///{tmp}/mlflow.db"
@@ -388,9 +389,14 @@ def _quiet_peers() -> None:
     os.environ.setdefault("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
     os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    warnings.filterwarnings("ignore", module=r"(wandb|mlflow|alembic|sqlalchemy|google)\b.*")
+    _silence_loggers()
+
+
+def _silence_loggers() -> None:
+    """Raise the peers' logger levels; again after an import that configures its own."""
     for logger in ("wandb", "mlflow", "alembic", "sqlalchemy", "tensorboard", "git"):
         logging.getLogger(logger).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", module=r"(wandb|mlflow|alembic|sqlalchemy|google)\b.*")
 
 
 def _version(package: str) -> str:

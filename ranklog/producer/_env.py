@@ -59,26 +59,27 @@ def detect_rank(
 ) -> RankInfo:
     """Resolve rank, world size and local rank; explicit arguments win over the environment."""
     env = os.environ if env is None else env
-    source = "argument"
+    source, names = "default", ("rank", "world_size", "local_rank")
     found: tuple[int | None, int | None, int | None] = (None, None, None)
     for name, rank_var, world_var, local_var in _SOURCES:
         if rank_var in env:
+            source, names = name, (rank_var, world_var, local_var)
             found = (_int_var(env, rank_var), _int_var(env, world_var), _int_var(env, local_var))
-            source = name
             break
-    else:
-        source = "argument" if rank is not None else "default"
-    r = rank if rank is not None else (found[0] if found[0] is not None else 0)
+    if rank is not None:
+        source, names = "argument", ("rank", "world_size", "local_rank")
+    r = rank if rank is not None else (found[0] or 0)
     w = world_size if world_size is not None else found[1]
     lr = local_rank if local_rank is not None else found[2]
-    if rank is not None:
-        source = "argument"
-    if isinstance(r, bool) or not isinstance(r, int) or r < 0:
-        raise ConfigError(f"rank must be a non-negative int, got {r!r}")
-    if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
-        raise ConfigError(f"world_size must be a positive int, got {w!r}")
+    for label, value, minimum in (("rank", r, 0), ("world_size", w, 1), ("local_rank", lr, 0)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < minimum
+        ):
+            raise ConfigError(f"{label} must be an int >= {minimum}, got {value!r}")
     if w is not None and r >= w:
-        raise ConfigError(f"rank {r} is not below world_size {w} (from {source})")
+        raise ConfigError(
+            f"rank {r} ({names[0]}) is not below world size {w} ({names[1]}, from {source})"
+        )
     if w is None and source == "default":
         w = 1
     return RankInfo(rank=r, world_size=w, local_rank=lr, source=source)
