@@ -267,6 +267,15 @@ class TestOtherEvents:
         (seg,) = SpoolLayout(spool).segments(0)
         assert read_segment(seg.path).sealed
 
+    def test_logging_after_close_warns_once(self, spool: Path) -> None:
+        """A call after close() is ignored with one warning, and raises nothing."""
+        run = _run(spool)
+        run.close()
+        with pytest.warns(ranklog.RanklogWarning, match="after close"):
+            run.log_metrics({"x": 1.0}, step=0)
+            run.step_end(0)
+        assert not any(isinstance(e, Metrics) for e in read_events(spool))
+
     def test_context_manager_records_errors(self, spool: Path) -> None:
         """Leaving the with-block by an exception records rank_end status 'error'."""
         with pytest.raises(ValueError), _run(spool):

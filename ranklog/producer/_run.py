@@ -102,7 +102,7 @@ class Run:
             max_segment_bytes=max_segment_bytes,
         )
         self.incarnation = writer.incarnation
-        self._sink = SpoolSink(
+        self._sink: SpoolSink | _DeadSink = SpoolSink(
             writer,
             flush_interval=flush_interval,
             max_buffer_bytes=max_buffer_bytes,
@@ -289,7 +289,8 @@ class Run:
         _live_runs.discard(self)
         with contextlib.suppress(Exception):
             atexit.unregister(self._atexit)
-        self._sink.close(RankEnd(time.time(), status, exit_code))
+        sink, self._sink = self._sink, _DeadSink("after close()")
+        sink.close(RankEnd(time.time(), status, exit_code))
 
     def __enter__(self) -> Run:
         return self
@@ -322,28 +323,33 @@ class Run:
     def _forget_after_fork(self) -> None:
         """In a forked child: never touch the parent's files."""
         self._closed = True
-        self._sink = _ForkedSink()  # type: ignore[assignment]
+        self._sink = _DeadSink("from a forked child of a rank")
         with contextlib.suppress(Exception):
             atexit.unregister(self._atexit)
 
 
-class _ForkedSink:
-    """Stands in for the sink in a forked child: logging there is ignored, once warned."""
+class _DeadSink:
+    """Stands in for the sink of a closed run, or of a run inherited by a forked child.
 
-    _warned = False
+    Logging there is ignored with one warning: nothing can be written any more
+    (a forked child must never write its parent's files).
+    """
+
+    def __init__(self, why: str) -> None:
+        self._why = why
+        self._warned = False
 
     def append(self, event: object) -> None:
-        if not _ForkedSink._warned:
-            _ForkedSink._warned = True
+        if not self._warned:
+            self._warned = True
             warnings.warn(
-                "ranklog: logging from a forked child of a rank is ignored; "
-                "call ranklog.init() in the child if it should log",
+                f"ranklog: logging {self._why} is ignored; call ranklog.init() to log again",
                 RanklogWarning,
                 stacklevel=3,
             )
 
     def flush(self, *, sync: bool = False) -> bool:
-        return True
+        return False
 
     def close(self, final: object, *, timeout: float = 0.0) -> int:
         return 0

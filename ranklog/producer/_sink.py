@@ -65,6 +65,7 @@ class SpoolSink:
         self._error: OSError | None = None
         self._warned: set[str] = set()
         self._closed = False
+        self._abandoned = False
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ranklog-writer", daemon=True)
@@ -180,6 +181,16 @@ class SpoolSink:
     # -- the background thread ---------------------------------------------------------
 
     def _loop(self) -> None:
+        try:
+            self._loop_body()
+        except Exception as exc:  # never die silently, never raise into anyone
+            self._warn_once(
+                "writer-thread",
+                f"ranklog: the background writer for {self.writer.path.parent} stopped: {exc!r}; "
+                "events are written at step_end and close only",
+            )
+
+    def _loop_body(self) -> None:
         seen = -1
         quiet_since = time.monotonic()
         backoff = 0.0
@@ -202,11 +213,22 @@ class SpoolSink:
                 else:
                     backoff = min(max(backoff * 2, 0.05), max(self.flush_interval, 1.0))
 
+    def abandon(self) -> None:
+        """Stop the writer thread and close the file unsealed, as a killed process would."""
+        self._closed = self._abandoned = True
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=5.0)
+        with self._io_lock:
+            self.writer.abandon()
+
     def close(self, final: Event | None, *, timeout: float = 30.0) -> int:
         """Append ``final``, write everything (retrying up to ``timeout``), seal and sync.
 
         Returns the number of events that could not be written (0 normally).
         """
+        if self._abandoned:
+            return 0
         if final is not None:
             self.append(final)
         self._closed = True
