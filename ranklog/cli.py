@@ -2,6 +2,8 @@
 
 ::
 
+    ranklog ship SPOOL --to TARGET [--to TARGET ...] [--once] [--poll S] [--dead-after S]
+                 [--name N] [--samples N]
     ranklog inspect SPOOL [--json]
     ranklog demo [--out DIR] [--ranks N] [--steps N]
 """
@@ -10,6 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
+import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -36,6 +41,63 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ship(args: argparse.Namespace) -> int:
+    from ranklog.errors import RanklogError
+    from ranklog.shippers import Progress, Shipper, default_name, make_target
+
+    targets: list[str] = args.to
+    if len(targets) > 1 and not args.in_process:
+        return _ship_each(args, targets)
+    logging.basicConfig(level=logging.INFO, format="ranklog: %(message)s", stream=sys.stderr)
+    spool = Path(args.spool)
+    if not (spool / "run.json").is_file():
+        print(f"ranklog ship: {spool} is not a spool (no run.json)", file=sys.stderr)
+        return 2
+    code = 0
+    for spec in targets:
+        try:
+            target = make_target(spec, spool, samples=args.samples)
+            name = args.name if args.name and len(targets) == 1 else default_name(spec)
+            shipper = Shipper(
+                str(spool),
+                target,
+                name=name,
+                poll=args.poll,
+                dead_after=args.dead_after,
+                start_grace=args.start_grace,
+                progress=None if args.quiet else Progress(),
+            )
+            code = max(code, shipper.run_forever(once=args.once))
+        except RanklogError as exc:
+            print(f"ranklog ship: {exc}", file=sys.stderr)
+            code = 2
+    return code
+
+
+def _ship_each(args: argparse.Namespace, targets: list[str]) -> int:
+    """One process per target: a slow or broken target never holds another back."""
+    base = [sys.executable, "-m", "ranklog.cli", "ship", args.spool]
+    flags = ["--dead-after", str(args.dead_after), "--start-grace", str(args.start_grace)]
+    flags += ["--samples", str(args.samples)]
+    if args.once:
+        flags.append("--once")
+    if args.poll is not None:
+        flags += ["--poll", str(args.poll)]
+    if args.quiet:
+        flags.append("--quiet")
+    procs = []
+    for spec in targets:
+        name = f"{args.name}-{spec.partition(':')[0]}" if args.name else None
+        cmd = [*base, "--to", spec, *flags, *(["--name", name] if name else [])]
+        procs.append(subprocess.Popen(cmd, env=dict(os.environ)))
+    try:
+        return max(p.wait() for p in procs)
+    except KeyboardInterrupt:
+        for p in procs:
+            p.terminate()
+        return max(p.wait() for p in procs)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from ranklog._demo import run_demo
 
@@ -53,6 +115,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"ranklog {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
+
+    ship = sub.add_parser("ship", help="reduce each step across ranks and forward it")
+    ship.add_argument("spool")
+    ship.add_argument(
+        "--to",
+        action="append",
+        required=True,
+        metavar="TARGET",
+        help="jsonl:PATH | console (repeatable: one process per target)",
+    )
+    ship.add_argument("--once", action="store_true", help="ship what is ready, then exit 0")
+    ship.add_argument(
+        "--poll", type=float, metavar="S", help="poll every S seconds (default: inotify, "
+        "or polling every 1 s on network filesystems)"
+    )  # fmt: skip
+    ship.add_argument(
+        "--dead-after", type=float, default=120.0, metavar="S",
+        help="a rank silent this long is declared dead; its steps ship as partial",
+    )  # fmt: skip
+    ship.add_argument(
+        "--start-grace", type=float, default=60.0, metavar="S",
+        help="with a known world size, wait this long after the run starts for every rank",
+    )  # fmt: skip
+    ship.add_argument("--name", help="cursor name (default: derived from the target)")
+    ship.add_argument(
+        "--samples", type=int, default=2, help="validation samples printed per step (console)"
+    )
+    ship.add_argument("--quiet", action="store_true", help="no status line")
+    ship.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
+    ship.set_defaults(func=_ship)
 
     ins = sub.add_parser("inspect", help="ranks, incarnations, steps, ends and damage of a spool")
     ins.add_argument("spool")

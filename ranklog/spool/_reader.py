@@ -80,6 +80,8 @@ class ReadResult:
     pending: int = 0
     size: int = 0
     stats: DecodeStats = field(default_factory=DecodeStats)
+    #: stopped at ``max_bytes``: more complete frames may follow
+    more: bool = False
 
     @property
     def sealed(self) -> bool:
@@ -103,8 +105,14 @@ class SegmentReader:
     def _open(self) -> int:
         return os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
 
-    def read(self, offset: int = 0, *, writer_gone: bool = False) -> ReadResult:
-        """Read frames from ``offset`` (0 means from the header) to the end of the file."""
+    def read(
+        self, offset: int = 0, *, writer_gone: bool = False, max_bytes: int | None = None
+    ) -> ReadResult:
+        """Read frames from ``offset`` (0 means from the header) to the end of the file.
+
+        With ``max_bytes``, stop at the first frame boundary past that many bytes
+        (``more`` is then set): callers tailing many files bound their memory so.
+        """
         res = ReadResult(end=max(offset, HEADER_SIZE))
         try:
             fd = self._open()
@@ -128,16 +136,19 @@ class SegmentReader:
                 else:
                     self.header = parsed
                 res.end = HEADER_SIZE
-            self._scan(fd, size, res, writer_gone)
+            limit = None if max_bytes is None else res.end + max_bytes
+            self._scan(fd, size, res, writer_gone, limit)
         finally:
             os.close(fd)
         return res
 
-    def _scan(self, fd: int, size: int, res: ReadResult, writer_gone: bool) -> None:
+    def _scan(
+        self, fd: int, size: int, res: ReadResult, writer_gone: bool, limit: int | None
+    ) -> None:
         path = str(self.path)
         pos = res.end  # absolute offset of the first byte not yet examined
         bad_start: int | None = None  # start of a bad region being skipped
-        want = CHUNK
+        want = CHUNK if limit is None else max(FRAME_HEADER, min(CHUNK, limit - pos))
         while pos < size:
             asked = min(size - pos, want)
             data = os.pread(fd, asked, pos)
@@ -194,6 +205,11 @@ class SegmentReader:
                 if res.stats.invalid_events != before:
                     res.bad.append(BadRange(path, start, total, "undecodable events"))
                 res.frames.append(Frame(start, start + total, seq, schema, events))
+                if limit is not None and res.end >= limit and bad_start is None:
+                    if res.end < size:
+                        res.more = True
+                        res.pending = size - res.end
+                    return
             if need:
                 if pos + i + need > size:
                     break  # an incomplete frame (or garbage) at the end of the file

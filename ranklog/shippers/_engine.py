@@ -1,0 +1,456 @@
+"""The shipper engine: tail the spool, apply events, ship complete steps, commit the cursor.
+
+One loop, single-threaded::
+
+    discover segments -> read a bounded slice of each (rank by rank, in write order)
+    -> apply events (per-step contributions, watermarks, ends, params)
+    -> ship every step all expected ranks have closed or released -> flush -> commit cursor
+
+Completeness: step S ships when every expected rank has a watermark >= S
+(``step_end``, or any event of a later step), or is released: its latest
+incarnation wrote ``rank_end``, or it wrote no byte for ``dead_after`` seconds
+(then the step is marked partial). With a known world size, ranks that never
+appeared are waited for ``start_grace`` seconds after the run was created.
+
+Incarnations: a new incarnation ends the previous one at once. For each rank
+and step the values of the first incarnation that *closed* the step count;
+values re-logged by a later incarnation for such a step are counted as
+re-logged and not shipped; values of an incarnation that never closed a step
+are replaced by those of the later incarnation that logs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Final
+
+from ranklog.errors import RanklogError
+from ranklog.schemas import (
+    Event,
+    Metrics,
+    Params,
+    ParamValue,
+    RankEnd,
+    RankStart,
+    StepEnd,
+    Text,
+    Timer,
+)
+from ranklog.shippers._cursor import Cursor, IncState, SegmentCursor, load_cursor, save_cursor
+from ranklog.shippers._progress import Progress
+from ranklog.shippers._source import SegState, SpoolSource
+from ranklog.shippers._steps import Contribution, StepAcc, reduce_step
+from ranklog.shippers._target import ShippedStep, Target
+from ranklog.spool import BadRange, RunInfo, read_run
+
+__all__ = ["EngineStats", "Shipper"]
+
+log = logging.getLogger("ranklog.ship")
+
+#: bytes read from one segment per round: bounds memory whatever the spool's size
+ROUND_BYTES: Final = 256 * 1024
+#: steps handed to the target in one write
+BATCH_STEPS: Final = 1000
+_NO_STEP: Final = -1
+_PARAMS_HOLD: Final = 1 << 62
+
+
+@dataclass(slots=True)
+class RankState:
+    """The shipper's view of one rank across its incarnations."""
+
+    incs: dict[int, IncState] = field(default_factory=dict)
+    last_activity: float = 0.0
+
+    @property
+    def latest(self) -> int:
+        """The newest incarnation seen."""
+        return max(self.incs) if self.incs else 0
+
+    def watermark(self) -> int:
+        """Highest step this rank has closed, over all incarnations."""
+        return max((max(s.closed, s.max_step - 1) for s in self.incs.values()), default=-1)
+
+    def ended(self) -> bool:
+        """Whether the newest incarnation wrote rank_end."""
+        return bool(self.incs) and self.incs[self.latest].ended is not None
+
+    def closed_before(self, inc: int) -> int:
+        """Highest step closed by an incarnation older than ``inc``."""
+        return max((s.closed for k, s in self.incs.items() if k < inc), default=-1)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters shown in status lines and kept in the cursor."""
+
+    steps_shipped: int = 0
+    partial_steps: int = 0
+    late_events: int = 0
+    relogged_events: int = 0
+    bad: list[BadRange] = field(default_factory=list)
+
+
+class Shipper:
+    """Ships one spool to one target, exactly once per step, resumable after any kill."""
+
+    def __init__(
+        self,
+        spool: str,
+        target: Target,
+        *,
+        name: str,
+        poll: float | None = None,
+        dead_after: float = 120.0,
+        start_grace: float = 60.0,
+        per_rank: bool = False,
+        progress: Progress | None = None,
+    ) -> None:
+        self.spool = spool
+        self.target = target
+        self.name = name
+        self.dead_after = dead_after
+        self.start_grace = start_grace
+        self.per_rank = per_rank
+        self.source = SpoolSource(spool, poll=poll)
+        self.progress = progress
+        self.ranks: dict[int, RankState] = {}
+        self.steps: dict[int, StepAcc] = {}
+        self.stats = EngineStats()
+        self.params: dict[str, ParamValue] = {}
+        self.params_shipped: dict[str, ParamValue] = {}
+        self.shipped_upto = -1  # steps <= this are shipped (or held by the target)
+        self._durable_gap = (-1, -1)  # (cursor step, target step): shipped by a dead process
+        self.run: RunInfo | None = None
+        self.cursor = Cursor(name=name, target=target.spec)
+
+    # -- start ----------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        self.run = read_run(self.spool)
+        cursor = load_cursor(self.spool, self.name)
+        if cursor is not None:
+            if cursor.run_id not in (None, self.run.run_id):
+                raise RanklogError(
+                    f"cursor {self.name!r} belongs to run {cursor.run_id}, "
+                    f"not {self.run.run_id}: use another --name"
+                )
+            self.cursor = cursor
+            self.shipped_upto = cursor.last_step
+            self.params_shipped = dict(cursor.params)
+            self.params = dict(cursor.params)
+            self.stats.steps_shipped = cursor.steps_shipped
+            self.stats.late_events = cursor.late_events
+            self.stats.relogged_events = cursor.relogged_events
+            for rank, incs in cursor.ranks.items():
+                self.ranks[int(rank)] = RankState({int(k): v for k, v in incs.items()})
+        self.cursor.run_id = self.run.run_id
+        durable = self.target.open(self.run)
+        if durable is not None and durable > self.shipped_upto:
+            log.info(
+                "%s already holds steps up to %d (cursor: %d); skipping them",
+                self.target.spec,
+                durable,
+                self.shipped_upto,
+            )
+            self._durable_gap = (self.shipped_upto, durable)
+            self.shipped_upto = durable
+
+    # -- reading --------------------------------------------------------------------------
+
+    def _discover(self) -> None:
+        for seg in self.source.discover():
+            saved = self.cursor.segments.get(seg.key)
+            if saved is not None:
+                seg.offset = seg.consumed = saved.offset
+                seg.seen = saved.seen
+                seg.exhausted = saved.done
+            rank = self.ranks.setdefault(seg.name.rank, RankState())
+            rank.incs.setdefault(seg.name.incarnation, IncState())
+
+    def _read_round(self) -> bool:
+        """Read one bounded slice of every readable segment; True if anything was read."""
+        progressed = False
+        now = time.time()
+        for rank, segs in self.source.by_rank.items():
+            state = self.ranks[rank]
+            for i, seg in enumerate(segs):
+                if seg.exhausted:
+                    continue
+                grew = self.source.probe(seg)
+                state.last_activity = max(state.last_activity, seg.mtime)
+                later = i + 1 < len(segs)
+                dead = now - state.last_activity > self.dead_after
+                gone = later or dead
+                if not grew and not gone:
+                    break  # the live tail of this rank: nothing new
+                res = seg.reader.read(seg.offset, writer_gone=gone, max_bytes=ROUND_BYTES)
+                if res.end != seg.offset or res.frames:
+                    progressed = True
+                for frame in res.frames:
+                    max_step, holds = self._apply(rank, seg, frame.events, frame.end)
+                    seg.frames.append((frame.end, max_step, holds))
+                if res.bad:
+                    self._report_bad(res.bad, seg)
+                seg.offset = res.end
+                if res.seal is not None:
+                    seg.sealed = True
+                if res.more:
+                    break  # budget used: the rest of this rank next round
+                if seg.sealed or (gone and res.pending == 0):
+                    seg.exhausted = True
+                    if not seg.frames:
+                        seg.consumed = seg.offset
+                    continue
+                break  # a live tail
+        return progressed
+
+    def _report_bad(self, bad: list[BadRange], seg: SegState) -> None:
+        for b in bad:
+            if b.offset + b.length <= seg.seen:
+                continue  # reported by an earlier shipper process
+            self.stats.bad.append(b)
+            self.cursor.bad_ranges += 1
+            self.cursor.bad_bytes += b.length
+            log.warning("corrupt spool bytes skipped: %s", b)
+
+    def _apply(
+        self, rank: int, seg: SegState, events: list[Event], frame_end: int
+    ) -> tuple[int, bool]:
+        """Apply one frame's events; return (highest step in it, holds new params)."""
+        inc_no = seg.name.incarnation
+        state = self.ranks[rank]
+        inc = state.incs.setdefault(inc_no, IncState())
+        fresh = frame_end > seg.seen  # not examined by an earlier shipper process
+        max_step = _NO_STEP
+        holds = False
+        prev_closed: int | None = None
+        for ev in events:
+            if isinstance(ev, Metrics | Timer | Text):
+                step = ev.step
+                if step > max_step:
+                    max_step = step
+                if step > inc.max_step:
+                    inc.max_step = step
+                if step <= self.shipped_upto:
+                    if fresh and not (self._durable_gap[0] < step <= self._durable_gap[1]):
+                        if prev_closed is None:
+                            prev_closed = state.closed_before(inc_no)
+                        if step <= prev_closed:
+                            self.stats.relogged_events += 1
+                        else:
+                            self.stats.late_events += 1
+                    continue
+                if prev_closed is None:
+                    prev_closed = state.closed_before(inc_no)
+                if step <= prev_closed:
+                    if fresh:
+                        self.stats.relogged_events += 1
+                    continue
+                acc = self.steps.get(step)
+                if acc is None:
+                    self.steps[step] = acc = StepAcc()
+                contrib = acc.ranks.get(rank)
+                if contrib is None or contrib.incarnation < inc_no:
+                    acc.ranks[rank] = contrib = Contribution(inc_no)
+                if contrib.incarnation == inc_no:
+                    contrib.events.append(ev)
+            elif isinstance(ev, StepEnd):
+                if ev.step > inc.closed:
+                    inc.closed = ev.step
+            elif isinstance(ev, RankStart):
+                inc.world_size = ev.world_size
+                inc.host = ev.host
+                inc.started = ev.ts
+            elif isinstance(ev, RankEnd):
+                inc.ended = ev.status
+            elif isinstance(ev, Params):
+                for k, v in ev.values.items():
+                    if k not in self.params_shipped or self.params_shipped[k] != v:
+                        holds = True
+                    self.params[k] = v
+        return max_step, holds
+
+    # -- completeness -----------------------------------------------------------------
+
+    def world_size(self) -> int | None:
+        """The job's world size, if any rank or run.json told."""
+        sizes = [s.world_size for r in self.ranks.values() for s in r.incs.values()]
+        known = [w for w in sizes if w is not None]
+        if self.run is not None and self.run.world_size is not None:
+            known.append(self.run.world_size)
+        return max(known) if known else None
+
+    def _released(self, state: RankState, now: float) -> bool:
+        return state.ended() or now - state.last_activity > self.dead_after
+
+    def _ready_upto(self, now: float) -> tuple[int, list[int]]:
+        """(highest shippable step, expected ranks)."""
+        world = self.world_size()
+        expected = list(range(world)) if world is not None else sorted(self.ranks)
+        limit = math.inf
+        created = self.run.created if self.run is not None else now
+        for r in expected:
+            state = self.ranks.get(r)
+            if state is None or not state.incs:
+                if now - created <= self.start_grace:
+                    limit = -1
+                continue
+            if not self._released(state, now):
+                limit = min(limit, state.watermark())
+        top = max(self.steps, default=-1)
+        return (top if limit == math.inf else int(limit)), expected
+
+    def all_released(self, now: float) -> bool:
+        """Every expected rank ended or dead (and at least one rank seen)."""
+        world = self.world_size()
+        expected = list(range(world)) if world is not None else sorted(self.ranks)
+        created = self.run.created if self.run is not None else now
+        if not self.ranks:
+            return False
+        for r in expected:
+            state = self.ranks.get(r)
+            if state is None or not state.incs:
+                if now - created <= self.start_grace:
+                    return False
+                continue
+            if not self._released(state, now):
+                return False
+        return True
+
+    # -- shipping ---------------------------------------------------------------------
+
+    def _ready_steps(self, now: float) -> list[ShippedStep]:
+        upto, expected = self._ready_upto(now)
+        ready = sorted(s for s in self.steps if self.shipped_upto < s <= upto)[:BATCH_STEPS]
+        if not ready:
+            return []
+        world = max(len(expected), 1)
+        marks = {r: self.ranks[r].watermark() for r in expected if r in self.ranks}
+        out = []
+        for step in ready:
+            closed = sum(1 for m in marks.values() if m >= step)
+            out.append(
+                reduce_step(
+                    step, self.steps[step], closed=closed, world_size=world, per_rank=self.per_rank
+                )
+            )
+        return out
+
+    def _ship(self, steps: list[ShippedStep]) -> None:
+        new_params = {
+            k: v
+            for k, v in self.params.items()
+            if k not in self.params_shipped or self.params_shipped[k] != v
+        }
+        if new_params:
+            self.target.write_params(new_params)
+        if steps:
+            self.target.write(steps)
+        self.target.flush()
+        # accepted: move on
+        self.params_shipped.update(new_params)
+        for s in steps:
+            self.steps.pop(s.step, None)
+            self.stats.steps_shipped += 1
+            self.stats.partial_steps += not s.complete
+        if steps:
+            self.shipped_upto = steps[-1].step
+        self._commit()
+
+    def _commit(self) -> None:
+        c = self.cursor
+        params_pending = any(
+            k not in self.params_shipped or self.params_shipped[k] != v
+            for k, v in self.params.items()
+        )
+        for seg in self.source.segments.values():
+            frames = seg.frames
+            n = 0
+            for end, max_step, holds in frames:
+                if max_step > self.shipped_upto or (holds and params_pending):
+                    break
+                seg.consumed = end
+                n += 1
+            if n:
+                del frames[:n]
+            if seg.exhausted and not frames:
+                seg.consumed = seg.offset
+            c.segments[seg.key] = SegmentCursor(
+                offset=seg.consumed,
+                seen=max(seg.offset, seg.seen),
+                done=seg.exhausted and not frames,
+            )
+        c.last_step = self.shipped_upto
+        c.steps_shipped = self.stats.steps_shipped
+        c.late_events = self.stats.late_events
+        c.relogged_events = self.stats.relogged_events
+        c.params = dict(self.params_shipped)
+        c.ranks = {
+            str(r): {str(k): v for k, v in s.incs.items()} for r, s in sorted(self.ranks.items())
+        }
+        save_cursor(self.spool, c)
+
+    # -- the loop ---------------------------------------------------------------------
+
+    def step_once(self) -> tuple[bool, int]:
+        """One round: discover, read, ship. Returns (read anything, steps shipped)."""
+        self._discover()
+        progressed = self._read_round()
+        shipped = 0
+        while True:
+            steps = self._ready_steps(time.time())
+            params_new = any(
+                k not in self.params_shipped or self.params_shipped[k] != v
+                for k, v in self.params.items()
+            )
+            if not steps and not params_new:
+                break
+            self._ship(steps)
+            shipped += len(steps)
+            if not steps:
+                break
+        return progressed, shipped
+
+    def lag(self) -> tuple[int, int]:
+        """(steps closed by some rank but not shipped, bytes not yet consumed)."""
+        top = max((s.watermark() for s in self.ranks.values()), default=-1)
+        nbytes = sum(max(0, s.size - s.consumed) for s in self.source.segments.values())
+        return max(0, top - self.shipped_upto), nbytes
+
+    def run_forever(self, *, once: bool = False, max_seconds: float | None = None) -> int:
+        """Ship until done: ``once`` drains what is ready and returns; else follows the job."""
+        self._open()
+        deadline = None if max_seconds is None else time.monotonic() + max_seconds
+        backoff = 0.0
+        try:
+            while True:
+                try:
+                    progressed, shipped = self.step_once()
+                    backoff = 0.0
+                except OSError as exc:  # target or filesystem trouble: retry, cursor held
+                    backoff = min(max(backoff * 2, 0.5), 30.0)
+                    log.warning("shipping to %s failed (%s); retrying in %.1fs",
+                                self.target.spec, exc, backoff)  # fmt: skip
+                    time.sleep(backoff)
+                    continue
+                if self.progress is not None:
+                    self.progress.update(self)
+                if progressed or shipped:
+                    continue
+                if once:
+                    break
+                if self.all_released(time.time()) and not self.steps:
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    break
+                self.source.wait(1.0)
+        finally:
+            self.source.close()
+            self.target.close()
+            if self.progress is not None:
+                self.progress.done(self)
+        return 0

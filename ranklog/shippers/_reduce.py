@@ -1,0 +1,172 @@
+"""Reduction across ranks: mergeable partial aggregates and the ops computed from them.
+
+A :class:`Partial` summarises the values one reader saw for one (step, name):
+count, sum, sum of squares, min, max, NaN count, the last value with its
+timestamp and rank, and the values themselves when a ``median`` (or an exact
+``std``) is asked for. Partials from several readers :meth:`merge` into the
+partial of their union, so the same code serves one shipper and a fan-in.
+
+Results follow numpy's conventions: any NaN makes ``mean``, ``sum``, ``min``,
+``max``, ``median`` and ``std`` NaN; ``std`` is the population standard
+deviation (``ddof=0``); ``count`` counts every value, NaN included; ``last``
+is the value with the latest timestamp (ties: the highest rank). Sums use
+``math.fsum``, so a result does not depend on the order values arrived in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+from ranklog.schemas import REDUCE_OPS
+
+__all__ = ["Partial", "output_names", "parse_ops"]
+
+_NEEDS_VALUES: Final = frozenset({"median", "std"})
+_op_cache: dict[str, tuple[str, ...]] = {}
+
+
+def parse_ops(spec: str) -> tuple[str, ...]:
+    """The ops of an op spec (``"mean,max"``); unknown ops are dropped, ``mean`` if none remain."""
+    ops = _op_cache.get(spec)
+    if ops is None:
+        ops = tuple(o for o in dict.fromkeys(spec.split(",")) if o in REDUCE_OPS) or ("mean",)
+        if len(_op_cache) < 4096:
+            _op_cache[spec] = ops
+    return ops
+
+
+def output_names(name: str, ops: tuple[str, ...]) -> list[str]:
+    """Names a reduced value is shipped under: ``name`` for one op, ``name/op`` for several."""
+    return [name] if len(ops) == 1 else [f"{name}/{op}" for op in ops]
+
+
+@dataclass(slots=True)
+class Partial:
+    """Mergeable summary of values for one (step, name)."""
+
+    count: int = 0
+    total: float = 0.0
+    sumsq: float = 0.0
+    lo: float = math.inf
+    hi: float = -math.inf
+    nans: int = 0
+    nonfinite: int = 0
+    last_ts: float = -math.inf
+    last_rank: int = -1
+    last: float = math.nan
+    values: list[float] | None = field(default=None)
+
+    @classmethod
+    def of(
+        cls, values: Sequence[float], *, last: tuple[float, int, float], ops: tuple[str, ...]
+    ) -> Partial:
+        """Summarise ``values`` for ``ops``; ``last`` is (ts, rank, value) of the latest one."""
+        keep = needs_values(ops)
+        try:
+            total = math.fsum(values)
+            finite = math.isfinite(total)
+        except (ValueError, OverflowError):  # inf + -inf, or an intermediate overflow
+            finite = False
+        if finite:  # the common case: no NaN, no inf
+            return cls(
+                count=len(values),
+                total=total,
+                sumsq=math.fsum(v * v for v in values) if "std" in ops else 0.0,
+                lo=min(values, default=math.inf),
+                hi=max(values, default=-math.inf),
+                last_ts=last[0],
+                last_rank=last[1],
+                last=last[2],
+                values=list(values) if keep else None,
+            )
+        real = [v for v in values if v == v]
+        fin = [v for v in real if math.isfinite(v)]
+        try:
+            total = math.fsum(real)
+        except ValueError:
+            total = math.nan
+        except OverflowError:
+            total = sum(real)
+        return cls(
+            count=len(values),
+            total=total if len(real) == len(values) else math.nan,
+            sumsq=math.fsum(v * v for v in fin) if "std" in ops else 0.0,
+            lo=min(real, default=math.inf),
+            hi=max(real, default=-math.inf),
+            nans=len(values) - len(real),
+            nonfinite=len(values) - len(fin),
+            last_ts=last[0],
+            last_rank=last[1],
+            last=last[2],
+            values=list(values) if keep else None,
+        )
+
+    def merge(self, other: Partial) -> Partial:
+        """The partial of both inputs' values together."""
+        if (other.last_ts, other.last_rank) > (self.last_ts, self.last_rank):
+            last = (other.last_ts, other.last_rank, other.last)
+        else:
+            last = (self.last_ts, self.last_rank, self.last)
+        values = None
+        if self.values is not None and other.values is not None:
+            values = self.values + other.values
+        return Partial(
+            count=self.count + other.count,
+            total=math.fsum((self.total, other.total)),
+            sumsq=math.fsum((self.sumsq, other.sumsq)),
+            lo=min(self.lo, other.lo),
+            hi=max(self.hi, other.hi),
+            nans=self.nans + other.nans,
+            nonfinite=self.nonfinite + other.nonfinite,
+            last_ts=last[0],
+            last_rank=last[1],
+            last=last[2],
+            values=values,
+        )
+
+    def result(self, op: str) -> float:
+        """The reduced value for ``op``."""
+        if op == "count":
+            return float(self.count)
+        if op == "last":
+            return self.last
+        if self.count == 0:
+            return math.nan
+        if self.nans:
+            return math.nan
+        if op == "mean":
+            return self.total / self.count
+        if op == "sum":
+            return self.total
+        if op == "min":
+            return self.lo
+        if op == "max":
+            return self.hi
+        if op == "median":
+            return _median(self.values) if self.values is not None else math.nan
+        if op == "std":
+            return self._std()
+        raise ValueError(f"unknown reduce op {op!r}")
+
+    def _std(self) -> float:
+        if self.nonfinite:
+            return math.nan
+        mean = self.total / self.count
+        if self.values is not None:  # exact two-pass form
+            return math.sqrt(math.fsum((v - mean) ** 2 for v in self.values) / self.count)
+        return math.sqrt(max(0.0, self.sumsq / self.count - mean * mean))
+
+
+def _median(values: list[float]) -> float:
+    s = sorted(values)
+    n = len(s)
+    mid = n // 2
+    return s[mid] if n % 2 else (s[mid - 1] + s[mid]) / 2
+
+
+def needs_values(ops: tuple[str, ...]) -> bool:
+    """Whether these ops need the values kept (median, exact std)."""
+    return any(op in _NEEDS_VALUES for op in ops)

@@ -1,0 +1,186 @@
+"""Finding and tailing segment files: the shipper's source.
+
+Discovery uses watchdog's native observer (inotify) on local filesystems, and
+polling on network filesystems, where inotify never sees writes made by another
+machine (NFS, Lustre, GPFS, CIFS, FUSE mounts; detected from ``/proc/mounts``),
+or whenever ``--poll`` is given. Growth of known segments is detected with
+``stat`` locally, and with open + fstat on network filesystems so that NFS
+attribute caching cannot hide it (close-to-open consistency).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from ranklog.spool import SegmentName, SegmentReader, SpoolLayout
+
+__all__ = ["NETWORK_FS", "SegState", "SpoolSource", "filesystem_of"]
+
+NETWORK_FS: Final = frozenset(
+    {"nfs", "nfs4", "lustre", "gpfs", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "beegfs",
+     "panfs", "afs", "9p", "virtiofs"}
+)  # fmt: skip
+
+
+def filesystem_of(path: str | os.PathLike[str], mounts: str = "/proc/mounts") -> str:
+    """The filesystem type of the mount holding ``path`` (``"unknown"`` if unreadable)."""
+    target = os.path.realpath(path)
+    best, fstype = "", "unknown"
+    try:
+        with open(mounts) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return fstype
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        mnt = parts[1].replace("\\040", " ")
+        inside = target == mnt or target.startswith(mnt.rstrip("/") + "/")
+        if inside and len(mnt) >= len(best):
+            best, fstype = mnt, parts[2]
+    return fstype
+
+
+def is_network_fs(fstype: str) -> bool:
+    """Whether writes from other machines can happen without inotify seeing them."""
+    return fstype in NETWORK_FS or fstype.startswith("fuse")
+
+
+@dataclass(slots=True, eq=False)
+class SegState:
+    """What the shipper knows of one segment file."""
+
+    name: SegmentName
+    key: str
+    reader: SegmentReader
+    #: next byte to read
+    offset: int = 0
+    #: committed: every event before it belongs to a shipped step
+    consumed: int = 0
+    #: highest offset examined by any earlier shipper process (late events there are counted)
+    seen: int = 0
+    sealed: bool = False
+    #: nothing more will ever be read from it
+    exhausted: bool = False
+    size: int = -1
+    mtime: float = 0.0
+    #: (frame end, max step in frame, holds params) of frames read but not yet consumed
+    frames: list[tuple[int, int, bool]] = field(default_factory=list)
+
+
+class SpoolSource:
+    """Knows every segment of a spool and wakes the engine when something changed."""
+
+    def __init__(self, spool: str | os.PathLike[str], *, poll: float | None = None) -> None:
+        self.layout = SpoolLayout(spool)
+        self.fstype = filesystem_of(spool)
+        self.network = is_network_fs(self.fstype)
+        self.polling = poll is not None or self.network
+        self.poll_interval = poll if poll is not None else 1.0
+        self.segments: dict[str, SegState] = {}
+        self.by_rank: dict[int, list[SegState]] = {}
+        self._rank_dir_mtimes: dict[int, int] = {}
+        self._ranks_mtime = -1
+        self._wake = threading.Event()
+        self._observer: Any = None
+        if not self.polling:
+            self._start_observer()
+
+    @property
+    def mode(self) -> str:
+        """``inotify`` or ``poll every N s (fstype)``, for status lines."""
+        if self.polling:
+            return f"polling every {self.poll_interval:g}s ({self.fstype})"
+        return f"inotify ({self.fstype})"
+
+    def _start_observer(self) -> None:
+        try:
+            from watchdog.events import FileSystemEventHandler
+            from watchdog.observers import Observer
+        except ImportError:  # pragma: no cover - watchdog is a core dependency
+            self.polling = True
+            return
+        wake = self._wake
+
+        class _Handler(FileSystemEventHandler):
+            def on_any_event(self, event: Any) -> None:
+                wake.set()
+
+        self.layout.ranks_dir.mkdir(parents=True, exist_ok=True)
+        observer = Observer()
+        observer.schedule(_Handler(), str(self.layout.ranks_dir), recursive=True)
+        observer.daemon = True
+        try:
+            observer.start()
+        except OSError:  # inotify limits reached: fall back to polling
+            self.polling = True
+            return
+        self._observer = observer
+
+    def wait(self, timeout: float) -> None:
+        """Sleep until a change is reported (native) or for the poll interval."""
+        if self.polling:
+            time.sleep(min(timeout, self.poll_interval))
+        else:
+            self._wake.wait(timeout)
+            self._wake.clear()
+
+    def close(self) -> None:
+        """Stop the observer thread, if any."""
+        if self._observer is not None:
+            with contextlib.suppress(Exception):
+                self._observer.stop()
+                self._observer.join(timeout=2)
+            self._observer = None
+
+    def discover(self) -> list[SegState]:
+        """Find segments not known yet (rank directories whose mtime changed are rescanned)."""
+        new: list[SegState] = []
+        try:
+            ranks_mtime = os.stat(self.layout.ranks_dir).st_mtime_ns
+        except FileNotFoundError:
+            return new
+        ranks = self.layout.ranks() if ranks_mtime != self._ranks_mtime else list(self.by_rank)
+        self._ranks_mtime = ranks_mtime
+        for rank in ranks:
+            try:
+                mtime = os.stat(self.layout.rank_dir(rank)).st_mtime_ns
+            except FileNotFoundError:
+                continue
+            if self._rank_dir_mtimes.get(rank) == mtime and not self.network:
+                continue
+            self._rank_dir_mtimes[rank] = mtime
+            for seg in self.layout.segments(rank):
+                key = f"{seg.rank:05d}/{seg.incarnation:04d}-{seg.segment:06d}"
+                if key in self.segments:
+                    continue
+                state = SegState(seg, key, SegmentReader(seg.path))
+                self.segments[key] = state
+                lst = self.by_rank.setdefault(rank, [])
+                lst.append(state)
+                lst.sort(key=lambda s: (s.name.incarnation, s.name.segment))
+                new.append(state)
+        return new
+
+    def probe(self, seg: SegState) -> bool:
+        """Refresh size and mtime of ``seg``; True if it may have bytes not read yet."""
+        try:
+            if self.network:
+                fd = os.open(seg.name.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                try:
+                    st = os.fstat(fd)
+                finally:
+                    os.close(fd)
+            else:
+                st = os.stat(seg.name.path, follow_symlinks=False)
+        except OSError:
+            return False
+        seg.size = st.st_size
+        seg.mtime = st.st_mtime
+        return st.st_size > seg.offset

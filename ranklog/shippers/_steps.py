@@ -1,0 +1,118 @@
+"""Per-step accumulation across ranks, and turning a complete step into a ShippedStep."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ranklog.schemas import DEFAULT_METRIC_REDUCE, Metrics, Text, Timer
+from ranklog.shippers._reduce import Partial, output_names, parse_ops
+from ranklog.shippers._target import ShippedStep, TextItem
+
+__all__ = ["Contribution", "StepAcc", "reduce_step"]
+
+StepEvent = Metrics | Timer | Text
+
+
+@dataclass(slots=True)
+class Contribution:
+    """What one incarnation of one rank logged for a step."""
+
+    incarnation: int
+    events: list[StepEvent] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepAcc:
+    """Everything logged for one step, per rank."""
+
+    ranks: dict[int, Contribution] = field(default_factory=dict)
+
+
+def reduce_step(
+    step: int,
+    acc: StepAcc,
+    *,
+    closed: int,
+    world_size: int,
+    per_rank: bool = False,
+) -> ShippedStep:
+    """Reduce one step across ranks (in rank order, so the result never depends on timing).
+
+    ``closed`` is how many expected ranks closed the step; it is partial when that is
+    below ``world_size``, and then ``ranklog/ranks_reporting`` is added.
+    """
+    values: dict[str, list[float]] = {}
+    specs: dict[str, str] = {}
+    lasts: dict[str, tuple[float, int, float]] = {}
+    timers: dict[str, list[float]] = {}
+    timer_specs: dict[str, str] = {}
+    slowest: dict[str, tuple[float, int]] = {}
+    timer_lasts: dict[str, tuple[float, int, float]] = {}
+    texts: list[TextItem] = []
+    ts = 0.0
+    mine: dict[int, dict[str, float]] | None = {} if per_rank else None
+    for rank in sorted(acc.ranks):
+        own: dict[str, float] = {}
+        for ev in acc.ranks[rank].events:
+            ts = max(ts, ev.ts)
+            if type(ev) is Metrics:
+                reduce = ev.reduce
+                for name, v in ev.values.items():
+                    lst = values.get(name)
+                    if lst is None:
+                        values[name] = lst = []
+                        specs[name] = (
+                            reduce
+                            if type(reduce) is str
+                            else reduce.get(name, DEFAULT_METRIC_REDUCE)  # type: ignore[union-attr]
+                        )
+                    lst.append(v)
+                    own[name] = v
+                    prev = lasts.get(name)
+                    if prev is None or (ev.ts, rank) >= prev[:2]:
+                        lasts[name] = (ev.ts, rank, v)
+            elif type(ev) is Timer:
+                name = ev.name
+                lst = timers.get(name)
+                if lst is None:
+                    timers[name] = lst = []
+                    timer_specs[name] = ev.reduce
+                lst.append(ev.seconds)
+                own[f"timing/{name}"] = ev.seconds
+                best = slowest.get(name)
+                if best is None or ev.seconds > best[0]:
+                    slowest[name] = (ev.seconds, rank)
+                prev = timer_lasts.get(name)
+                if prev is None or (ev.ts, rank) >= prev[:2]:
+                    timer_lasts[name] = (ev.ts, rank, ev.seconds)
+            elif type(ev) is Text:
+                texts.append(TextItem(rank, ev.name, ev.text))
+        if mine is not None and own:
+            mine[rank] = own
+    out: dict[str, float] = {}
+    for name, lst in values.items():
+        ops = parse_ops(specs[name])
+        part = Partial.of(lst, last=lasts[name], ops=ops)
+        for out_name, op in zip(output_names(name, ops), ops, strict=True):
+            out[out_name] = part.result(op)
+    for name, lst in timers.items():
+        ops = parse_ops(timer_specs[name])
+        part = Partial.of(lst, last=timer_lasts[name], ops=ops)
+        for out_name, op in zip(output_names(f"timing/{name}", ops), ops, strict=True):
+            out[out_name] = part.result(op)
+        out[f"timing/{name}/slowest_rank"] = float(slowest[name][1])
+    reporting = len(acc.ranks)
+    complete = closed >= world_size
+    if not complete:
+        out["ranklog/ranks_reporting"] = float(max(reporting, closed))
+    return ShippedStep(
+        step=step,
+        metrics={k: out[k] for k in sorted(out)},
+        ranks=max(reporting, closed) if not complete else closed,
+        world_size=world_size,
+        complete=complete,
+        ts=ts if ts > 0 else math.nan,
+        texts=texts,
+        per_rank=mine,
+    )

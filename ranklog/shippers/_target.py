@@ -1,0 +1,89 @@
+"""The small protocol every backend adapter (a *target*) implements, and what it receives.
+
+A shipper drives a target like this::
+
+    last = target.open(run)            # the last step the backend durably holds, or None
+    target.write_params(params)        # hyperparameters, whenever new ones arrive
+    target.write(steps)                # reduced steps, in increasing step order, each once
+    target.flush()                     # after it returns, everything written is durable
+    ...                                # the cursor is committed only after flush()
+    target.close()
+
+The engine never sends a step at or below ``last`` or below a step already
+sent, so a target needs no deduplication of its own; it must only report
+``last`` truthfully after any crash (a torn write counts as not written).
+Errors raised by ``write``/``flush`` are retried with backoff by the engine,
+with the cursor held back.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import msgspec
+
+from ranklog.schemas import ParamValue
+from ranklog.spool import RunInfo
+
+__all__ = ["ShippedStep", "Target", "TextItem", "TransientTargetError"]
+
+
+class TextItem(msgspec.Struct, frozen=True):
+    """One text event of a step: which rank logged it, under which name."""
+
+    rank: int
+    name: str
+    text: str
+
+
+class ShippedStep(msgspec.Struct):
+    """One step reduced across ranks: what every target receives."""
+
+    step: int
+    #: reduced values: ``name`` or ``name/op``, ``timing/<name>``, ``timing/<name>/slowest_rank``,
+    #: and ``ranklog/ranks_reporting`` when the step is partial
+    metrics: dict[str, float]
+    #: ranks that closed this step
+    ranks: int
+    #: the job's world size (ranks seen when unknown)
+    world_size: int
+    #: every expected rank closed the step
+    complete: bool
+    #: latest event time in the step (Unix seconds): targets use it as the timestamp
+    ts: float
+    texts: list[TextItem] = msgspec.field(default_factory=list)
+    #: each rank's own values (``--per-rank``): rank -> name -> value
+    per_rank: dict[int, dict[str, float]] | None = None
+
+
+class TransientTargetError(Exception):
+    """A target's failure worth retrying (server down, rate limited)."""
+
+
+class Target(Protocol):
+    """A backend adapter. See the module docstring for the call sequence."""
+
+    #: short kind, e.g. "jsonl"
+    kind: str
+    #: the spec it was made from, e.g. "jsonl:/tmp/out.jsonl"
+    spec: str
+
+    def open(self, run: RunInfo) -> int | None:
+        """Prepare to receive steps; return the last step durably held (None: none)."""
+        ...
+
+    def write_params(self, params: dict[str, ParamValue]) -> None:
+        """Record hyperparameters (called with the new or changed ones)."""
+        ...
+
+    def write(self, steps: list[ShippedStep]) -> None:
+        """Record reduced steps (increasing, each once)."""
+        ...
+
+    def flush(self) -> None:
+        """Make everything written durable; the cursor moves only after this returns."""
+        ...
+
+    def close(self) -> None:
+        """Release resources (flush first if needed)."""
+        ...

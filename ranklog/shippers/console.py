@@ -1,0 +1,103 @@
+"""``console``: a readable per-step summary on standard output.
+
+Validation samples (text events whose name mentions ``sample``, ``val`` or
+``generation``) are pretty-printed in a box, at most ``samples`` per step (the
+role of NeMo RL's ``num_val_samples_to_print``); other text is one line each.
+The console keeps nothing, so it reports no durable step: a restarted console
+shipper carries on from its cursor.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+import sys
+from typing import Final, TextIO
+
+from ranklog.schemas import ParamValue
+from ranklog.shippers._target import ShippedStep, TextItem
+from ranklog.spool import RunInfo
+
+__all__ = ["ConsoleTarget"]
+
+_SAMPLE_RE: Final = re.compile(r"sample|val|generation", re.IGNORECASE)
+
+
+def _fmt(v: float) -> str:
+    if math.isnan(v) or math.isinf(v):
+        return str(v)
+    if v != 0 and (abs(v) >= 1e5 or abs(v) < 1e-3):
+        return f"{v:.3e}"
+    return f"{v:.4f}".rstrip("0").rstrip(".") if v != int(v) else str(int(v))
+
+
+class ConsoleTarget:
+    """Prints each shipped step; never durable."""
+
+    kind = "console"
+
+    def __init__(self, *, samples: int = 2, stream: TextIO | None = None) -> None:
+        self.samples = samples
+        self.spec = "console"
+        self._out = stream
+        self._run: RunInfo | None = None
+
+    @property
+    def out(self) -> TextIO:
+        """Where lines go (standard output unless given)."""
+        return self._out if self._out is not None else sys.stdout
+
+    def open(self, run: RunInfo) -> int | None:
+        self._run = run
+        print(f"ranklog: run {run.name} ({run.run_id})", file=self.out)
+        return None
+
+    def write_params(self, params: dict[str, ParamValue]) -> None:
+        items = ", ".join(f"{k}={v}" for k, v in sorted(params.items()))
+        print(f"params  {items}", file=self.out)
+
+    def write(self, steps: list[ShippedStep]) -> None:
+        for s in steps:
+            self._step(s)
+
+    def _step(self, s: ShippedStep) -> None:
+        flag = "" if s.complete else "  PARTIAL"
+        parts = [f"step {s.step:>6}", f"ranks {s.ranks}/{s.world_size}{flag}"]
+        for name in sorted(s.metrics):
+            if name.endswith("/slowest_rank"):
+                continue
+            value = s.metrics[name]
+            slowest = s.metrics.get(f"{name}/slowest_rank")
+            text = f"{name} {_fmt(value)}"
+            if slowest is not None:
+                text += f" (rank {int(slowest)})"
+            parts.append(text)
+        print("  ".join(parts), file=self.out)
+        shown = 0
+        for t in s.texts:
+            if _SAMPLE_RE.search(t.name):
+                if shown < self.samples:
+                    self._box(t)
+                shown += 1
+            else:
+                print(f"  text {t.name} (rank {t.rank}): {t.text}", file=self.out)
+        if shown > self.samples:
+            print(f"  ... {shown - self.samples} more samples not shown", file=self.out)
+
+    def _box(self, t: TextItem) -> None:
+        width = max(40, min(100, shutil.get_terminal_size((100, 20)).columns - 4))
+        title = f" {t.name} (rank {t.rank}) "
+        print("  ┌" + title + "─" * max(0, width - len(title)), file=self.out)
+        for line in t.text.splitlines() or [""]:
+            while len(line) > width:
+                print("  │ " + line[:width], file=self.out)
+                line = line[width:]
+            print("  │ " + line, file=self.out)
+        print("  └" + "─" * width, file=self.out)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def close(self) -> None:
+        self.flush()

@@ -1,0 +1,131 @@
+"""``jsonl:PATH``: one JSON line per shipped step, in step order.
+
+::
+
+    {"step": 12, "metrics": {"train/loss": 0.41, "timing/step_time": 1.93},
+     "ranks": 8, "world_size": 8, "complete": true}
+
+Text events, when a step has some, are in ``"texts": [{"rank", "name", "text"}]``;
+hyperparameters are one line ``{"params": {...}}`` before the step that follows
+them. NaN and infinities are written as the JSON extensions ``NaN``,
+``Infinity`` and ``-Infinity`` (Python's ``json`` reads them back).
+
+The last durable step is read back from the file itself; a torn last line (a
+crash mid-write) is cut off on open, so the file stays valid JSONL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from ranklog.schemas import ParamValue
+from ranklog.shippers._target import ShippedStep
+from ranklog.spool import RunInfo
+
+__all__ = ["JsonlTarget", "read_jsonl"]
+
+_TAIL = 1 << 20
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return (json.dumps(obj, separators=(", ", ": "), allow_nan=True) + "\n").encode()
+
+
+def step_line(s: ShippedStep) -> dict[str, Any]:
+    """The JSONL object of a shipped step (key order is part of the format)."""
+    obj: dict[str, Any] = {
+        "step": s.step,
+        "metrics": s.metrics,
+        "ranks": s.ranks,
+        "world_size": s.world_size,
+        "complete": s.complete,
+    }
+    if s.texts:
+        obj["texts"] = [{"rank": t.rank, "name": t.name, "text": t.text} for t in s.texts]
+    if s.per_rank is not None:
+        obj["per_rank"] = {str(r): v for r, v in sorted(s.per_rank.items())}
+    return obj
+
+
+class JsonlTarget:
+    """Appends one line per step to a file; durable after :meth:`flush` (fsync)."""
+
+    kind = "jsonl"
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.spec = f"jsonl:{self.path}"
+        self._f: BinaryIO | None = None
+
+    def open(self, run: RunInfo) -> int | None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        last = _repair_and_last_step(self.path)
+        self._f = open(self.path, "ab")  # noqa: SIM115 - held open across calls
+        return last
+
+    def write_params(self, params: dict[str, ParamValue]) -> None:
+        self._file().write(_line({"params": params}))
+
+    def write(self, steps: list[ShippedStep]) -> None:
+        f = self._file()
+        f.write(b"".join(_line(step_line(s)) for s in steps))
+
+    def flush(self) -> None:
+        f = self._file()
+        f.flush()
+        os.fsync(f.fileno())
+
+    def close(self) -> None:
+        if self._f is not None:
+            try:
+                self.flush()
+            finally:
+                self._f.close()
+                self._f = None
+
+    def _file(self) -> BinaryIO:
+        if self._f is None:
+            raise RuntimeError(f"{self.spec} is not open")
+        return self._f
+
+
+def _repair_and_last_step(path: Path) -> int | None:
+    """Cut a torn last line off ``path``; return the last step it holds."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return None
+    with open(path, "r+b") as f:
+        start = max(0, size - _TAIL)
+        f.seek(start)
+        tail = f.read()
+        if tail and not tail.endswith(b"\n"):
+            cut = tail.rfind(b"\n") + 1  # 0 when the torn line is the only one in the tail
+            f.truncate(start + cut)
+            tail = tail[:cut]
+            f.flush()
+            os.fsync(f.fileno())
+    for raw in reversed(tail.splitlines()):
+        try:
+            obj = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(obj, dict) and isinstance(obj.get("step"), int):
+            return int(obj["step"])
+    if size > _TAIL:  # no step line in the last MiB: read it all (rare: huge params/texts)
+        steps = [s["step"] for s in read_jsonl(path) if "step" in s]
+        return steps[-1] if steps else None
+    return None
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every complete line of a JSONL target file, parsed."""
+    out: list[dict[str, Any]] = []
+    with open(path, "rb") as f:
+        for raw in f:
+            if raw.endswith(b"\n"):
+                out.append(json.loads(raw))
+    return out
