@@ -115,8 +115,8 @@ class Partial:
             values = self.values + other.values
         return Partial(
             count=self.count + other.count,
-            total=math.fsum((self.total, other.total)),
-            sumsq=math.fsum((self.sumsq, other.sumsq)),
+            total=_add(self.total, other.total),
+            sumsq=_add(self.sumsq, other.sumsq),
             lo=min(self.lo, other.lo),
             hi=max(self.hi, other.hi),
             nans=self.nans + other.nans,
@@ -158,6 +158,16 @@ class Partial:
         if self.values is not None:  # exact two-pass form
             return math.sqrt(math.fsum((v - mean) ** 2 for v in self.values) / self.count)
         return math.sqrt(max(0.0, self.sumsq / self.count - mean * mean))
+
+
+def _add(a: float, b: float) -> float:
+    """a + b, exactly rounded where both are finite (fsum raises on inf - inf)."""
+    if math.isfinite(a) and math.isfinite(b):
+        try:
+            return math.fsum((a, b))
+        except OverflowError:
+            return a + b
+    return a + b
 
 
 def _median(values: list[float]) -> float:

@@ -1,0 +1,170 @@
+"""Reduction across ranks against a numpy oracle, and merging of partial aggregates."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ranklog.schemas import Metrics, Text, Timer
+from ranklog.shippers import Partial
+from ranklog.shippers._reduce import output_names, parse_ops
+from ranklog.shippers._steps import Contribution, StepAcc, reduce_step
+
+OPS = ("mean", "sum", "min", "max", "median", "std", "count", "last")
+FLOATS = st.one_of(
+    st.floats(-1e6, 1e6, allow_nan=False),
+    st.sampled_from([math.nan, math.inf, -math.inf, 0.0, -0.0]),
+)
+
+
+def oracle(values: list[float], op: str) -> float:
+    """numpy's answer (population std, NaN-propagating)."""
+    a = np.array(values, dtype=np.float64)
+    with np.errstate(all="ignore"):
+        return float(
+            {
+                "mean": np.mean,
+                "sum": np.sum,
+                "min": np.min,
+                "max": np.max,
+                "median": np.median,
+                "std": np.std,
+                "count": len,
+                "last": lambda x: x[-1],
+            }[op](a)
+        )
+
+
+def same(a: float, b: float) -> bool:
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return a == b or math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
+
+
+class TestPartial:
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(FLOATS, min_size=1, max_size=40), st.sampled_from(OPS))
+    def test_matches_numpy(self, values: list[float], op: str) -> None:
+        """Every op on one partial equals numpy's result, NaN and inf included."""
+        p = Partial.of(values, last=(float(len(values)), 0, values[-1]), ops=(op,))
+        assert same(p.result(op), oracle(values, op)), (values, op)
+
+    @settings(max_examples=300, deadline=None)
+    @given(
+        st.lists(st.lists(FLOATS, min_size=1, max_size=10), min_size=1, max_size=6),
+        st.sampled_from(OPS),
+    )
+    def test_merge_equals_whole(self, shards: list[list[float]], op: str) -> None:
+        """Merging the partials of shards gives the partial of all values (fan-in)."""
+        ops = (op,)
+        ts = 0.0
+        parts = []
+        for shard in shards:
+            ts += 1
+            parts.append(Partial.of(shard, last=(ts, 0, shard[-1]), ops=ops))
+        merged = parts[0]
+        for p in parts[1:]:
+            merged = merged.merge(p)
+        flat = [calls[0] for r in sorted(data) for calls in data[r]]
+        expected = oracle(flat, op)
+        if op in ("sum", "mean") and all(math.isfinite(v) for v in flat):
+            assert math.isclose(merged.result(op), expected, rel_tol=1e-9, abs_tol=1e-6)
+        elif op == "std" and all(math.isfinite(v) for v in flat):
+            assert math.isclose(merged.result(op), expected, rel_tol=1e-6, abs_tol=1e-3)
+        else:
+            assert same(merged.result(op), expected)
+
+    def test_sum_is_order_independent(self) -> None:
+        """fsum makes a sum exact, so the arrival order of ranks never changes a result."""
+        values = [1e16, 1.0, -1e16, 1.0] * 10
+        a = Partial.of(values, last=(0, 0, 0), ops=("sum",)).result("sum")
+        b = Partial.of(sorted(values), last=(0, 0, 0), ops=("sum",)).result("sum")
+        assert a == b == 20.0
+
+
+class TestOps:
+    def test_parse_and_names(self) -> None:
+        """One op ships under the plain name; several under name/op; junk falls back to mean."""
+        assert parse_ops("mean,max") == ("mean", "max")
+        assert parse_ops("bogus") == ("mean",)
+        assert output_names("loss", ("mean",)) == ["loss"]
+        assert output_names("loss", ("mean", "max")) == ["loss/mean", "loss/max"]
+
+
+def _acc(per_rank: dict[int, list[object]]) -> StepAcc:
+    return StepAcc({r: Contribution(1, list(evs)) for r, evs in per_rank.items()})  # type: ignore[arg-type]
+
+
+class TestReduceStep:
+    @settings(max_examples=150, deadline=None)
+    @given(
+        st.dictionaries(
+            st.integers(0, 15),
+            st.lists(st.lists(FLOATS, min_size=1, max_size=3), min_size=1, max_size=3),
+            min_size=1,
+            max_size=8,
+        ),
+        st.sampled_from(OPS),
+    )
+    def test_every_value_of_every_rank(self, data: dict[int, list[list[float]]], op: str) -> None:
+        """All values of all ranks and calls in a step are reduced with the op asked for."""
+        acc = _acc(
+            {
+                r: [Metrics(10.0 * r + i, 5, {"x": v[0]}, op) for i, v in enumerate(calls)]
+                for r, calls in data.items()
+            }
+        )
+        shipped = reduce_step(5, acc, closed=len(data), world_size=len(data))
+        flat = [
+            calls[i][0]
+            for r in sorted(data)
+            for i, calls in [(i, data[r]) for i in range(len(data[r]))]
+        ]
+        if op == "last":
+            r = max(data)
+            expected = data[r][-1][0]
+        else:
+            expected = oracle(flat, op)
+        assert same(shipped.metrics["x"], expected)
+        assert shipped.complete and shipped.ranks == len(data)
+
+    def test_timers_max_and_slowest_rank(self) -> None:
+        """Timers reduce with max by default and name the slowest rank."""
+        acc = _acc({r: [Timer(1.0, 3, "step_time", s)] for r, s in enumerate([1.0, 3.5, 2.0])})
+        s = reduce_step(3, acc, closed=3, world_size=3)
+        assert s.metrics == {"timing/step_time": 3.5, "timing/step_time/slowest_rank": 1.0}
+
+    def test_several_ops_and_partial(self) -> None:
+        """Several ops give name/op; a step missing ranks reports ranklog/ranks_reporting."""
+        acc = _acc(
+            {
+                0: [Metrics(1.0, 0, {"t": 2.0}, "sum,max")],
+                1: [Metrics(1.0, 0, {"t": 5.0}, "sum,max")],
+            }
+        )
+        s = reduce_step(0, acc, closed=2, world_size=4)
+        assert s.metrics == {"ranklog/ranks_reporting": 2.0, "t/max": 5.0, "t/sum": 7.0}
+        assert not s.complete and (s.ranks, s.world_size) == (2, 4)
+
+    def test_texts_pass_through_in_rank_order(self) -> None:
+        """Text events are not reduced: every rank's text is kept, in rank order."""
+        acc = _acc({1: [Text(1.0, 0, "val/s", "b")], 0: [Text(2.0, 0, "val/s", "a")]})
+        s = reduce_step(0, acc, closed=2, world_size=2)
+        assert [(t.rank, t.text) for t in s.texts] == [(0, "a"), (1, "b")] and s.metrics == {}
+
+    def test_per_rank_values(self) -> None:
+        """With per_rank, each rank's own values travel with the step."""
+        acc = _acc({0: [Metrics(1.0, 0, {"x": 1.0})], 1: [Metrics(1.0, 0, {"x": 3.0})]})
+        s = reduce_step(0, acc, closed=2, world_size=2, per_rank=True)
+        assert s.per_rank == {0: {"x": 1.0}, 1: {"x": 3.0}} and s.metrics == {"x": 2.0}
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_single_rank(op: str) -> None:
+    """A single rank's single value reduces to itself (count to 1, std to 0)."""
+    s = reduce_step(0, _acc({0: [Metrics(1.0, 0, {"x": 4.0}, op)]}), closed=1, world_size=1)
+    assert s.metrics["x"] == {"count": 1.0, "std": 0.0}.get(op, 4.0)
