@@ -126,6 +126,7 @@ class Shipper:
         self._durable_gap = (-1, -1)  # (cursor step, target step): shipped by a dead process
         self.run: RunInfo | None = None
         self.cursor = Cursor(name=name, target=target.spec)
+        self._last_commit = time.monotonic()
 
     # -- start ----------------------------------------------------------------------------
 
@@ -439,6 +440,11 @@ class Shipper:
                     continue
                 if self.progress is not None:
                     self.progress.update(self)
+                if shipped:
+                    self._last_commit = time.monotonic()
+                elif progressed and time.monotonic() - self._last_commit > 5.0:
+                    self._commit()  # record frames read that hold no step (ends, seals)
+                    self._last_commit = time.monotonic()
                 if progressed or shipped:
                     continue
                 if once:
@@ -448,6 +454,7 @@ class Shipper:
                 if deadline is not None and time.monotonic() > deadline:
                     break
                 self.source.wait(1.0)
+            self._commit()
         finally:
             self.source.close()
             self.target.close()

@@ -89,8 +89,7 @@ class SpoolSource:
         self._ranks_mtime = -1
         self._wake = threading.Event()
         self._observer: Any = None
-        if not self.polling:
-            self._start_observer()
+        self._observing = False
 
     @property
     def mode(self) -> str:
@@ -125,6 +124,9 @@ class SpoolSource:
 
     def wait(self, timeout: float) -> None:
         """Sleep until a change is reported (native) or for the poll interval."""
+        if not self.polling and not self._observing:
+            self._observing = True  # started on first wait: a --once run never needs it
+            self._start_observer()
         if self.polling:
             time.sleep(min(timeout, self.poll_interval))
         else:

@@ -1,0 +1,569 @@
+"""Benchmark the shipper: throughput and memory of ``ranklog ship``, and step latency.
+
+Run from the repository root::
+
+    .venv/bin/python tools/bench_shipper.py           # full run, a few minutes
+    .venv/bin/python tools/bench_shipper.py --quick   # smoke run, well under a minute
+
+It prints one Markdown table measured in this run:
+
+- throughput: a spool of 64 ranks x N steps x 20 float metrics, written directly
+  with ``IncarnationWriter`` (not timed), shipped by ``ranklog ship SPOOL --to
+  jsonl:OUT --once --quiet`` in a child process; at N and at 4N steps, so that
+  peak memory can be seen not to grow with the spool. Wall time includes the
+  child's interpreter start. Peak RSS and CPU time are the child's own, from
+  ``os.wait4`` (its rusage alone, not the cumulative maximum over all children
+  that ``RUSAGE_CHILDREN`` gives). The JSONL is checked: one line per step, every
+  step complete, reduced values as expected;
+- latency: 4 producer processes call ``log_metrics`` (20 keys) and ``step_end``
+  every 50 ms while a following shipper (``ranklog ship SPOOL --to jsonl:OUT``)
+  runs; the latency of step S is the time its JSONL line appeared (the file is
+  polled every millisecond) minus the latest ``step_end`` return of S over the
+  ranks. Once with the native observer (inotify on a local disk), once with
+  ``--poll 1``. The shipper must exit by itself once every rank closed.
+
+The targets are checked at the end. This is a developer tool, not a test:
+numbers depend on the machine and its load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Final
+
+METRICS: Final = 20
+NAMES: Final = tuple(f"train/m{k:02d}" for k in range(METRICS))
+STEPS_PER_FRAME: Final = 50
+THROUGHPUT_RANKS: Final = 64
+SCALE: Final = 4
+LATENCY_RANKS: Final = 4
+TAIL_POLL_S: Final = 0.001
+PRODUCE_ARG: Final = "--_produce"  # internal: run as one producer rank (latency benchmark)
+VERSIONS: Final = ("ranklog", "msgspec", "watchdog")
+
+TARGET_VALUES_PER_S: Final = 1_000_000
+TARGET_RSS_MB: Final = 300.0
+TARGET_RSS_GROWTH: Final = 1.25  # peak RSS at 4x the steps over peak RSS at 1x
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Sizes for one run of the benchmark."""
+
+    steps: int
+    latency_seconds: float
+    step_interval_s: float
+    ship_timeout_s: float
+
+
+FULL: Final = Budget(steps=2_000, latency_seconds=10.0, step_interval_s=0.05, ship_timeout_s=300)
+QUICK: Final = Budget(steps=250, latency_seconds=2.0, step_interval_s=0.05, ship_timeout_s=60)
+
+
+@dataclass(frozen=True)
+class ChildRun:
+    """A finished child process: its own wall time, CPU time and peak RSS."""
+
+    returncode: int
+    wall_s: float
+    cpu_s: float
+    maxrss_mb: float
+    stderr: str
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the result table; None where a column does not apply."""
+
+    name: str
+    size: str
+    wall_s: float | None = None
+    values_per_s: float | None = None
+    values_per_cpu_s: float | None = None
+    cpu_s: float | None = None
+    rss_mb: float | None = None
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    ok: bool = True
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class ProducerSpec:
+    """What one producer process of the latency benchmark does."""
+
+    spool: str
+    rank: int
+    world_size: int
+    steps: int
+    interval_s: float
+    times_path: str
+
+
+# -- helpers ----------------------------------------------------------------------------
+
+
+def _percentile(ordered: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of an already sorted sequence."""
+    return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
+
+
+def _values(rank: int, step: int) -> dict[str, float]:
+    """The 20 values a rank logs for a step: their mean over ranks is predictable."""
+    base = rank + step * 1e-3
+    return {name: base + k * 0.25 for k, name in enumerate(NAMES)}
+
+
+def _expected_mean(ranks: int, step: int, k: int) -> float:
+    return (ranks - 1) / 2 + step * 1e-3 + k * 0.25
+
+
+def _ship_cmd(spool: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "ranklog.cli", "ship", str(spool), "--to", f"jsonl:{out}",
+            "--quiet", *extra]  # fmt: skip
+
+
+def _reap(proc: subprocess.Popen[bytes], start: float, *, block: bool) -> ChildRun | None:
+    """``wait4`` the child: its own rusage (None if it is still running and not ``block``)."""
+    pid, status, usage = os.wait4(proc.pid, 0 if block else os.WNOHANG)
+    if pid == 0:
+        return None
+    wall = time.perf_counter() - start
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return ChildRun(
+        returncode=proc.returncode,
+        wall_s=wall,
+        cpu_s=usage.ru_utime + usage.ru_stime,
+        maxrss_mb=usage.ru_maxrss / 1024,  # KiB on Linux
+        stderr="",
+    )
+
+
+def _with_stderr(run: ChildRun, stderr: IO[bytes]) -> ChildRun:
+    stderr.seek(0)
+    text = stderr.read().decode(errors="replace")
+    return ChildRun(run.returncode, run.wall_s, run.cpu_s, run.maxrss_mb, text)
+
+
+def _run_measured(cmd: list[str], timeout: float) -> ChildRun:
+    """Run ``cmd`` to completion (killed after ``timeout``); stdout discarded."""
+    with tempfile.TemporaryFile() as stderr:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr)
+        killer = threading.Timer(timeout, proc.kill)
+        killer.start()
+        try:
+            run = _reap(proc, start, block=True)
+        finally:
+            killer.cancel()
+        assert run is not None
+        return _with_stderr(run, stderr)
+
+
+def _short(text: str, limit: int = 100) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+# -- throughput -------------------------------------------------------------------------
+
+
+def _write_rank(spool: Path, rank: int, world_size: int, steps: int) -> None:
+    """One rank's incarnation: rank_start, then frames of STEPS_PER_FRAME steps, rank_end."""
+    from ranklog import __version__
+    from ranklog.schemas import Event, Metrics, RankEnd, RankStart, StepEnd, encode_events
+    from ranklog.spool import IncarnationWriter, SpoolLayout, ensure_run
+
+    info = ensure_run(spool, world_size=world_size)
+    writer = IncarnationWriter.create(SpoolLayout(spool), info, rank, world_size=world_size)
+    t0 = info.created
+    start = RankStart(t0, info.run_id, rank, world_size, rank % 8, platform.node(), os.getpid(),
+                      writer.incarnation, __version__)  # fmt: skip
+    writer.write_events(1, [encode_events([start])])
+    for first in range(0, steps, STEPS_PER_FRAME):
+        events: list[Event] = []
+        for step in range(first, min(first + STEPS_PER_FRAME, steps)):
+            ts = t0 + step * 0.1
+            events.append(Metrics(ts, step, _values(rank, step)))
+            events.append(StepEnd(ts + 0.05, step))
+        writer.write_events(len(events), [encode_events(events)])
+    end = RankEnd(t0 + steps * 0.1, "ok", 0)
+    writer.write_events(1, [encode_events([end])])
+    writer.close(sync=False)
+
+
+def _write_spool(spool: Path, ranks: int, steps: int) -> None:
+    from ranklog.spool import ensure_run
+
+    ensure_run(spool, world_size=ranks)
+    for rank in range(ranks):
+        _write_rank(spool, rank, ranks, steps)
+    os.sync()  # the shipper should read from a settled page cache, not compete with writeback
+
+
+def _dir_mb(path: Path) -> float:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 1e6
+
+
+def _check_jsonl(path: Path, ranks: int, steps: int) -> str:
+    """Why the shipped JSONL is wrong, or '' when every step is there, complete and correct."""
+    lines = [json.loads(raw) for raw in path.read_bytes().splitlines()]
+    got = [obj for obj in lines if "step" in obj]
+    if len(got) != steps:
+        return f"{len(got)} step lines, expected {steps}"
+    for i, obj in enumerate(got):
+        if obj["step"] != i or not obj["complete"] or obj["ranks"] != ranks:
+            return f"line {i}: step {obj['step']} complete={obj['complete']} ranks={obj['ranks']}"
+        metrics = obj["metrics"]
+        if len(metrics) != METRICS:
+            return f"step {i}: {len(metrics)} metrics, expected {METRICS}"
+        for k, name in enumerate(NAMES):
+            if abs(metrics[name] - _expected_mean(ranks, i, k)) > 1e-9:
+                return f"step {i}: {name}={metrics[name]}, expected {_expected_mean(ranks, i, k)}"
+    return ""
+
+
+def _bench_throughput(base: Path, ranks: int, steps: int, timeout: float) -> Row:
+    """Ship a closed spool of ``ranks`` x ``steps`` x METRICS values with ``--once``."""
+    values = ranks * steps * METRICS
+    size = f"{ranks} ranks x {steps:,} steps ({values / 1e6:.2f} M values)"
+    with tempfile.TemporaryDirectory(prefix="ship-", dir=base) as tmp:
+        spool, out = Path(tmp) / "spool", Path(tmp) / "out.jsonl"
+        t0 = time.perf_counter()
+        _write_spool(spool, ranks, steps)
+        generated = time.perf_counter() - t0
+        spool_mb = _dir_mb(spool)
+        run = _run_measured(_ship_cmd(spool, out, "--once"), timeout)
+        problem = f"exit {run.returncode}: {_short(run.stderr)}" if run.returncode else ""
+        problem = problem or _check_jsonl(out, ranks, steps)
+    note = f"spool {spool_mb:,.0f} MB (written in {generated:.1f} s, not timed)"
+    return Row(
+        "ship --once (jsonl)",
+        size,
+        wall_s=run.wall_s,
+        values_per_s=values / run.wall_s,
+        values_per_cpu_s=values / run.cpu_s if run.cpu_s else None,
+        cpu_s=run.cpu_s,
+        rss_mb=run.maxrss_mb,
+        ok=not problem,
+        note=f"FAILED: {problem}; {note}" if problem else f"{steps:,} step lines OK; {note}",
+    )
+
+
+def _startup_row(timeout: float) -> Row:
+    """The fixed cost inside every wall time above: a child interpreter running the CLI."""
+    run = _run_measured([sys.executable, "-m", "ranklog.cli", "--version"], timeout)
+    return Row(
+        "python -m ranklog.cli --version",
+        "-",
+        wall_s=run.wall_s,
+        cpu_s=run.cpu_s,
+        rss_mb=run.maxrss_mb,
+        ok=run.returncode == 0,
+        note="interpreter start + CLI import: the fixed part of each wall time",
+    )
+
+
+# -- latency ----------------------------------------------------------------------------
+
+
+def _produce(spec: ProducerSpec) -> int:
+    """One rank: wait for the start time on stdin, then log and close a step every interval."""
+    import ranklog
+
+    run = ranklog.init(spec.spool, rank=spec.rank, world_size=spec.world_size, durability="step")
+    print("ready", flush=True)
+    start = float(sys.stdin.readline())
+    done: list[float] = []
+    for step in range(spec.steps):
+        delay = start + step * spec.interval_s - time.time()
+        if delay > 0:
+            time.sleep(delay)
+        run.log_metrics(_values(spec.rank, step), step=step)
+        run.step_end(step)
+        done.append(time.time())
+    run.close()
+    Path(spec.times_path).write_text(json.dumps(done))
+    return 0
+
+
+def _start_producers(spool: Path, tmp: Path, budget: Budget) -> list[subprocess.Popen[bytes]]:
+    steps = round(budget.latency_seconds / budget.step_interval_s)
+    procs = []
+    for rank in range(LATENCY_RANKS):
+        spec = ProducerSpec(str(spool), rank, LATENCY_RANKS, steps, budget.step_interval_s,
+                            str(tmp / f"times-{rank}.json"))  # fmt: skip
+        cmd = [sys.executable, str(Path(__file__).resolve()), PRODUCE_ARG, json.dumps(asdict(spec))]
+        procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
+    for proc in procs:
+        assert proc.stdout is not None
+        if proc.stdout.readline().strip() != b"ready":
+            raise RuntimeError(f"producer {proc.args!r} did not start")
+    start = f"{time.time() + 0.2!r}\n".encode()
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write(start)
+        proc.stdin.close()
+    return procs
+
+
+class _Tail:
+    """Follows a JSONL file and notes when each step's line became complete."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.seen: dict[int, float] = {}
+        self._fd: int | None = None
+        self._offset = 0
+        self._partial = b""
+
+    def poll(self) -> None:
+        if self._fd is None:
+            try:
+                self._fd = os.open(self.path, os.O_RDONLY)
+            except FileNotFoundError:
+                return
+        data = os.pread(self._fd, 1 << 20, self._offset)
+        now = time.time()
+        if not data:
+            return
+        self._offset += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        for raw in lines:
+            obj = json.loads(raw)
+            if "step" in obj:
+                self.seen.setdefault(obj["step"], now)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _follow(
+    shipper: subprocess.Popen[bytes], start: float, tail: _Tail, deadline: float
+) -> ChildRun | None:
+    """Poll the JSONL until the shipper exits (its rusage) or ``deadline`` (None)."""
+    while time.monotonic() < deadline:
+        tail.poll()
+        run = _reap(shipper, start, block=False)
+        if run is not None:
+            tail.poll()
+            return run
+        time.sleep(TAIL_POLL_S)
+    return None
+
+
+def _wait_for(path: Path, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """Until the shipper opened its target (so its observer is up), or it died."""
+    deadline = time.monotonic() + timeout
+    while not path.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _latencies(tmp: Path, seen: dict[int, float]) -> tuple[list[float], int]:
+    """Sorted latencies in ms of the steps that shipped, and how many steps did not."""
+    per_rank = [json.loads((tmp / f"times-{r}.json").read_text()) for r in range(LATENCY_RANKS)]
+    closed = [max(times) for times in zip(*per_rank, strict=True)]
+    lat = sorted((seen[s] - t) * 1e3 for s, t in enumerate(closed) if s in seen)
+    return lat, len(closed) - len(lat)
+
+
+def _bench_latency(base: Path, budget: Budget, poll: float | None) -> Row:
+    mode = "native observer" if poll is None else f"--poll {poll:g}"
+    size = f"{LATENCY_RANKS} ranks, step every {budget.step_interval_s * 1e3:.0f} ms"
+    size += f", {budget.latency_seconds:g} s"
+    from ranklog.spool import ensure_run
+
+    with tempfile.TemporaryDirectory(prefix="latency-", dir=base) as name:
+        tmp = Path(name)
+        spool, out = tmp / "spool", tmp / "out.jsonl"
+        ensure_run(spool, world_size=LATENCY_RANKS)
+        extra = [] if poll is None else ["--poll", str(poll)]
+        with tempfile.TemporaryFile() as stderr:
+            start = time.perf_counter()
+            shipper = subprocess.Popen(_ship_cmd(spool, out, *extra), stderr=stderr)
+            tail = _Tail(out)
+            try:
+                _wait_for(out, shipper, timeout=30)
+                producers = _start_producers(spool, tmp, budget)
+                deadline = time.monotonic() + budget.latency_seconds + 30
+                run = _follow(shipper, start, tail, deadline)
+                codes = [p.wait(timeout=30) for p in producers]
+            finally:
+                tail.close()
+                if shipper.returncode is None:
+                    shipper.kill()
+                    _reap(shipper, start, block=True)
+            if run is not None:
+                run = _with_stderr(run, stderr)
+        lat, missing = _latencies(tmp, tail.seen) if not any(codes) else ([], -1)
+    problems = []
+    if run is None:
+        problems.append("shipper did not exit by itself; killed")
+    elif run.returncode:
+        problems.append(f"shipper exit {run.returncode}: {_short(run.stderr)}")
+    if any(codes):
+        problems.append(f"producer exit codes {codes}")
+    elif missing:
+        problems.append(f"{missing} steps never shipped")
+    note = f"{len(lat)} steps; shipper RSS/CPU over the whole run"
+    return Row(
+        f"step_end -> JSONL line ({mode})",
+        size,
+        cpu_s=None if run is None else run.cpu_s,
+        rss_mb=None if run is None else run.maxrss_mb,
+        p50_ms=_percentile(lat, 0.50) if lat else None,
+        p99_ms=_percentile(lat, 0.99) if lat else None,
+        ok=not problems,
+        note=f"FAILED: {', '.join(problems)}; {note}" if problems else note,
+    )
+
+
+# -- output -----------------------------------------------------------------------------
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _header(budget: Budget, base: Path, quick: bool) -> list[str]:
+    from ranklog.shippers._source import filesystem_of
+
+    versions = ", ".join(f"{name} {_version(name)}" for name in VERSIONS)
+    steps = round(budget.latency_seconds / budget.step_interval_s)
+    return [
+        f"# ranklog shipper benchmark{' (--quick)' if quick else ''}",
+        "",
+        f"- machine: {platform.platform()}, {platform.machine()}, "
+        f"{os.cpu_count()} CPUs, Python {platform.python_version()}",
+        f"- versions: {versions}",
+        f"- temp dir: {base} ({filesystem_of(base)}); {METRICS} float metrics per rank and step, "
+        f"{STEPS_PER_FRAME} steps per frame in generated spools",
+        "- throughput: `ranklog ship SPOOL --to jsonl:OUT --once --quiet` in a child; "
+        "wall time includes interpreter start; CPU (user+sys) and peak RSS from os.wait4",
+        f"- latency: {LATENCY_RANKS} producer processes (durability=step), {steps} steps each; "
+        f"JSONL polled every {TAIL_POLL_S * 1e3:g} ms; latency = line seen - last step_end return",
+        "",
+    ]
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.{digits}f}" if value < 100 else f"{value:,.0f}"
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value / 1e6:,.2f} M"
+
+
+def _table(rows: Sequence[Row]) -> list[str]:
+    lines = [
+        "| benchmark | size | wall s | values/s | values/CPU-s | CPU s | peak RSS MB "
+        "| p50 ms | p99 ms | note |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row.name} | {row.size} | {_fmt(row.wall_s)} | {_rate(row.values_per_s)} "
+            f"| {_rate(row.values_per_cpu_s)} | {_fmt(row.cpu_s)} | {_fmt(row.rss_mb, 1)} "
+            f"| {_fmt(row.p50_ms, 1)} | {_fmt(row.p99_ms, 1)} | {row.note} |"
+        )
+    return lines
+
+
+def _verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("PASS" if ok else "FAIL")
+
+
+def _targets(small: Row, large: Row, latency: Sequence[Row]) -> list[str]:
+    growth = large.rss_mb / small.rss_mb if large.rss_mb and small.rss_mb else None
+    checks: list[tuple[str, str, bool | None]] = [
+        (
+            "shipped JSONL correct (every step once, complete, expected means)",
+            "yes" if small.ok and large.ok else "no",
+            small.ok and large.ok,
+        ),
+    ]
+    for row in (small, large):
+        rate = row.values_per_s or 0.0
+        checks.append((
+            f">= {TARGET_VALUES_PER_S / 1e6:g} M values/s, wall time ({row.size})",
+            f"{_rate(row.values_per_s)} values/s ({_rate(row.values_per_cpu_s)} per CPU-s)",
+            rate >= TARGET_VALUES_PER_S,
+        ))  # fmt: skip
+    for row in (small, large):
+        checks.append((
+            f"peak RSS < {TARGET_RSS_MB:g} MB ({row.size})",
+            f"{_fmt(row.rss_mb, 1)} MB",
+            None if row.rss_mb is None else row.rss_mb < TARGET_RSS_MB,
+        ))  # fmt: skip
+    checks.append((
+        f"peak RSS at {SCALE}x the steps <= {TARGET_RSS_GROWTH:g}x peak RSS at 1x",
+        "-" if growth is None else f"{growth:.2f}x",
+        None if growth is None else growth <= TARGET_RSS_GROWTH,
+    ))  # fmt: skip
+    checks += [
+        (f"{row.name}: shipper exits by itself, every step shipped", "-", row.ok) for row in latency
+    ]
+    lines = ["", "## Targets", ""]
+    lines += [f"- {_verdict(ok)}: {what}: {got}" for what, got, ok in checks]
+    lines += [
+        f"- info: {row.name}: p50 {_fmt(row.p50_ms, 1)} ms, p99 {_fmt(row.p99_ms, 1)} ms "
+        "(no target)"
+        for row in latency
+    ]
+    return lines
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument(
+        "--quick", action="store_true", help="small spools, short latency runs: well under a minute"
+    )
+    parser.add_argument(
+        "--tmp-dir",
+        type=Path,
+        default=None,
+        help="where the spools and JSONL files go (default: the system temp dir)",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == [PRODUCE_ARG]:
+        return _produce(ProducerSpec(**json.loads(argv[1])))
+    args = _parse_args(argv)
+    budget = QUICK if args.quick else FULL
+    base = Path(args.tmp_dir or tempfile.gettempdir()).resolve()
+    base.mkdir(parents=True, exist_ok=True)
+    lines = _header(budget, base, args.quick)
+    small = _bench_throughput(base, THROUGHPUT_RANKS, budget.steps, budget.ship_timeout_s)
+    large = _bench_throughput(base, THROUGHPUT_RANKS, SCALE * budget.steps, budget.ship_timeout_s)
+    latency = [_bench_latency(base, budget, poll) for poll in (None, 1.0)]
+    rows = [small, large, _startup_row(budget.ship_timeout_s), *latency]
+    lines += _table(rows)
+    lines += _targets(small, large, latency)
+    print("\n".join(lines), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
