@@ -29,14 +29,16 @@ numbers depend on the machine and its load.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
+import math
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -52,6 +54,21 @@ LATENCY_RANKS: Final = 4
 TAIL_POLL_S: Final = 0.001
 PRODUCE_ARG: Final = "--_produce"  # internal: run as one producer rank (latency benchmark)
 VERSIONS: Final = ("ranklog", "msgspec", "watchdog")
+
+#: Runs a command as its child and writes "exit wall_s cpu_s maxrss_kib" to argv[1].
+#: ru_maxrss survives exec (Linux keeps the old image's peak), so a child spawned by
+#: this benchmark would report at least the benchmark's own peak RSS; spawned by this
+#: small launcher (python -I -S, about 9 MB), the floor is the launcher's instead.
+_LAUNCHER: Final = (
+    "import os, sys, time\n"
+    "t = time.perf_counter()\n"
+    "pid = os.posix_spawn(sys.argv[2], sys.argv[2:], os.environ)\n"
+    "_, status, ru = os.wait4(pid, 0)\n"
+    "wall = time.perf_counter() - t\n"
+    "code = os.waitstatus_to_exitcode(status)\n"
+    "with open(sys.argv[1], 'w') as f:\n"
+    "    f.write(f'{code} {wall!r} {ru.ru_utime + ru.ru_stime!r} {ru.ru_maxrss}')\n"
+)
 
 TARGET_VALUES_PER_S: Final = 1_000_000
 TARGET_RSS_MB: Final = 300.0
@@ -135,41 +152,41 @@ def _ship_cmd(spool: Path, out: Path, *extra: str) -> list[str]:
             "--quiet", *extra]  # fmt: skip
 
 
-def _reap(proc: subprocess.Popen[bytes], start: float, *, block: bool) -> ChildRun | None:
-    """``wait4`` the child: its own rusage (None if it is still running and not ``block``)."""
-    pid, status, usage = os.wait4(proc.pid, 0 if block else os.WNOHANG)
-    if pid == 0:
-        return None
-    wall = time.perf_counter() - start
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return ChildRun(
-        returncode=proc.returncode,
-        wall_s=wall,
-        cpu_s=usage.ru_utime + usage.ru_stime,
-        maxrss_mb=usage.ru_maxrss / 1024,  # KiB on Linux
-        stderr="",
+def _launch(cmd: list[str], result: Path, stderr: IO[bytes]) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` under the launcher, in its own session (so a kill takes both)."""
+    launcher = [sys.executable, "-I", "-S", "-c", _LAUNCHER, str(result), *cmd]
+    return subprocess.Popen(
+        launcher, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True
     )
 
 
-def _with_stderr(run: ChildRun, stderr: IO[bytes]) -> ChildRun:
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _collect(proc: subprocess.Popen[bytes], result: Path, stderr: IO[bytes]) -> ChildRun:
+    """What the launcher measured (NaNs when it was killed before it could say)."""
     stderr.seek(0)
     text = stderr.read().decode(errors="replace")
-    return ChildRun(run.returncode, run.wall_s, run.cpu_s, run.maxrss_mb, text)
+    try:
+        code, wall, cpu, maxrss_kib = result.read_text().split()
+    except (FileNotFoundError, ValueError):
+        return ChildRun(proc.returncode or -9, math.nan, math.nan, math.nan, text)
+    return ChildRun(int(code), float(wall), float(cpu), int(maxrss_kib) / 1024, text)
 
 
-def _run_measured(cmd: list[str], timeout: float) -> ChildRun:
+def _run_measured(cmd: list[str], scratch: Path, timeout: float) -> ChildRun:
     """Run ``cmd`` to completion (killed after ``timeout``); stdout discarded."""
+    result = scratch / "rusage.txt"
     with tempfile.TemporaryFile() as stderr:
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr)
-        killer = threading.Timer(timeout, proc.kill)
-        killer.start()
+        proc = _launch(cmd, result, stderr)
         try:
-            run = _reap(proc, start, block=True)
-        finally:
-            killer.cancel()
-        assert run is not None
-        return _with_stderr(run, stderr)
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            _kill(proc)
+        return _collect(proc, result, stderr)
 
 
 def _short(text: str, limit: int = 100) -> str:
@@ -245,7 +262,7 @@ def _bench_throughput(base: Path, ranks: int, steps: int, timeout: float) -> Row
         _write_spool(spool, ranks, steps)
         generated = time.perf_counter() - t0
         spool_mb = _dir_mb(spool)
-        run = _run_measured(_ship_cmd(spool, out, "--once"), timeout)
+        run = _run_measured(_ship_cmd(spool, out, "--once"), Path(tmp), timeout)
         problem = f"exit {run.returncode}: {_short(run.stderr)}" if run.returncode else ""
         problem = problem or _check_jsonl(out, ranks, steps)
     note = f"spool {spool_mb:,.0f} MB (written in {generated:.1f} s, not timed)"
@@ -262,9 +279,11 @@ def _bench_throughput(base: Path, ranks: int, steps: int, timeout: float) -> Row
     )
 
 
-def _startup_row(timeout: float) -> Row:
+def _startup_row(base: Path, timeout: float) -> Row:
     """The fixed cost inside every wall time above: a child interpreter running the CLI."""
-    run = _run_measured([sys.executable, "-m", "ranklog.cli", "--version"], timeout)
+    with tempfile.TemporaryDirectory(prefix="startup-", dir=base) as tmp:
+        cmd = [sys.executable, "-m", "ranklog.cli", "--version"]
+        run = _run_measured(cmd, Path(tmp), timeout)
     return Row(
         "python -m ranklog.cli --version",
         "-",
@@ -352,18 +371,15 @@ class _Tail:
             self._fd = None
 
 
-def _follow(
-    shipper: subprocess.Popen[bytes], start: float, tail: _Tail, deadline: float
-) -> ChildRun | None:
-    """Poll the JSONL until the shipper exits (its rusage) or ``deadline`` (None)."""
+def _follow(shipper: subprocess.Popen[bytes], tail: _Tail, deadline: float) -> bool:
+    """Poll the JSONL until the shipper exits (True) or ``deadline`` passes (False)."""
     while time.monotonic() < deadline:
         tail.poll()
-        run = _reap(shipper, start, block=False)
-        if run is not None:
+        if shipper.poll() is not None:
             tail.poll()
-            return run
+            return True
         time.sleep(TAIL_POLL_S)
-    return None
+    return False
 
 
 def _wait_for(path: Path, proc: subprocess.Popen[bytes], timeout: float) -> None:
@@ -393,25 +409,21 @@ def _bench_latency(base: Path, budget: Budget, poll: float | None) -> Row:
         ensure_run(spool, world_size=LATENCY_RANKS)
         extra = [] if poll is None else ["--poll", str(poll)]
         with tempfile.TemporaryFile() as stderr:
-            start = time.perf_counter()
-            shipper = subprocess.Popen(_ship_cmd(spool, out, *extra), stderr=stderr)
+            shipper = _launch(_ship_cmd(spool, out, *extra), tmp / "rusage.txt", stderr)
             tail = _Tail(out)
             try:
                 _wait_for(out, shipper, timeout=30)
                 producers = _start_producers(spool, tmp, budget)
-                deadline = time.monotonic() + budget.latency_seconds + 30
-                run = _follow(shipper, start, tail, deadline)
+                exited = _follow(shipper, tail, time.monotonic() + budget.latency_seconds + 30)
                 codes = [p.wait(timeout=30) for p in producers]
             finally:
                 tail.close()
                 if shipper.returncode is None:
-                    shipper.kill()
-                    _reap(shipper, start, block=True)
-            if run is not None:
-                run = _with_stderr(run, stderr)
+                    _kill(shipper)
+            run = _collect(shipper, tmp / "rusage.txt", stderr)
         lat, missing = _latencies(tmp, tail.seen) if not any(codes) else ([], -1)
     problems = []
-    if run is None:
+    if not exited:
         problems.append("shipper did not exit by itself; killed")
     elif run.returncode:
         problems.append(f"shipper exit {run.returncode}: {_short(run.stderr)}")
@@ -423,8 +435,8 @@ def _bench_latency(base: Path, budget: Budget, poll: float | None) -> Row:
     return Row(
         f"step_end -> JSONL line ({mode})",
         size,
-        cpu_s=None if run is None else run.cpu_s,
-        rss_mb=None if run is None else run.maxrss_mb,
+        cpu_s=run.cpu_s if exited else None,
+        rss_mb=run.maxrss_mb if exited else None,
         p50_ms=_percentile(lat, 0.50) if lat else None,
         p99_ms=_percentile(lat, 0.99) if lat else None,
         ok=not problems,
@@ -456,7 +468,8 @@ def _header(budget: Budget, base: Path, quick: bool) -> list[str]:
         f"- temp dir: {base} ({filesystem_of(base)}); {METRICS} float metrics per rank and step, "
         f"{STEPS_PER_FRAME} steps per frame in generated spools",
         "- throughput: `ranklog ship SPOOL --to jsonl:OUT --once --quiet` in a child; "
-        "wall time includes interpreter start; CPU (user+sys) and peak RSS from os.wait4",
+        "wall time includes interpreter start; CPU (user+sys) and peak RSS: the child's own "
+        "rusage (os.wait4 in a small launcher process, see _LAUNCHER)",
         f"- latency: {LATENCY_RANKS} producer processes (durability=step), {steps} steps each; "
         f"JSONL polled every {TAIL_POLL_S * 1e3:g} ms; latency = line seen - last step_end return",
         "",
@@ -558,7 +571,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     small = _bench_throughput(base, THROUGHPUT_RANKS, budget.steps, budget.ship_timeout_s)
     large = _bench_throughput(base, THROUGHPUT_RANKS, SCALE * budget.steps, budget.ship_timeout_s)
     latency = [_bench_latency(base, budget, poll) for poll in (None, 1.0)]
-    rows = [small, large, _startup_row(budget.ship_timeout_s), *latency]
+    rows = [small, large, _startup_row(base, budget.ship_timeout_s), *latency]
     lines += _table(rows)
     lines += _targets(small, large, latency)
     print("\n".join(lines), flush=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from ranklog.schemas import ParamValue
 from ranklog.shippers._target import ShippedStep
@@ -51,45 +51,53 @@ def step_line(s: ShippedStep) -> dict[str, Any]:
 
 
 class JsonlTarget:
-    """Appends one line per step to a file; durable after :meth:`flush` (fsync)."""
+    """Appends one line per step to a file; durable after :meth:`flush` (fsync).
+
+    Writes are unbuffered (one ``write`` per batch), so what a killed shipper
+    wrote is exactly what the OS has.
+    """
 
     kind = "jsonl"
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.spec = f"jsonl:{self.path}"
-        self._f: BinaryIO | None = None
+        self._fd: int | None = None
 
     def open(self, run: RunInfo) -> int | None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         last = _repair_and_last_step(self.path)
-        self._f = open(self.path, "ab")  # noqa: SIM115 - held open across calls
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
+        self._fd = os.open(self.path, flags, 0o644)
         return last
 
     def write_params(self, params: dict[str, ParamValue]) -> None:
-        self._file().write(_line({"params": params}))
+        self._write(_line({"params": params}))
 
     def write(self, steps: list[ShippedStep]) -> None:
-        f = self._file()
-        f.write(b"".join(_line(step_line(s)) for s in steps))
+        self._write(b"".join(_line(step_line(s)) for s in steps))
+
+    def _write(self, data: bytes) -> None:
+        fd = self._require()
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
 
     def flush(self) -> None:
-        f = self._file()
-        f.flush()
-        os.fsync(f.fileno())
+        os.fsync(self._require())
 
     def close(self) -> None:
-        if self._f is not None:
+        if self._fd is not None:
             try:
                 self.flush()
             finally:
-                self._f.close()
-                self._f = None
+                os.close(self._fd)
+                self._fd = None
 
-    def _file(self) -> BinaryIO:
-        if self._f is None:
+    def _require(self) -> int:
+        if self._fd is None:
             raise RuntimeError(f"{self.spec} is not open")
-        return self._f
+        return self._fd
 
 
 def _repair_and_last_step(path: Path) -> int | None:

@@ -1,0 +1,79 @@
+"""Every durable target passes the same exactly-once compliance test."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ranklog.shippers.jsonl import JsonlTarget, read_jsonl
+
+from .compliance import Backend, chaos, check, kill_and_restart, make_spool, run_once
+
+
+def _jsonl_back(work: Path) -> list[tuple[int, dict[str, float]]]:
+    return [(x["step"], x["metrics"]) for x in read_jsonl(work / "out.jsonl") if "step" in x]
+
+
+BACKENDS = [
+    Backend("jsonl", lambda work: JsonlTarget(work / "out.jsonl"), _jsonl_back),
+]
+
+
+@pytest.fixture(params=BACKENDS, ids=lambda b: b.name)
+def backend(request: pytest.FixtureRequest) -> Backend:
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def work(tmp_path: Path) -> Path:
+    (tmp_path / "work").mkdir()
+    return tmp_path / "work"
+
+
+@pytest.fixture
+def made(spool: Path) -> Path:
+    make_spool(spool)
+    return spool
+
+
+class TestCompliance:
+    def test_every_step_once(self, backend: Backend, made: Path, work: Path) -> None:
+        """A plain run ships every step once, in order, with the reduced value."""
+        run_once(made, backend.make(work))
+        check(backend, work)
+
+    def test_rerun_sends_nothing_twice(self, backend: Backend, made: Path, work: Path) -> None:
+        """Shipping again without the cursor adds nothing: the target knows its last step."""
+        run_once(made, backend.make(work))
+        (made / "cursors" / "compliance.json").unlink()
+        run_once(made, backend.make(work))
+        check(backend, work)
+
+    @pytest.mark.parametrize("after", [False, True], ids=["before", "after"])
+    @pytest.mark.parametrize(
+        ("method", "n"),
+        [("open", 1), ("write_params", 1), ("write", 1), ("write", 3), ("flush", 1),
+         ("flush", 4), ("commit", 1), ("commit", 3)],
+    )  # fmt: skip
+    def test_killed_anywhere(
+        self,
+        backend: Backend,
+        made: Path,
+        work: Path,
+        method: str,
+        n: int,
+        after: bool,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        """Killed before or after any call, then restarted: each step exactly once."""
+        kill_and_restart(backend, made, work, method, n, monkeypatch, after=after)
+        check(backend, work)
+
+    @pytest.mark.parametrize("seed", [1, 2, 3])
+    def test_killed_again_and_again(
+        self, backend: Backend, made: Path, work: Path, seed: int, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A dozen deaths at random calls, then a clean run: each step exactly once."""
+        chaos(backend, made, work, seed, monkeypatch)
+        check(backend, work)
