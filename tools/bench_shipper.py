@@ -86,7 +86,7 @@ class Budget:
 
 
 FULL: Final = Budget(steps=2_000, latency_seconds=10.0, step_interval_s=0.05, ship_timeout_s=300)
-QUICK: Final = Budget(steps=250, latency_seconds=2.0, step_interval_s=0.05, ship_timeout_s=60)
+QUICK: Final = Budget(steps=1_000, latency_seconds=2.0, step_interval_s=0.05, ship_timeout_s=60)
 
 
 @dataclass(frozen=True)
@@ -161,8 +161,12 @@ def _launch(cmd: list[str], result: Path, stderr: IO[bytes]) -> subprocess.Popen
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
+    """Kill ``proc`` and, when it leads its own session (the launcher), its child too."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if os.getpgid(proc.pid) == proc.pid:
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.kill()
     proc.wait()
 
 
@@ -318,9 +322,11 @@ def _produce(spec: ProducerSpec) -> int:
     return 0
 
 
-def _start_producers(spool: Path, tmp: Path, budget: Budget) -> list[subprocess.Popen[bytes]]:
+def _start_producers(
+    spool: Path, tmp: Path, budget: Budget, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    """Start the producer processes (into ``procs``), then release them all at once."""
     steps = round(budget.latency_seconds / budget.step_interval_s)
-    procs = []
     for rank in range(LATENCY_RANKS):
         spec = ProducerSpec(str(spool), rank, LATENCY_RANKS, steps, budget.step_interval_s,
                             str(tmp / f"times-{rank}.json"))  # fmt: skip
@@ -335,7 +341,6 @@ def _start_producers(spool: Path, tmp: Path, budget: Budget) -> list[subprocess.
         assert proc.stdin is not None
         proc.stdin.write(start)
         proc.stdin.close()
-    return procs
 
 
 class _Tail:
@@ -398,11 +403,12 @@ def _latencies(tmp: Path, seen: dict[int, float]) -> tuple[list[float], int]:
 
 
 def _bench_latency(base: Path, budget: Budget, poll: float | None) -> Row:
+    from ranklog.spool import ensure_run
+
     mode = "native observer" if poll is None else f"--poll {poll:g}"
     size = f"{LATENCY_RANKS} ranks, step every {budget.step_interval_s * 1e3:.0f} ms"
     size += f", {budget.latency_seconds:g} s"
-    from ranklog.spool import ensure_run
-
+    producers: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory(prefix="latency-", dir=base) as name:
         tmp = Path(name)
         spool, out = tmp / "spool", tmp / "out.jsonl"
@@ -413,13 +419,14 @@ def _bench_latency(base: Path, budget: Budget, poll: float | None) -> Row:
             tail = _Tail(out)
             try:
                 _wait_for(out, shipper, timeout=30)
-                producers = _start_producers(spool, tmp, budget)
+                _start_producers(spool, tmp, budget, producers)
                 exited = _follow(shipper, tail, time.monotonic() + budget.latency_seconds + 30)
                 codes = [p.wait(timeout=30) for p in producers]
             finally:
                 tail.close()
-                if shipper.returncode is None:
-                    _kill(shipper)
+                for proc in [shipper, *producers]:
+                    if proc.poll() is None:
+                        _kill(proc)
             run = _collect(shipper, tmp / "rusage.txt", stderr)
         lat, missing = _latencies(tmp, tail.seen) if not any(codes) else ([], -1)
     problems = []
