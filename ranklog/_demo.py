@@ -62,11 +62,18 @@ def rank_main(spool: str, steps: int, step_seconds: float) -> None:
 
 
 def run_demo(spool: Path, *, ranks: int = 4, steps: int = 300, step_seconds: float = 0.01) -> int:
-    """Launch ``ranks`` processes into ``spool``, wait, and print ``ranklog inspect``."""
-    from ranklog.spool._inspect import format_summary, summarize
+    """Launch ``ranks`` processes into ``spool`` with live shippers, then inspect the spool.
 
+    Returns the exit code: 0 when every rank and every shipper succeeded.
+    """
+    out = spool.parent
     spool.mkdir(parents=True, exist_ok=True)
     print(f"demo: {ranks} ranks x {steps} steps into {spool}", flush=True)
+    every = max(1, steps // 6)
+    shipper = subprocess.Popen(
+        [sys.executable, "-m", "ranklog.cli", "ship", str(spool), "--quiet", "--samples", "1",
+         "--to", f"jsonl:{out / 'metrics.jsonl'}", "--to", f"console:{every}"]
+    )  # fmt: skip
     procs = []
     t0 = time.monotonic()
     for r in range(ranks):
@@ -81,6 +88,14 @@ def run_demo(spool: Path, *, ranks: int = 4, steps: int = 300, step_seconds: flo
             )
         )
     codes = [p.wait() for p in procs]
-    print(f"demo: ranks exited with {codes} after {time.monotonic() - t0:.1f}s\n", flush=True)
-    print(format_summary(summarize(spool)))
-    return 0 if not any(codes) else 1
+    print(f"demo: ranks exited with {codes} after {time.monotonic() - t0:.1f}s", flush=True)
+    shipped = shipper.wait()
+    print(f"demo: shippers exited with {shipped}; reduced steps in {out / 'metrics.jsonl'}\n")
+    _inspect(spool)
+    return 0 if not any(codes) and shipped == 0 else 1
+
+
+def _inspect(spool: Path) -> None:
+    from ranklog.cli import main
+
+    main(["inspect", str(spool)])

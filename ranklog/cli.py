@@ -19,8 +19,12 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ranklog._version import __version__
+
+if TYPE_CHECKING:
+    from ranklog.spool._inspect import SpoolSummary
 
 __all__ = ["main"]
 
@@ -33,12 +37,43 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"ranklog inspect: {spool} is not a directory", file=sys.stderr)
         return 2
     summary = summarize(spool)
+    _add_shippers(summary)
     if args.json:
         json.dump(summary.to_dict(), sys.stdout, indent=1, default=str)
         print()
     else:
         print(format_summary(summary))
     return 0
+
+
+def _add_shippers(summary: SpoolSummary) -> None:
+    """Each shipper's cursor, with its lag behind what the ranks closed."""
+    from ranklog.shippers import list_cursors
+    from ranklog.spool import HEADER_SIZE
+    from ranklog.spool._inspect import ShipperSummary
+
+    top = max(
+        (i.closed_step for i in summary.incarnations if i.closed_step is not None), default=-1
+    )
+    for c in list_cursors(summary.spool):
+        lag_bytes = sum(
+            max(0, size - max(c.segments[k].offset if k in c.segments else 0, HEADER_SIZE))
+            for k, size in summary.sizes.items()
+        )
+        summary.shippers.append(
+            ShipperSummary(
+                name=c.name,
+                target=c.target,
+                last_step=c.last_step,
+                steps_shipped=c.steps_shipped,
+                lag_steps=max(0, top - c.last_step),
+                lag_bytes=lag_bytes,
+                late_events=c.late_events,
+                relogged_events=c.relogged_events,
+                bad_ranges=c.bad_ranges,
+                updated=c.updated,
+            )
+        )
 
 
 def _ship(args: argparse.Namespace) -> int:
@@ -123,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         required=True,
         metavar="TARGET",
-        help="jsonl:PATH | console (repeatable: one process per target)",
+        help="jsonl:PATH | console[:N] (every N-th step); repeatable: one process per target",
     )
     ship.add_argument("--once", action="store_true", help="ship what is ready, then exit 0")
     ship.add_argument(

@@ -61,9 +61,52 @@ class TestInspect:
         assert "not a directory" in capsys.readouterr().err
 
 
+class TestShipAndInspect:
+    def test_ship_once_then_inspect_shows_the_cursor(
+        self, spool: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """`ranklog ship --once` drains what is ready; inspect shows last step and lag."""
+        a = ranklog.init(spool, rank=0, world_size=2, handle_signals=False)
+        b = ranklog.init(spool, rank=1, world_size=2, handle_signals=False)
+        for step in range(6):
+            a.log_metrics({"loss": 1.0}, step=step)
+            a.step_end(step)
+        for step in range(3):
+            b.log_metrics({"loss": 3.0}, step=step)
+            b.step_end(step)
+        out = tmp_path / "o.jsonl"
+        assert main(["ship", str(spool), "--to", f"jsonl:{out}", "--once", "--quiet"]) == 0
+        assert len(out.read_text().splitlines()) == 3
+        capsys.readouterr()
+        assert main(["inspect", str(spool), "--json"]) == 0
+        (sh,) = json.loads(capsys.readouterr().out)["shippers"]
+        assert sh["target"] == f"jsonl:{out}" and sh["last_step"] == 2
+        assert sh["lag_steps"] == 3 and sh["lag_bytes"] > 0
+        a.close(), b.close()
+
+    def test_several_targets_one_process_each(self, spool: Path, tmp_path: Path) -> None:
+        """Two --to targets ship independently, each with its own cursor."""
+        with ranklog.init(spool, rank=0, world_size=1, handle_signals=False) as run:
+            for step in range(4):
+                run.log_metrics({"loss": 1.0}, step=step)
+                run.step_end(step)
+        a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+        argv = ["ship", str(spool), "--to", f"jsonl:{a}", "--to", f"jsonl:{b}", "--once"]
+        assert main([*argv, "--quiet"]) == 0
+        assert a.read_text() == b.read_text() and len(a.read_text().splitlines()) == 4
+        assert len(list((spool / "cursors").glob("*.json"))) == 2
+
+    def test_unknown_target(self, spool: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        """An unknown target kind exits 2 naming the kinds there are."""
+        ranklog.init(spool, rank=0, handle_signals=False).close()
+        assert main(["ship", str(spool), "--to", "carrier-pigeon:x", "--once"]) == 2
+        assert "jsonl:" in capsys.readouterr().err
+
+
 class TestDemo:
     def test_small_demo(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         """The demo runs its ranks to completion and prints the inspect table."""
         assert main(["demo", "--out", str(tmp_path), "--ranks", "2", "--steps", "20"]) == 0
         out = capsys.readouterr().out
         assert "2 seen, 2 ended" in out and "0..19" in out
+        assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 21  # params + 20

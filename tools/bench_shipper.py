@@ -86,6 +86,8 @@ class Budget:
 
 
 FULL: Final = Budget(steps=2_000, latency_seconds=10.0, step_interval_s=0.05, ship_timeout_s=300)
+# 1,000 steps: each rank's segment (~430 KB) is larger than what the shipper reads from
+# a segment per round (256 KB), so memory at 1x is already the bounded steady state.
 QUICK: Final = Budget(steps=1_000, latency_seconds=2.0, step_interval_s=0.05, ship_timeout_s=60)
 
 
@@ -295,7 +297,9 @@ def _startup_row(base: Path, timeout: float) -> Row:
         cpu_s=run.cpu_s,
         rss_mb=run.maxrss_mb,
         ok=run.returncode == 0,
-        note="interpreter start + CLI import: the fixed part of each wall time",
+        note="interpreter start + CLI import: the fixed part of each wall time"
+        if run.returncode == 0
+        else f"FAILED: exit {run.returncode}: {_short(run.stderr)}",
     )
 
 

@@ -24,7 +24,13 @@ def _jsonl(arg: str, spool: Path, samples: int) -> Target:
 def _console(arg: str, spool: Path, samples: int) -> Target:
     from ranklog.shippers.console import ConsoleTarget
 
-    return ConsoleTarget(samples=samples)
+    try:
+        every = int(arg) if arg else 1
+    except ValueError:
+        raise ConfigError(
+            f"console:{arg}: expected console or console:N (every N-th step)"
+        ) from None
+    return ConsoleTarget(samples=samples, every=every)
 
 
 #: kind -> factory(argument after the colon, spool, samples per step)

@@ -1,6 +1,7 @@
 """``console``: a readable per-step summary on standard output.
 
-Validation samples (text events whose name mentions ``sample``, ``val`` or
+``console:N`` prints every N-th step only (and every partial step, and every
+step with text). Validation samples (text events whose name mentions ``sample``, ``val`` or
 ``generation``) are pretty-printed in a box, at most ``samples`` per step (the
 role of NeMo RL's ``num_val_samples_to_print``); other text is one line each.
 The console keeps nothing, so it reports no durable step: a restarted console
@@ -37,9 +38,10 @@ class ConsoleTarget:
 
     kind = "console"
 
-    def __init__(self, *, samples: int = 2, stream: TextIO | None = None) -> None:
+    def __init__(self, *, samples: int = 2, every: int = 1, stream: TextIO | None = None) -> None:
         self.samples = samples
-        self.spec = "console"
+        self.every = max(1, every)
+        self.spec = "console" if every == 1 else f"console:{every}"
         self._out = stream
         self._run: RunInfo | None = None
 
@@ -59,7 +61,8 @@ class ConsoleTarget:
 
     def write(self, steps: list[ShippedStep]) -> None:
         for s in steps:
-            self._step(s)
+            if s.step % self.every == 0 or not s.complete or s.texts:
+                self._step(s)
 
     def _step(self, s: ShippedStep) -> None:
         flag = "" if s.complete else "  PARTIAL"

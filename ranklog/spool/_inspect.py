@@ -11,7 +11,13 @@ from ranklog.schemas import Heartbeat, Metrics, RankEnd, RankStart, StepEnd, Tex
 from ranklog.spool._layout import SegmentName, SpoolLayout, read_run
 from ranklog.spool._reader import BadRange, SegmentReader
 
-__all__ = ["IncarnationSummary", "SpoolSummary", "format_summary", "summarize"]
+__all__ = [
+    "IncarnationSummary",
+    "ShipperSummary",
+    "SpoolSummary",
+    "format_summary",
+    "summarize",
+]
 
 
 @dataclass(slots=True)
@@ -52,6 +58,22 @@ class IncarnationSummary:
 
 
 @dataclass(slots=True)
+class ShipperSummary:
+    """One shipper's progress, from its cursor."""
+
+    name: str
+    target: str
+    last_step: int
+    steps_shipped: int
+    lag_steps: int
+    lag_bytes: int
+    late_events: int
+    relogged_events: int
+    bad_ranges: int
+    updated: float
+
+
+@dataclass(slots=True)
 class SpoolSummary:
     """Everything ``ranklog inspect`` prints."""
 
@@ -63,6 +85,9 @@ class SpoolSummary:
     incarnations: list[IncarnationSummary] = field(default_factory=list)
     bad: list[BadRange] = field(default_factory=list)
     strays: list[str] = field(default_factory=list)
+    shippers: list[ShipperSummary] = field(default_factory=list)
+    #: segment key ("rank/incarnation-segment") -> size in bytes
+    sizes: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (``ranklog inspect --json``)."""
@@ -87,6 +112,9 @@ def summarize(root: str | os.PathLike[str]) -> SpoolSummary:
         for s in segs:
             by_inc.setdefault(s.incarnation, []).append(s)
         incs = sorted(by_inc)
+        for s in segs:
+            key = f"{s.rank:05d}/{s.incarnation:04d}-{s.segment:06d}"
+            summary.sizes[key] = s.path.stat(follow_symlinks=False).st_size
         for n, inc in enumerate(incs):
             later_inc = n + 1 < len(incs)
             summary.incarnations.append(_one(rank, inc, by_inc[inc], later_inc, summary.bad))
@@ -205,6 +233,13 @@ def format_summary(s: SpoolSummary, *, now: float | None = None) -> str:
     if s.strays:
         lines.append("strays  entries that are not segments (links are never followed):")
         lines += [f"  {p}" for p in s.strays]
+    for sh in s.shippers:
+        lines.append(
+            f"shipper {sh.name} -> {sh.target}: step {sh.last_step} "
+            f"({sh.steps_shipped} shipped), lag {sh.lag_steps} steps / {sh.lag_bytes} B, "
+            f"late {sh.late_events}, re-logged {sh.relogged_events}, "
+            f"corrupt ranges {sh.bad_ranges}, updated {_ago(sh.updated, now)}"
+        )
     unknown = sum(i.unknown_kinds + i.unknown_fields for i in s.incarnations)
     if unknown:
         lines.append(f"newer   {unknown} unknown kinds/fields from a newer writer were skipped")
