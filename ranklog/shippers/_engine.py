@@ -230,7 +230,7 @@ class Shipper:
         holds = False
         prev_closed: int | None = None
         for ev in events:
-            if isinstance(ev, Metrics | Timer | Text):
+            if type(ev) is Metrics or type(ev) is Timer or type(ev) is Text:
                 step = ev.step
                 if step > max_step:
                     max_step = step

@@ -85,8 +85,7 @@ class SpoolSource:
         self.poll_interval = poll if poll is not None else 1.0
         self.segments: dict[str, SegState] = {}
         self.by_rank: dict[int, list[SegState]] = {}
-        self._rank_dir_mtimes: dict[int, int] = {}
-        self._ranks_mtime = -1
+        self._dir_seen: dict[str, tuple[int, float]] = {}
         self._wake = threading.Event()
         self._observer: Any = None
         self._observing = False
@@ -141,23 +140,35 @@ class SpoolSource:
                 self._observer.join(timeout=2)
             self._observer = None
 
-    def discover(self) -> list[SegState]:
-        """Find segments not known yet (rank directories whose mtime changed are rescanned)."""
-        new: list[SegState] = []
+    def _unchanged(self, path: str) -> bool:
+        """Whether directory ``path`` surely has no new entry since it was last listed.
+
+        Its mtime must be unchanged *and* have been older than a second when it was
+        listed: mtimes are coarse (one clock tick), so a file created in the same tick
+        as the previous change leaves the mtime as it was ("racy" timestamps, as git).
+        Network filesystems cache directory attributes: there every listing is redone.
+        """
         try:
-            ranks_mtime = os.stat(self.layout.ranks_dir).st_mtime_ns
+            mtime = os.stat(path).st_mtime_ns
         except FileNotFoundError:
+            return True
+        now = time.time()
+        before = self._dir_seen.get(path)
+        self._dir_seen[path] = (mtime, now)
+        if self.network or before is None:
+            return False
+        return before[0] == mtime and before[1] - mtime / 1e9 > 1.0
+
+    def discover(self) -> list[SegState]:
+        """Find segments not known yet (only directories that may have changed are listed)."""
+        new: list[SegState] = []
+        if not self.layout.ranks_dir.is_dir():
             return new
-        ranks = self.layout.ranks() if ranks_mtime != self._ranks_mtime else list(self.by_rank)
-        self._ranks_mtime = ranks_mtime
+        unchanged = self._unchanged(str(self.layout.ranks_dir))
+        ranks = list(self.by_rank) if unchanged else self.layout.ranks()
         for rank in ranks:
-            try:
-                mtime = os.stat(self.layout.rank_dir(rank)).st_mtime_ns
-            except FileNotFoundError:
+            if self._unchanged(str(self.layout.rank_dir(rank))):
                 continue
-            if self._rank_dir_mtimes.get(rank) == mtime and not self.network:
-                continue
-            self._rank_dir_mtimes[rank] = mtime
             for seg in self.layout.segments(rank):
                 key = f"{seg.rank:05d}/{seg.incarnation:04d}-{seg.segment:06d}"
                 if key in self.segments:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Final
 
 from ranklog.schemas import DEFAULT_METRIC_REDUCE, Metrics, Text, Timer
 from ranklog.shippers._reduce import Partial, output_names, parse_ops
@@ -29,6 +30,33 @@ class StepAcc:
     ranks: dict[int, Contribution] = field(default_factory=dict)
 
 
+_NO_LAST: Final = (-math.inf, -1, math.nan)
+
+
+def _own(events: list[StepEvent]) -> dict[str, float]:
+    """One rank's own values for a step (its last value per name)."""
+    own: dict[str, float] = {}
+    for ev in events:
+        if type(ev) is Metrics:
+            own.update(ev.values)
+        elif type(ev) is Timer:
+            own[f"timing/{ev.name}"] = ev.seconds
+    return own
+
+
+def _last(acc: StepAcc, order: list[int], name: str, *, timer: bool) -> tuple[float, int, float]:
+    """(ts, rank, value) of the latest value logged under ``name`` (ties: highest rank)."""
+    best = _NO_LAST
+    for rank in order:
+        for ev in acc.ranks[rank].events:
+            if timer:
+                if type(ev) is Timer and ev.name == name and (ev.ts, rank) >= best[:2]:
+                    best = (ev.ts, rank, ev.seconds)
+            elif type(ev) is Metrics and name in ev.values and (ev.ts, rank) >= best[:2]:
+                best = (ev.ts, rank, ev.values[name])
+    return best
+
+
 def reduce_step(
     step: int,
     acc: StepAcc,
@@ -44,18 +72,17 @@ def reduce_step(
     """
     values: dict[str, list[float]] = {}
     specs: dict[str, str] = {}
-    lasts: dict[str, tuple[float, int, float]] = {}
     timers: dict[str, list[float]] = {}
     timer_specs: dict[str, str] = {}
     slowest: dict[str, tuple[float, int]] = {}
-    timer_lasts: dict[str, tuple[float, int, float]] = {}
     texts: list[TextItem] = []
     ts = 0.0
     mine: dict[int, dict[str, float]] | None = {} if per_rank else None
-    for rank in sorted(acc.ranks):
-        own: dict[str, float] = {}
+    order = sorted(acc.ranks)
+    for rank in order:
         for ev in acc.ranks[rank].events:
-            ts = max(ts, ev.ts)
+            if ev.ts > ts:
+                ts = ev.ts
             if type(ev) is Metrics:
                 reduce = ev.reduce
                 for name, v in ev.values.items():
@@ -68,10 +95,6 @@ def reduce_step(
                             else reduce.get(name, DEFAULT_METRIC_REDUCE)  # type: ignore[union-attr]
                         )
                     lst.append(v)
-                    own[name] = v
-                    prev = lasts.get(name)
-                    if prev is None or (ev.ts, rank) >= prev[:2]:
-                        lasts[name] = (ev.ts, rank, v)
             elif type(ev) is Timer:
                 name = ev.name
                 lst = timers.get(name)
@@ -79,26 +102,26 @@ def reduce_step(
                     timers[name] = lst = []
                     timer_specs[name] = ev.reduce
                 lst.append(ev.seconds)
-                own[f"timing/{name}"] = ev.seconds
                 best = slowest.get(name)
                 if best is None or ev.seconds > best[0]:
                     slowest[name] = (ev.seconds, rank)
-                prev = timer_lasts.get(name)
-                if prev is None or (ev.ts, rank) >= prev[:2]:
-                    timer_lasts[name] = (ev.ts, rank, ev.seconds)
             elif type(ev) is Text:
                 texts.append(TextItem(rank, ev.name, ev.text))
-        if mine is not None and own:
-            mine[rank] = own
+        if mine is not None:
+            own = _own(acc.ranks[rank].events)
+            if own:
+                mine[rank] = own
     out: dict[str, float] = {}
     for name, lst in values.items():
         ops = parse_ops(specs[name])
-        part = Partial.of(lst, last=lasts[name], ops=ops)
+        last = _last(acc, order, name, timer=False) if "last" in ops else _NO_LAST
+        part = Partial.of(lst, last=last, ops=ops)
         for out_name, op in zip(output_names(name, ops), ops, strict=True):
             out[out_name] = part.result(op)
     for name, lst in timers.items():
         ops = parse_ops(timer_specs[name])
-        part = Partial.of(lst, last=timer_lasts[name], ops=ops)
+        last = _last(acc, order, name, timer=True) if "last" in ops else _NO_LAST
+        part = Partial.of(lst, last=last, ops=ops)
         for out_name, op in zip(output_names(f"timing/{name}", ops), ops, strict=True):
             out[out_name] = part.result(op)
         out[f"timing/{name}/slowest_rank"] = float(slowest[name][1])
