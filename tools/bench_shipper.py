@@ -203,7 +203,7 @@ def _short(text: str, limit: int = 100) -> str:
 # -- throughput -------------------------------------------------------------------------
 
 
-def _write_rank(spool: Path, rank: int, world_size: int, steps: int) -> None:
+def _write_rank(spool: Path, rank: int, world_size: int, steps: int, *, end: bool = True) -> None:
     """One rank's incarnation: rank_start, then frames of STEPS_PER_FRAME steps, rank_end."""
     from ranklog import __version__
     from ranklog.schemas import Event, Metrics, RankEnd, RankStart, StepEnd, encode_events
@@ -222,8 +222,10 @@ def _write_rank(spool: Path, rank: int, world_size: int, steps: int) -> None:
             events.append(Metrics(ts, step, _values(rank, step)))
             events.append(StepEnd(ts + 0.05, step))
         writer.write_events(len(events), [encode_events(events)])
-    end = RankEnd(t0 + steps * 0.1, "ok", 0)
-    writer.write_events(1, [encode_events([end])])
+    if not end:  # a rank still running: no rank_end, no seal
+        writer.abandon()
+        return
+    writer.write_events(1, [encode_events([RankEnd(t0 + steps * 0.1, "ok", 0)])])
     writer.close(sync=False)
 
 
@@ -455,6 +457,53 @@ def _bench_latency(base: Path, budget: Budget, poll: float | None) -> Row:
     )
 
 
+# -- idle cost --------------------------------------------------------------------------
+
+IDLE_RANKS: Final = 1024
+TARGET_IDLE_CPU: Final = 0.10  # of one core
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of a live process, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _bench_idle(base: Path, seconds: float, poll: float | None) -> Row:
+    """CPU a following shipper burns while 1,024 live ranks write nothing."""
+    from ranklog.spool import ensure_run
+
+    mode = "native observer" if poll is None else f"--poll {poll:g}"
+    with tempfile.TemporaryDirectory(prefix="idle-", dir=base) as name:
+        tmp = Path(name)
+        spool, out = tmp / "spool", tmp / "out.jsonl"
+        ensure_run(spool, world_size=IDLE_RANKS)
+        for rank in range(IDLE_RANKS):
+            _write_rank(spool, rank, IDLE_RANKS, 2, end=False)
+        extra = ["--dead-after", "3600"] + ([] if poll is None else ["--poll", str(poll)])
+        proc = subprocess.Popen(_ship_cmd(spool, out, *extra), stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 60
+            while (not out.exists() or out.stat().st_size == 0) and time.monotonic() < deadline:
+                time.sleep(0.05)  # until the first round read every rank
+            time.sleep(2.0)
+            cpu0, wall0 = _cpu_seconds(proc.pid), time.monotonic()
+            time.sleep(seconds)
+            cpu = _cpu_seconds(proc.pid) - cpu0
+            wall = time.monotonic() - wall0
+            alive = proc.poll() is None
+        finally:
+            _kill(proc)
+    share = cpu / wall
+    return Row(
+        f"idle shipper, {IDLE_RANKS} live rank files ({mode})",
+        f"{IDLE_RANKS} ranks, {wall:.0f} s",
+        cpu_s=cpu,
+        ok=alive and share < TARGET_IDLE_CPU,
+        note=f"{share * 100:.1f} % of a core" + ("" if alive else "; FAILED: shipper exited"),
+    )
+
+
 # -- output -----------------------------------------------------------------------------
 
 
@@ -582,9 +631,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     small = _bench_throughput(base, THROUGHPUT_RANKS, budget.steps, budget.ship_timeout_s)
     large = _bench_throughput(base, THROUGHPUT_RANKS, SCALE * budget.steps, budget.ship_timeout_s)
     latency = [_bench_latency(base, budget, poll) for poll in (None, 1.0)]
-    rows = [small, large, _startup_row(base, budget.ship_timeout_s), *latency]
+    idle_seconds = 4.0 if args.quick else 10.0
+    idle = [_bench_idle(base, idle_seconds, poll) for poll in (1.0, None)]
+    rows = [small, large, _startup_row(base, budget.ship_timeout_s), *latency, *idle]
     lines += _table(rows)
     lines += _targets(small, large, latency)
+    lines += [
+        f"- {_verdict(row.ok)}: {row.name} < {TARGET_IDLE_CPU * 100:g} % of a core: {row.note}"
+        for row in idle
+    ]
     print("\n".join(lines), flush=True)
     return 0
 
