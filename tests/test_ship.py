@@ -133,6 +133,28 @@ class TestCompleteness:
         assert ship(spool, out).stats.late_events == 1
 
 
+class TestMemory:
+    def test_a_lagging_rank_bounds_what_is_held(
+        self, spool: Path, out: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Steps held back by a slow rank are capped: fast ranks are read only as it catches up."""
+        import ranklog.shippers._engine as engine
+
+        monkeypatch.setattr(engine, "ROUND_BYTES", 2048)
+        monkeypatch.setattr(engine, "MAX_PENDING_STEPS", 20)
+        fast, slow = rank(spool, 0, 2), rank(spool, 1, 2)
+        log_steps(fast, range(500))
+        log_steps(slow, range(5))
+        shipper = ship(spool, out)
+        assert len(shipper.steps) <= 20 + 40
+        (fast_seg,) = [s for s in shipper.source.segments.values() if s.name.rank == 0]
+        assert fast_seg.offset < fast_seg.size  # not read to the end
+        log_steps(slow, range(5, 500))
+        fast.close(), slow.close()
+        ship(spool, out)
+        assert [x["step"] for x in lines(out)] == list(range(500))
+
+
 class TestIncarnations:
     def test_requeue_keeps_first_closed_values(self, spool: Path, out: Path) -> None:
         """Closed steps keep the first incarnation's values; unclosed ones take the new ones."""

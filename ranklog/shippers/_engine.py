@@ -54,6 +54,8 @@ log = logging.getLogger("ranklog.ship")
 ROUND_BYTES: Final = 256 * 1024
 #: steps handed to the target in one write
 BATCH_STEPS: Final = 1000
+#: past this many steps waiting in memory, only the ranks holding them back are read
+MAX_PENDING_STEPS: Final = 1024
 _NO_STEP: Final = -1
 _PARAMS_HOLD: Final = 1 << 62
 
@@ -176,8 +178,14 @@ class Shipper:
         """Read one bounded slice of every readable segment; True if anything was read."""
         progressed = False
         now = time.time()
+        floor = None
+        if len(self.steps) > MAX_PENDING_STEPS:  # bound memory: let the laggards catch up
+            marks = [s.watermark() for s in self.ranks.values() if not self._released(s, now)]
+            floor = min(marks, default=None)
         for rank, segs in self.source.by_rank.items():
             state = self.ranks[rank]
+            if floor is not None and state.watermark() > floor:
+                continue
             for i, seg in enumerate(segs):
                 if seg.exhausted:
                     continue
