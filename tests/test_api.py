@@ -12,7 +12,10 @@ import ranklog.spool
 
 from .conftest import run_python
 
-HEAVY = ("pyarrow", "wandb", "mlflow", "tensorboard", "ray", "torch", "numpy", "pandas")
+HEAVY = (
+    "pyarrow", "wandb", "mlflow", "tensorboard", "ray", "torch", "numpy", "pandas", "watchdog",
+    "ranklog.shippers",
+)  # fmt: skip
 
 
 class TestPublicAPI:

@@ -313,3 +313,27 @@ def test_spool_read_back_matches(spool: Path) -> None:
     log_steps(run, range(2))
     run.close()
     assert sum(1 for e in read_events(spool) if type(e).__name__ == "Metrics") == 2
+
+
+class TestProgress:
+    def test_log_lines_and_live_line(self, spool: Path, out: Path) -> None:
+        """In a log: plain status lines; on a terminal: one line redrawn with a carriage return."""
+        from ranklog.shippers import Progress
+
+        class Tty(io.StringIO):
+            def isatty(self) -> bool:
+                return True
+
+        run = rank(spool, 0, 1)
+        log_steps(run, range(3))
+        run.close()
+        log, tty = io.StringIO(), Tty()
+        for stream in (log, tty):
+            progress = Progress(stream, interval=0)
+            name = f"p{id(stream)}"
+            Shipper(str(spool), JsonlTarget(out), name=name, progress=progress).run_forever(
+                once=True
+            )
+        assert "step 2 (3 shipped, 0 partial)" in log.getvalue()
+        assert "ranks live 0 ended 1 dead 0" in log.getvalue() and "\r" not in log.getvalue()
+        assert tty.getvalue().startswith("\r\x1b[K[p") and tty.getvalue().endswith("\n")
