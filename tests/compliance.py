@@ -41,6 +41,40 @@ class Killed(BaseException):
     """The shipper process 'dies' here: no cleanup runs, nothing more is sent."""
 
 
+class Flaky:
+    """Wraps a target; the n-th call of a method fails with OSError, before or after running."""
+
+    def __init__(self, inner: Target, method: str, n: int, *, after: bool) -> None:
+        self.inner, self.method, self.n, self.after = inner, method, n, after
+        self.kind, self.spec = inner.kind, inner.spec
+        self.failed = 0
+
+    def _call(self, method: str, *args: Any) -> Any:
+        if method == self.method:
+            self.n -= 1
+            if self.n == 0:
+                self.failed += 1
+                if self.after:
+                    getattr(self.inner, method)(*args)
+                raise OSError(f"injected failure of {method}")
+        return getattr(self.inner, method)(*args)
+
+    def open(self, run: RunInfo) -> int | None:
+        return self._call("open", run)  # type: ignore[no-any-return]
+
+    def write_params(self, params: dict[str, ParamValue]) -> None:
+        self._call("write_params", params)
+
+    def write(self, steps: list[ShippedStep]) -> None:
+        self._call("write", steps)
+
+    def flush(self) -> None:
+        self._call("flush")
+
+    def close(self) -> None:
+        self._call("close")
+
+
 class KillSwitch:
     """Wraps a target and dies at the n-th call of a given method, before or after it runs."""
 

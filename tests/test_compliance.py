@@ -8,7 +8,7 @@ import pytest
 
 from ranklog.shippers.jsonl import JsonlTarget, read_jsonl
 
-from .compliance import Backend, chaos, check, kill_and_restart, make_spool, run_once
+from .compliance import Backend, Flaky, chaos, check, kill_and_restart, make_spool, run_once
 
 
 def _jsonl_back(work: Path) -> list[tuple[int, dict[str, float]]]:
@@ -76,4 +76,26 @@ class TestCompliance:
     ) -> None:
         """A dozen deaths at random calls, then a clean run: each step exactly once."""
         chaos(backend, made, work, seed, monkeypatch)
+        check(backend, work)
+
+    @pytest.mark.parametrize("after", [False, True], ids=["before", "after"])
+    @pytest.mark.parametrize(("method", "n"), [("write", 2), ("flush", 2), ("open", 1)])
+    def test_failure_is_retried_without_duplicates(
+        self,
+        backend: Backend,
+        made: Path,
+        work: Path,
+        method: str,
+        n: int,
+        after: bool,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        """A call that fails (before or after it took effect) is retried; nothing twice."""
+        import ranklog.shippers._engine as engine
+
+        monkeypatch.setattr(engine, "BATCH_STEPS", 7)
+        monkeypatch.setattr(engine.time, "sleep", lambda s: None)
+        flaky = Flaky(backend.make(work), method, n, after=after)
+        run_once(made, flaky)  # type: ignore[arg-type]
+        assert flaky.failed == 1
         check(backend, work)

@@ -43,7 +43,7 @@ from ranklog.shippers._cursor import Cursor, IncState, SegmentCursor, load_curso
 from ranklog.shippers._progress import Progress
 from ranklog.shippers._source import SegState, SpoolSource
 from ranklog.shippers._steps import Contribution, StepAcc, reduce_step
-from ranklog.shippers._target import ShippedStep, Target
+from ranklog.shippers._target import ShippedStep, Target, TransientTargetError
 from ranklog.spool import BadRange, RunInfo, read_run
 
 __all__ = ["EngineStats", "Shipper"]
@@ -129,6 +129,8 @@ class Shipper:
         self.run: RunInfo | None = None
         self.cursor = Cursor(name=name, target=target.spec)
         self._last_commit = time.monotonic()
+        self._target_ok = False
+        self._opened = False
 
     # -- start ----------------------------------------------------------------------------
 
@@ -151,14 +153,34 @@ class Shipper:
             for rank, incs in cursor.ranks.items():
                 self.ranks[int(rank)] = RankState({int(k): v for k, v in incs.items()})
         self.cursor.run_id = self.run.run_id
-        durable = self.target.open(self.run)
+        self._target_ok = False  # opened by the loop, with retries (a server may be down)
+
+    def _reopen_target(self) -> None:
+        """(Re-)open the target and drop the steps it already holds.
+
+        Called at start and after a failed write or flush: the target may hold more
+        than the cursor says (it accepted steps, then the shipper died or failed
+        before committing), and nothing it holds is sent again.
+        """
+        if self._opened:
+            self._opened = False
+            try:
+                self.target.close()
+            except Exception as exc:  # the target is broken anyway; open() will tell
+                log.debug("closing %s after a failure: %s", self.target.spec, exc)
+        assert self.run is not None
+        try:
+            durable = self.target.open(self.run)
+        except (OSError, TransientTargetError) as exc:
+            log.warning("re-opening %s failed (%s)", self.target.spec, exc)
+            self._target_ok = False
+            return
+        self._target_ok = self._opened = True
         if durable is not None and durable > self.shipped_upto:
-            log.info(
-                "%s already holds steps up to %d (cursor: %d); skipping them",
-                self.target.spec,
-                durable,
-                self.shipped_upto,
-            )
+            log.info("%s already holds steps up to %d (cursor: %d); not sending them again",
+                     self.target.spec, durable, self.shipped_upto)  # fmt: skip
+            for step in [s for s in self.steps if s <= durable]:
+                del self.steps[step]
             self._durable_gap = (self.shipped_upto, durable)
             self.shipped_upto = durable
 
@@ -438,13 +460,21 @@ class Shipper:
         try:
             while True:
                 try:
+                    if not self._target_ok:
+                        self._reopen_target()
+                        if not self._target_ok:
+                            raise TransientTargetError(f"{self.target.spec} cannot be opened")
                     progressed, shipped = self.step_once()
                     backoff = 0.0
-                except OSError as exc:  # target or filesystem trouble: retry, cursor held
+                except (OSError, TransientTargetError) as exc:
+                    # target or filesystem trouble: the cursor stays; retry from what the
+                    # target durably holds, as a restarted shipper would
                     backoff = min(max(backoff * 2, 0.5), 30.0)
                     log.warning("shipping to %s failed (%s); retrying in %.1fs",
                                 self.target.spec, exc, backoff)  # fmt: skip
                     time.sleep(backoff)
+                    if self._target_ok:
+                        self._reopen_target()
                     continue
                 if self.progress is not None:
                     self.progress.update(self)
@@ -465,7 +495,8 @@ class Shipper:
             self._commit()
         finally:
             self.source.close()
-            self.target.close()
+            if self._opened:
+                self.target.close()
             if self.progress is not None:
                 self.progress.done(self)
         return 0
