@@ -212,3 +212,80 @@ print("closed", flush=True)
             assert steps == list(range(200))
         finally:
             subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+# The disk refuses for longer than a heartbeat interval with a tiny buffer: no deadlock.
+STARVED_RANK = """
+import resource, signal, sys, threading, time, warnings, ranklog
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+run = ranklog.init(sys.argv[1], rank=0, world_size=1, flush_interval=0.05,
+                   heartbeat_interval=0.1, max_buffer_bytes=4096)
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (200, hard))
+threading.Timer(1.0, lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))).start()
+warnings.simplefilter("ignore")
+for step in range(400):
+    run.log_metrics({"loss": float(step), "pad": 1.0}, step=step)   # waits while the disk refuses
+    run.step_end(step)
+run.close()
+print("done", flush=True)
+"""
+
+
+class TestStarvedDisk:
+    def test_backpressure_and_heartbeats_never_deadlock(self, spool: Path) -> None:
+        """With the buffer full and the disk refusing past a heartbeat, training resumes."""
+        proc = run_python(STARVED_RANK, str(spool), timeout=60)
+        assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr
+        steps = [e.step for e in read_events(spool) if isinstance(e, Metrics)]
+        assert steps == list(range(400))
+
+
+class TestWriterFailures:
+    def test_roll_resumes_after_failures(
+        self, spool: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Opening the next segment and writing its header may fail; retries lose nothing."""
+        import errno
+
+        from ranklog.spool import IncarnationWriter, SpoolLayout, _writer, ensure_run, read_segment
+
+        from .spoolgen import step_events, write_frame
+
+        writer = IncarnationWriter.create(SpoolLayout(spool), ensure_run(spool), 0,
+                                          max_segment_bytes=2048)  # fmt: skip
+        real_open, real_pwritev = os.open, os.pwritev
+        fail = {"open": 0, "header": 0}
+
+        def flaky_open(path: object, flags: int, *a: object) -> int:
+            if fail["open"] and str(path).endswith("-000002.rlog"):
+                fail["open"] -= 1
+                raise OSError(errno.EDQUOT, "quota exceeded")
+            return real_open(path, flags, *a)  # type: ignore[arg-type]
+
+        def flaky_pwritev(fd: int, bufs: list[bytes], offset: int) -> int:
+            if fail["header"] and offset == 0:
+                fail["header"] -= 1
+                real_pwritev(fd, [bytes(bufs[0])[:10]], 0)  # a torn header reaches the disk
+                raise OSError(errno.ENOSPC, "no space")
+            return real_pwritev(fd, bufs, offset)
+
+        monkeypatch.setattr(_writer.os, "open", flaky_open)
+        monkeypatch.setattr(_writer.os, "pwritev", flaky_pwritev)
+        written, step = [], 0
+        fail["open"], fail["header"] = 2, 2
+        while step < 40:
+            try:
+                write_frame(writer, step_events(step))
+            except OSError:
+                continue  # the producer retries the same frame later
+            written.append(step_events(step))
+            step += 1
+        writer.close()
+        assert fail == {"open": 0, "header": 0}
+        frames = []
+        for seg in SpoolLayout(spool).segments(0):
+            res = read_segment(seg.path)
+            assert res.bad == [] and res.sealed, seg.path
+            frames += [f.events for f in res.frames]
+        assert frames == written

@@ -164,3 +164,9 @@ def test_single_rank(op: str) -> None:
     """A single rank's single value reduces to itself (count to 1, std to 0)."""
     s = reduce_step(0, _acc({0: [Metrics(1.0, 0, {"x": 4.0}, op)]}), closed=1, world_size=1)
     assert s.metrics["x"] == {"count": 1.0, "std": 0.0}.get(op, 4.0)
+
+
+def test_std_of_huge_values_does_not_overflow() -> None:
+    """Squares past the float range give inf, as numpy does, instead of an exception."""
+    p = Partial.of([1e160, 3e160], last=(0, 0, 0), ops=("std",))
+    assert p.result("std") == oracle([1e160, 3e160], "std") == math.inf

@@ -77,3 +77,17 @@ class TestDiscovery:
         assert source.probe(seg) and seg.size > 0
         seg.offset = seg.size
         assert not source.probe(seg)
+
+
+def test_an_empty_rank_directory_is_watched(spool: Path) -> None:
+    """A rank directory left empty (crash between mkdir and create) is listed again later."""
+    write_segment(spool, 1, rank=0)
+    (spool / "ranks" / "00001").mkdir()
+    old = os.stat(spool / "ranks").st_mtime - 10
+    source = SpoolSource(spool)
+    os.utime(spool / "ranks", (old, old))
+    source.discover()
+    source.discover()
+    write_segment(spool, 1, rank=1)
+    os.utime(spool / "ranks", (old, old))  # the ranks directory itself did not change
+    assert [s.name.rank for s in source.discover()] == [1]

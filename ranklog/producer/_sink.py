@@ -23,7 +23,7 @@ from typing import Final
 
 import msgspec
 
-from ranklog.errors import InvalidValueError, RanklogWarning
+from ranklog.errors import InvalidValueError, RanklogWarning, SpoolError
 from ranklog.schemas import Event, Heartbeat
 from ranklog.spool import MAX_FRAME_BYTES, IncarnationWriter
 from ranklog.spool._format import msgpack_array_header
@@ -73,21 +73,23 @@ class SpoolSink:
 
     # -- the hot path ------------------------------------------------------------------
 
-    def append(self, event: Event) -> None:
-        """Buffer one event (no I/O); waits only when the buffer is full."""
+    def append(self, event: Event, *, wait: bool = True) -> None:
+        """Buffer one event (no I/O); waits only when the buffer is full (and ``wait``)."""
         data = self._encode(event)
         if len(data) > _MAX_EVENT:
             raise InvalidValueError(
                 f"event of {len(data)} bytes is larger than a frame ({_MAX_EVENT} bytes)"
             )
         with self._lock:
+            if self._cur_bytes + len(data) > _MAX_EVENT:
+                self._seal_locked()  # a frame never exceeds the cap
             self._cur.append(data)
             self._cur_bytes += len(data)
             self._appended += 1
             if self._cur_bytes >= FRAME_TARGET:
                 self._seal_locked()
             over = self._held_bytes + self._cur_bytes > self.max_buffer_bytes
-        if over:
+        if over and wait:
             self._backpressure()
 
     def _seal_locked(self) -> None:
@@ -106,12 +108,16 @@ class SpoolSink:
             f"ranklog: more than {self.max_buffer_bytes} bytes of events are waiting to be "
             f"written to {self.writer.path.parent}; logging calls now wait for the disk",
         )
+        delay = 0.002
         while True:
             with self._lock:
                 if self._held_bytes + self._cur_bytes <= self.max_buffer_bytes or self._closed:
                     return
-            self._wake.set()
-            time.sleep(0.002)
+            if self.flush():  # write in this thread: it has to wait for the disk anyway
+                delay = 0.002
+            else:
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
 
     # -- writing -----------------------------------------------------------------------
 
@@ -129,8 +135,8 @@ class SpoolSink:
         """Write every buffered event now, in this thread. False if the disk refused."""
         try:
             self._drain(sync=sync)
-        except OSError as exc:
-            self._on_error(exc)
+        except (OSError, SpoolError) as exc:
+            self._on_error(exc if isinstance(exc, OSError) else OSError(str(exc)))
             self._wake.set()
             return False
         return True
@@ -204,7 +210,7 @@ class SpoolSink:
                 seen = self._appended
                 quiet_since = now
             elif now - quiet_since >= self.heartbeat_interval:
-                self.append(Heartbeat(time.time()))
+                self.append(Heartbeat(time.time()), wait=False)
                 seen = self._appended
                 quiet_since = now
             if self.pending_bytes or self._error is not None:
@@ -229,9 +235,9 @@ class SpoolSink:
         """
         if self._abandoned:
             return 0
+        self._closed = True  # from here on, nothing waits on a full buffer
         if final is not None:
-            self.append(final)
-        self._closed = True
+            self.append(final, wait=False)
         self._stop.set()
         self._wake.set()
         if self._thread is not threading.current_thread():

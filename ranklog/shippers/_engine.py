@@ -65,7 +65,10 @@ class RankState:
     """The shipper's view of one rank across its incarnations."""
 
     incs: dict[int, IncState] = field(default_factory=dict)
+    #: latest sign of life: a segment's mtime, or when this shipper saw one grow
     last_activity: float = 0.0
+    #: every byte this rank wrote so far has been read (nothing left but a live tail)
+    caught_up: bool = False
 
     @property
     def latest(self) -> int:
@@ -81,8 +84,10 @@ class RankState:
         return bool(self.incs) and self.incs[self.latest].ended is not None
 
     def closed_before(self, inc: int) -> int:
-        """Highest step closed by an incarnation older than ``inc``."""
-        return max((s.closed for k, s in self.incs.items() if k < inc), default=-1)
+        """Highest step closed (step_end, or a later step) by an incarnation before ``inc``."""
+        return max(
+            (max(s.closed, s.max_step - 1) for k, s in self.incs.items() if k < inc), default=-1
+        )
 
 
 @dataclass(slots=True)
@@ -150,8 +155,20 @@ class Shipper:
             self.stats.steps_shipped = cursor.steps_shipped
             self.stats.late_events = cursor.late_events
             self.stats.relogged_events = cursor.relogged_events
+            if cursor.target not in ("", self.target.spec):
+                raise RanklogError(
+                    f"cursor {self.name!r} belongs to target {cursor.target}, "
+                    f"not {self.target.spec}: use another --name"
+                )
             for rank, incs in cursor.ranks.items():
-                self.ranks[int(rank)] = RankState({int(k): v for k, v in incs.items()})
+                # Watermarks past the last shipped step are rebuilt by re-reading: the
+                # values they cover are past the committed offsets and not read yet.
+                restored = {}
+                for k, v in incs.items():
+                    v.closed = min(v.closed, cursor.last_step)
+                    v.max_step = min(v.max_step, cursor.last_step + 1)
+                    restored[int(k)] = v
+                self.ranks[int(rank)] = RankState(restored)
         self.cursor.run_id = self.run.run_id
         self._target_ok = False  # opened by the loop, with retries (a server may be down)
 
@@ -200,27 +217,25 @@ class Shipper:
         """Read one bounded slice of every readable segment; True if anything was read."""
         progressed = False
         now = time.time()
-        floor = None
-        if len(self.steps) > MAX_PENDING_STEPS:  # bound memory: let the laggards catch up
-            marks = [s.watermark() for s in self.ranks.values() if not self._released(s, now)]
-            floor = min(marks, default=None)
+        readable = self._readable_ranks(now)
         for rank, segs in self.source.by_rank.items():
             state = self.ranks[rank]
-            if floor is not None and state.watermark() > floor:
+            self._probe(state, segs, now)
+            if readable is not None and rank not in readable:
+                state.caught_up = False
                 continue
+            state.caught_up = True
             for i, seg in enumerate(segs):
                 if seg.exhausted:
                     continue
-                grew = self.source.probe(seg)
-                state.last_activity = max(state.last_activity, seg.mtime)
-                later = i + 1 < len(segs)
-                dead = now - state.last_activity > self.dead_after
-                gone = later or dead
-                if not grew and not gone:
+                later = i + 1 < len(segs)  # a later segment or incarnation: writer gone
+                if seg.size <= seg.offset and not later:
                     break  # the live tail of this rank: nothing new
-                res = seg.reader.read(seg.offset, writer_gone=gone, max_bytes=ROUND_BYTES)
+                res = seg.reader.read(seg.offset, writer_gone=later, max_bytes=ROUND_BYTES)
                 if res.end != seg.offset or res.frames:
                     progressed = True
+                if seg.reader.header is not None and not self._identity_ok(seg):
+                    continue
                 for frame in res.frames:
                     max_step, holds = self._apply(rank, seg, frame.events, frame.end)
                     seg.frames.append((frame.end, max_step, holds))
@@ -230,8 +245,9 @@ class Shipper:
                 if res.seal is not None:
                     seg.sealed = True
                 if res.more:
+                    state.caught_up = False
                     break  # budget used: the rest of this rank next round
-                if seg.sealed or (gone and res.pending == 0):
+                if seg.sealed or later:
                     seg.exhausted = True
                     if not seg.frames:
                         seg.consumed = seg.offset
@@ -239,9 +255,58 @@ class Shipper:
                 break  # a live tail
         return progressed
 
+    def _probe(self, state: RankState, segs: list[SegState], now: float) -> None:
+        """Refresh sizes; a segment seen growing is a sign of life, on this machine's clock."""
+        for seg in segs:
+            if seg.exhausted:
+                continue
+            before = seg.size
+            self.source.probe(seg)
+            if before >= 0 and seg.size != before:
+                state.last_activity = max(state.last_activity, now)
+            state.last_activity = max(state.last_activity, seg.mtime)
+
+    def _readable_ranks(self, now: float) -> set[int] | None:
+        """Ranks to read this round: all (None), unless too many steps wait in memory.
+
+        Past ``MAX_PENDING_STEPS`` only the ranks holding the oldest steps back are
+        read: reading the others would only add steps that cannot ship yet.
+        """
+        if len(self.steps) <= MAX_PENDING_STEPS:
+            return None
+        limits = {
+            r: s.watermark()
+            for r, s in self.ranks.items()
+            if not (s.caught_up and self._released(s, now))
+        }
+        if not limits:
+            return set()
+        floor = min(limits.values())
+        return {r for r, m in limits.items() if m == floor}
+
+    def _identity_ok(self, seg: SegState) -> bool:
+        """The header, not the path, is a segment's identity: refuse a foreign file."""
+        h = seg.reader.header
+        assert h is not None and self.run is not None
+        n = seg.name
+        if (h.run_id, h.rank, h.incarnation, h.segment) == (
+            self.run.run_id, n.rank, n.incarnation, n.segment,
+        ):  # fmt: skip
+            return True
+        if not seg.exhausted:
+            why = (
+                f"segment of run {h.run_id}, not {self.run.run_id}"
+                if h.run_id != self.run.run_id
+                else f"header says rank {h.rank} incarnation {h.incarnation} segment {h.segment}"
+            )
+            self._report_bad([BadRange(str(n.path), 0, max(seg.size, 0), why)], seg)
+            seg.exhausted = True
+            seg.offset = seg.consumed = max(seg.size, seg.offset)
+        return False
+
     def _report_bad(self, bad: list[BadRange], seg: SegState) -> None:
         for b in bad:
-            if b.offset + b.length <= seg.seen:
+            if b.length and b.offset + b.length <= seg.seen:
                 continue  # reported by an earlier shipper process
             self.stats.bad.append(b)
             self.cursor.bad_ranges += 1
@@ -292,6 +357,8 @@ class Shipper:
             elif isinstance(ev, StepEnd):
                 if ev.step > inc.closed:
                     inc.closed = ev.step
+                if ev.step > max_step:  # a frame is consumed once its step_end is shipped too
+                    max_step = ev.step
             elif isinstance(ev, RankStart):
                 inc.world_size = ev.world_size
                 inc.host = ev.host
@@ -316,6 +383,9 @@ class Shipper:
         return max(known) if known else None
 
     def _released(self, state: RankState, now: float) -> bool:
+        """Ended (rank_end) or silent for dead_after; either way, only once fully read."""
+        if not state.caught_up:
+            return False
         return state.ended() or now - state.last_activity > self.dead_after
 
     def _ready_upto(self, now: float) -> tuple[int, list[int]]:
@@ -444,6 +514,11 @@ class Shipper:
             shipped += len(steps)
             if not steps:
                 break
+        # Steps up to the global watermark that nobody logged anything for are done too:
+        # anything that arrives for them now is late.
+        upto, _ = self._ready_upto(time.time())
+        if upto > self.shipped_upto and not any(self.shipped_upto < s <= upto for s in self.steps):
+            self.shipped_upto = upto
         return progressed, shipped
 
     def lag(self) -> tuple[int, int]:

@@ -156,7 +156,11 @@ class Partial:
             return math.nan
         mean = self.total / self.count
         if self.values is not None:  # exact two-pass form
-            return math.sqrt(math.fsum((v - mean) ** 2 for v in self.values) / self.count)
+            sq = [(v - mean) * (v - mean) for v in self.values]  # inf, never OverflowError
+            try:
+                return math.sqrt(math.fsum(sq) / self.count)
+            except OverflowError:
+                return math.inf
         return math.sqrt(max(0.0, self.sumsq / self.count - mean * mean))
 
 

@@ -86,6 +86,7 @@ class SpoolSource:
         self.segments: dict[str, SegState] = {}
         self.by_rank: dict[int, list[SegState]] = {}
         self._dir_seen: dict[str, tuple[int, float]] = {}
+        self._rank_dirs: set[int] = set()
         self._wake = threading.Event()
         self._observer: Any = None
         self._observing = False
@@ -164,9 +165,9 @@ class SpoolSource:
         new: list[SegState] = []
         if not self.layout.ranks_dir.is_dir():
             return new
-        unchanged = self._unchanged(str(self.layout.ranks_dir))
-        ranks = list(self.by_rank) if unchanged else self.layout.ranks()
-        for rank in ranks:
+        if not self._unchanged(str(self.layout.ranks_dir)):
+            self._rank_dirs.update(self.layout.ranks())
+        for rank in sorted(self._rank_dirs):
             if self._unchanged(str(self.layout.rank_dir(rank))):
                 continue
             for seg in self.layout.segments(rank):

@@ -16,6 +16,7 @@ crash mid-write) is cut off on open, so the file stays valid JSONL.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -78,10 +79,17 @@ class JsonlTarget:
         self._write(b"".join(_line(step_line(s)) for s in steps))
 
     def _write(self, data: bytes) -> None:
+        """Append ``data`` whole, or not at all (a failed write is truncated away)."""
         fd = self._require()
+        start = os.fstat(fd).st_size
         view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        try:
+            while view:
+                view = view[os.write(fd, view) :]
+        except OSError:
+            with contextlib.suppress(OSError):  # open() cuts a torn last line anyway
+                os.ftruncate(fd, start)
+            raise
 
     def flush(self) -> None:
         os.fsync(self._require())

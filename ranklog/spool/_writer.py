@@ -71,8 +71,10 @@ class IncarnationWriter:
         self._fd: int | None = fd
         self._offset = 0
         self._dirty = False  # a failed write may have left bytes past _offset
+        self._need_header = True  # the current file has no (complete) header yet
+        self._seal_written = False  # the current file is sealed; the next is not open yet
         self.closed = False
-        self._write_header()
+        self._finish_roll()
 
     @classmethod
     def create(
@@ -119,6 +121,34 @@ class IncarnationWriter:
     def offset(self) -> int:
         """Bytes durably handed to the OS in the current segment."""
         return self._offset
+
+    def _finish_roll(self) -> None:
+        """Open the next segment if needed and write its header; safe to call again.
+
+        Each step is retried after a failure (ENOSPC, EDQUOT...): a segment is sealed
+        once, the next one is created once (or re-opened if a previous attempt created
+        it), and its header is written at offset 0 before any frame.
+        """
+        if self._fd is None:
+            if self.closed or not self._seal_written:
+                raise SpoolError(f"segment writer for rank {self.rank} is closed")
+            path = self.layout.segment_path(self.rank, self.incarnation, self.segment + 1)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC
+            try:
+                fd = os.open(path, flags | os.O_EXCL, FILE_MODE)
+            except FileExistsError:  # created by our own failed attempt: ours alone
+                fd = os.open(path, flags, FILE_MODE)
+            self._fd = fd
+            self.segment += 1
+            self._seal_written = False
+            self._need_header = True
+            self.frames_in_segment = 0
+            self.events_in_segment = 0
+        if self._need_header:
+            self._offset = 0
+            self._dirty = True  # drop whatever an earlier attempt left
+            self._write_header()
+            self._need_header = False
 
     def _write_header(self) -> None:
         header = SegmentHeader(
@@ -173,6 +203,8 @@ class IncarnationWriter:
         length = sum(len(p) for p in payload)
         if length > MAX_FRAME_BYTES:
             raise SpoolError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES} byte cap")
+        if self._fd is None or self._need_header:
+            self._finish_roll()
         size = FRAME_HEADER + length + FRAME_TRAILER
         if self.frames_in_segment and self._offset + size + _SEAL_RESERVE > self.max_segment_bytes:
             self.roll()
@@ -198,17 +230,14 @@ class IncarnationWriter:
         self.seq += 1
 
     def roll(self) -> None:
-        """Seal the current segment and start the next one."""
-        self._write_seal("roll", self.segment + 1)
-        fd = self._require_fd()
-        os.close(fd)
-        self._fd = None
-        self.segment += 1
-        path = self.path
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
-        self.frames_in_segment = 0
-        self.events_in_segment = 0
-        self._write_header()
+        """Seal the current segment and start the next one (resumable after a failure)."""
+        if not self._seal_written:
+            self._write_seal("roll", self.segment + 1)
+            self._seal_written = True
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self._finish_roll()
 
     def sync(self) -> None:
         """fsync the current segment (node-crash durability)."""
@@ -216,10 +245,11 @@ class IncarnationWriter:
 
     def close(self, *, seal: bool = True, sync: bool = True) -> None:
         """Seal (reason ``close``), fsync and close the segment. Idempotent."""
-        if self._fd is None:
+        if self._fd is None or self.closed:
+            self.closed = True
             return
         try:
-            if seal:
+            if seal and not self._need_header:
                 self._write_seal("close", None)
             if sync:
                 self.sync()
