@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from ranklog._version import __version__
 
 if TYPE_CHECKING:
+    from ranklog.shippers import TargetOptions
     from ranklog.spool._inspect import SpoolSummary
 
 __all__ = ["main"]
@@ -91,7 +92,7 @@ def _ship(args: argparse.Namespace) -> int:
     code = 0
     for spec in targets:
         try:
-            target = make_target(spec, spool, samples=args.samples)
+            target = make_target(spec, spool, _options(args))
             name = args.name if args.name and len(targets) == 1 else default_name(spec)
             shipper = Shipper(
                 str(spool),
@@ -100,6 +101,7 @@ def _ship(args: argparse.Namespace) -> int:
                 poll=args.poll,
                 dead_after=args.dead_after,
                 start_grace=args.start_grace,
+                per_rank=args.per_rank,
                 progress=None if args.quiet else Progress(),
             )
             code = max(code, shipper.run_forever(once=args.once))
@@ -107,6 +109,24 @@ def _ship(args: argparse.Namespace) -> int:
             print(f"ranklog ship: {exc}", file=sys.stderr)
             code = 2
     return code
+
+
+def _options(args: argparse.Namespace) -> TargetOptions:
+    from ranklog.shippers import TargetOptions
+
+    return TargetOptions(
+        samples=args.samples,
+        per_rank=args.per_rank,
+        run_name=args.run_name,
+        experiment=args.experiment,
+        entity=args.entity,
+        group=args.group,
+        mode=args.mode,
+        dir=args.dir,
+    )
+
+
+_PASSED_ON = ("run_name", "experiment", "entity", "group", "mode", "dir")
 
 
 def _ship_each(args: argparse.Namespace, targets: list[str]) -> int:
@@ -120,6 +140,12 @@ def _ship_each(args: argparse.Namespace, targets: list[str]) -> int:
         flags += ["--poll", str(args.poll)]
     if args.quiet:
         flags.append("--quiet")
+    if args.per_rank:
+        flags.append("--per-rank")
+    for key in _PASSED_ON:
+        value = getattr(args, key)
+        if value is not None:
+            flags += [f"--{key.replace('_', '-')}", str(value)]
     procs = []
     for spec in targets:
         name = f"{args.name}-{spec.partition(':')[0]}" if args.name else None
@@ -178,6 +204,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--samples", type=int, default=2, help="validation samples printed per step (console)"
     )
     ship.add_argument("--quiet", action="store_true", help="no status line")
+    ship.add_argument(
+        "--per-rank", action="store_true",
+        help="also log each rank's own values (TensorBoard rankNNNNN/ sub-runs, MLflow child "
+        "runs, one W&B run per rank grouped by run name)",
+    )  # fmt: skip
+    ship.add_argument("--run-name", help="the backend run's name (default: the spool's run name)")
+    ship.add_argument("--experiment", help="MLflow experiment (default: the run name)")
+    ship.add_argument("--entity", help="W&B entity")
+    ship.add_argument("--group", help="W&B group (default: the run name)")
+    ship.add_argument("--mode", choices=["online", "offline"], help="W&B mode")
+    ship.add_argument("--dir", help="local directory for backend files (W&B; default: SPOOL)")
     ship.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
     ship.set_defaults(func=_ship)
 

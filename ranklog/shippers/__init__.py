@@ -17,7 +17,7 @@ from ranklog.shippers._cursor import Cursor, list_cursors, load_cursor
 from ranklog.shippers._engine import Shipper
 from ranklog.shippers._progress import Progress
 from ranklog.shippers._reduce import Partial
-from ranklog.shippers._registry import TARGET_KINDS, default_name, make_target
+from ranklog.shippers._registry import TARGET_KINDS, TargetOptions, default_name, make_target
 from ranklog.shippers._target import ShippedStep, Target, TextItem
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "ShippedStep",
     "Shipper",
     "Target",
+    "TargetOptions",
     "TextItem",
     "default_name",
     "list_cursors",
