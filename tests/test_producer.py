@@ -345,3 +345,39 @@ class TestDurability:
         segs = SpoolLayout(spool).segments(0)
         assert len(segs) > 3
         assert [m.step for m in _metrics(spool)] == list(range(3000))
+
+
+class TestHistogramsAndImages:
+    def test_histogram_from_lists_arrays_and_tensors(self, spool: Path) -> None:
+        """Lists, numpy arrays and torch tensors become a flat list of floats."""
+        from ranklog.schemas import Histogram
+
+        with _run(spool) as run:
+            run.log_histogram("w", [1, 2.5, [3, 4]], step=0)
+            run.log_histogram("a", np.arange(4).reshape(2, 2), step=0)
+            run.log_histogram("t", torch.tensor([0.5, 1.5]), step=0)
+            with pytest.raises(TypeError, match="'bad'"):
+                run.log_histogram("bad", ["x"], step=0)
+        hs = {e.name: e.values for e in read_events(spool) if isinstance(e, Histogram)}
+        assert hs == {"w": [1.0, 2.5, 3.0, 4.0], "a": [0.0, 1.0, 2.0, 3.0], "t": [0.5, 1.5]}
+
+    def test_image_from_bytes_and_figure(self, spool: Path) -> None:
+        """Encoded bytes are kept; a matplotlib figure is saved as PNG."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        from ranklog.schemas import Image
+
+        fig, ax = plt.subplots()
+        ax.plot([0, 1], [1, 0])
+        with _run(spool) as run:
+            run.log_image("raw", b"\x89PNG-ish", step=1)
+            run.log_image("plot", fig, step=1)
+            with pytest.raises(TypeError, match="'nope'"):
+                run.log_image("nope", 3, step=1)
+        plt.close(fig)
+        imgs = {e.name: e for e in read_events(spool) if isinstance(e, Image)}
+        assert imgs["raw"].data == b"\x89PNG-ish"
+        assert imgs["plot"].data.startswith(b"\x89PNG") and imgs["plot"].format == "png"

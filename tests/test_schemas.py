@@ -14,6 +14,8 @@ from ranklog.schemas import (
     Event,
     Gpu,
     Heartbeat,
+    Histogram,
+    Image,
     Metrics,
     Params,
     RankEnd,
@@ -36,6 +38,8 @@ EXAMPLES: list[Event] = [
     StepEnd(4.5, 10),
     Heartbeat(5.0),
     RankEnd(6.0, "ok", 0),
+    Histogram(7.0, 10, "grad", [0.1, -2.0, math.inf]),
+    Image(8.0, 10, "plot", b"\x89PNG...", "png"),
 ]
 
 
@@ -73,6 +77,8 @@ class TestPinnedTags:
             "step_end",
             "heartbeat",
             "rank_end",
+            "histogram",
+            "image",
         }
 
     def test_wire_form_is_tagged_array(self) -> None:
@@ -93,10 +99,10 @@ class _MetricsV2(_Base, tag="metrics"):
     source: str = "new"
 
 
-class _Histogram(_Base, tag="histogram"):
+class _Audio(_Base, tag="audio"):
     step: int
     name: str
-    bins: list[float]
+    samples: list[float]
 
 
 class TestForwardCompatibility:
@@ -105,7 +111,7 @@ class TestForwardCompatibility:
         payload = msgspec.msgpack.encode(
             [
                 _MetricsV2(1.0, 3, {"loss": 0.5}),
-                _Histogram(1.1, 3, "w", [0.0, 1.0]),
+                _Audio(1.1, 3, "w", [0.0, 1.0]),
                 _MetricsV2(1.2, 4, {"loss": 0.4}, "sum"),
             ]
         )
@@ -118,7 +124,7 @@ class TestForwardCompatibility:
 
     def test_unknown_kind_in_current_schema_frame(self) -> None:
         """An unknown kind is skipped even in a frame claiming the current schema."""
-        payload = msgspec.msgpack.encode([_Histogram(1.1, 3, "w", []), StepEnd(2.0, 3)])
+        payload = msgspec.msgpack.encode([_Audio(1.1, 3, "w", []), StepEnd(2.0, 3)])
         stats = DecodeStats()
         assert decode_events(payload, SCHEMA_VERSION, stats) == [StepEnd(2.0, 3)]
         assert stats.unknown_kinds == 1

@@ -339,3 +339,25 @@ class TestProgress:
         assert "step 2 (3 shipped, 0 partial)" in log.getvalue()
         assert "ranks live 0 ended 1 dead 0" in log.getvalue() and "\r" not in log.getvalue()
         assert tty.getvalue().startswith("\r\x1b[K[p") and tty.getvalue().endswith("\n")
+
+
+class TestHistogramsAndImages:
+    def test_pooled_across_ranks_and_summarised_in_jsonl(self, spool: Path, out: Path) -> None:
+        """Histogram values of all ranks are pooled; JSONL carries their summary and the images."""
+        runs = [rank(spool, r, 2) for r in range(2)]
+        for r, run in enumerate(runs):
+            run.log_histogram("grad", [float(r), float(r) + 10], step=0)
+            run.log_image("plot", b"img%d" % r, step=0)
+            run.step_end(0)
+            run.close()
+        shipper = Shipper(str(spool), JsonlTarget(out), name="h", start_grace=0)
+        seen: list[object] = []
+        real = shipper.target.write
+        shipper.target.write = lambda steps: (seen.extend(steps), real(steps))  # type: ignore[method-assign]
+        shipper.run_forever(once=True)
+        (step,) = seen
+        assert step.histograms == {"grad": [0.0, 10.0, 1.0, 11.0]}  # type: ignore[attr-defined]
+        assert [(i.rank, i.data) for i in step.images] == [(0, b"img0"), (1, b"img1")]  # type: ignore[attr-defined]
+        (line,) = lines(out)
+        assert line["histograms"] == {"grad": {"count": 4.0, "min": 0.0, "max": 11.0, "mean": 5.5}}
+        assert line["images"][1] == {"rank": 1, "name": "plot", "format": "png", "bytes": 4}

@@ -11,7 +11,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any, Final, Literal
@@ -21,7 +21,17 @@ from ranklog.errors import ConfigError, InvalidValueError, RanklogWarning
 from ranklog.producer._env import detect_rank
 from ranklog.producer._sink import DURABILITY_LEVELS, SpoolSink
 from ranklog.producer._values import as_float, check_step, flatten_params, op_spec
-from ranklog.schemas import Metrics, Params, RankEnd, RankStart, StepEnd, Text, Timer
+from ranklog.schemas import (
+    Histogram,
+    Image,
+    Metrics,
+    Params,
+    RankEnd,
+    RankStart,
+    StepEnd,
+    Text,
+    Timer,
+)
 from ranklog.spool import DEFAULT_SEGMENT_BYTES, IncarnationWriter, SpoolLayout, ensure_run
 
 __all__ = ["Durability", "Run", "init"]
@@ -29,6 +39,7 @@ __all__ = ["Durability", "Run", "init"]
 Durability = Literal["buffered", "step", "fsync"]
 SPOOL_ENV: Final = "RANKLOG_SPOOL"
 MAX_TEXT_BYTES: Final = 8 * 1024 * 1024
+MAX_HISTOGRAM_VALUES: Final = 1_000_000
 _NAME_CACHE_MAX: Final = 100_000
 _live_runs: weakref.WeakSet[Run] = weakref.WeakSet()
 
@@ -255,6 +266,48 @@ class Run:
             raise InvalidValueError(f"text {name!r} is larger than {MAX_TEXT_BYTES} bytes")
         self._sink.append(Text(time.time(), step, name, text))
 
+    def log_histogram(self, name: str, values: Any, step: int) -> None:
+        """Log a distribution (a list or array of real numbers) for ``step``.
+
+        Shipped as a histogram (TensorBoard, W&B) or its summary (MLflow, JSONL); the
+        values of every rank are pooled.
+        """
+        step = check_step(step)
+        _check_name("histogram", name)
+        if hasattr(values, "tolist"):  # numpy arrays, torch tensors
+            values = (
+                values.detach().cpu().tolist() if hasattr(values, "detach") else values.tolist()
+            )
+        if isinstance(values, str | bytes) or not hasattr(values, "__iter__"):
+            raise InvalidValueError(f"histogram {name!r}: expected a sequence of numbers")
+        flat = [as_float(name, v) for v in _flatten(values)]
+        if len(flat) > MAX_HISTOGRAM_VALUES:
+            raise InvalidValueError(
+                f"histogram {name!r} has {len(flat)} values, more than {MAX_HISTOGRAM_VALUES}"
+            )
+        self._sink.append(Histogram(time.time(), step, name, flat))
+
+    def log_image(self, name: str, image: Any, step: int, *, format: str = "png") -> None:
+        """Log an image for ``step``: encoded bytes, or a matplotlib figure (saved as PNG)."""
+        step = check_step(step)
+        _check_name("image", name)
+        if hasattr(image, "savefig"):  # a matplotlib Figure
+            import io
+
+            buf = io.BytesIO()
+            image.savefig(buf, format="png", bbox_inches="tight")
+            data, format = buf.getvalue(), "png"
+        elif isinstance(image, bytes | bytearray | memoryview):
+            data = bytes(image)
+        else:
+            raise InvalidValueError(
+                f"image {name!r}: expected encoded bytes or a matplotlib figure, "
+                f"got {type(image).__name__}"
+            )
+        if len(data) > MAX_TEXT_BYTES:
+            raise InvalidValueError(f"image {name!r} is larger than {MAX_TEXT_BYTES} bytes")
+        self._sink.append(Image(time.time(), step, name, data, format))
+
     def log_hyperparams(self, params: Mapping[str, Any] | Any) -> None:
         """Log hyperparameters: nested dicts flattened with ``.``, secrets redacted."""
         self._sink.append(Params(time.time(), flatten_params(params)))
@@ -353,6 +406,19 @@ class _DeadSink:
 
     def close(self, final: object, *, timeout: float = 0.0) -> int:
         return 0
+
+
+def _check_name(what: str, name: object) -> None:
+    if not isinstance(name, str) or not name:
+        raise InvalidValueError(f"{what} name {name!r} is not a non-empty str")
+
+
+def _flatten(values: Any) -> Iterator[Any]:
+    for v in values:
+        if isinstance(v, list | tuple):
+            yield from _flatten(v)
+        else:
+            yield v
 
 
 def _after_fork_in_child() -> None:

@@ -29,6 +29,8 @@ __all__ = [
     "EventBase",
     "Gpu",
     "Heartbeat",
+    "Histogram",
+    "Image",
     "Metrics",
     "ParamValue",
     "Params",
@@ -41,7 +43,7 @@ __all__ = [
 
 #: Version of the event schema written by this release. Bumped whenever a field
 #: or a kind is added; a reader meeting a higher version counts what it skips.
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2  # 2: histogram and image kinds
 
 #: Reductions a value may ask for (the NeMo RL timer set, plus ``last``).
 REDUCE_OPS: Final = frozenset({"mean", "sum", "min", "max", "median", "std", "count", "last"})
@@ -120,6 +122,23 @@ class Text(EventBase, tag="text", frozen=True):
     text: str
 
 
+class Histogram(EventBase, tag="histogram", frozen=True):
+    """A distribution logged at a step (raw values; ranks' values are pooled when shipped)."""
+
+    step: int
+    name: str
+    values: list[float]
+
+
+class Image(EventBase, tag="image", frozen=True):
+    """An image (a plot, say) logged at a step: encoded bytes, ``png`` by default."""
+
+    step: int
+    name: str
+    data: bytes
+    format: str = "png"
+
+
 class StepEnd(EventBase, tag="step_end", frozen=True):
     """Watermark: this rank has logged everything for steps up to and including ``step``."""
 
@@ -137,7 +156,19 @@ class RankEnd(EventBase, tag="rank_end", frozen=True):
     exit_code: int | None = None
 
 
-Event: TypeAlias = RankStart | Metrics | Timer | Gpu | Params | Text | StepEnd | Heartbeat | RankEnd
+Event: TypeAlias = (
+    RankStart
+    | Metrics
+    | Timer
+    | Gpu
+    | Params
+    | Text
+    | StepEnd
+    | Heartbeat
+    | RankEnd
+    | Histogram
+    | Image
+)
 
 #: Pinned tag string -> struct type. Never rename a key.
 KINDS: Final[dict[str, type[EventBase]]] = {
@@ -150,4 +181,6 @@ KINDS: Final[dict[str, type[EventBase]]] = {
     "step_end": StepEnd,
     "heartbeat": Heartbeat,
     "rank_end": RankEnd,
+    "histogram": Histogram,
+    "image": Image,
 }

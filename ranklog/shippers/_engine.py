@@ -30,19 +30,16 @@ from typing import Final
 from ranklog.errors import RanklogError
 from ranklog.schemas import (
     Event,
-    Metrics,
     Params,
     ParamValue,
     RankEnd,
     RankStart,
     StepEnd,
-    Text,
-    Timer,
 )
 from ranklog.shippers._cursor import Cursor, IncState, SegmentCursor, load_cursor, save_cursor
 from ranklog.shippers._progress import Progress
 from ranklog.shippers._source import SegState, SpoolSource
-from ranklog.shippers._steps import Contribution, StepAcc, reduce_step
+from ranklog.shippers._steps import STEP_KINDS, Contribution, StepAcc, reduce_step
 from ranklog.shippers._target import ShippedStep, Target, TransientTargetError
 from ranklog.spool import BadRange, RunInfo, read_run
 
@@ -325,7 +322,7 @@ class Shipper:
         holds = False
         prev_closed: int | None = None
         for ev in events:
-            if type(ev) is Metrics or type(ev) is Timer or type(ev) is Text:
+            if isinstance(ev, STEP_KINDS):
                 step = ev.step
                 if step > max_step:
                     max_step = step

@@ -6,13 +6,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Final
 
-from ranklog.schemas import DEFAULT_METRIC_REDUCE, Metrics, Text, Timer
+from ranklog.schemas import DEFAULT_METRIC_REDUCE, Histogram, Image, Metrics, Text, Timer
 from ranklog.shippers._reduce import Partial, output_names, parse_ops
-from ranklog.shippers._target import ShippedStep, TextItem
+from ranklog.shippers._target import ImageItem, ShippedStep, TextItem
 
-__all__ = ["Contribution", "StepAcc", "reduce_step"]
+__all__ = ["STEP_KINDS", "Contribution", "StepAcc", "reduce_step"]
 
-StepEvent = Metrics | Timer | Text
+StepEvent = Metrics | Timer | Text | Histogram | Image
+#: the event kinds that belong to a step
+STEP_KINDS: Final = (Metrics, Timer, Text, Histogram, Image)
 
 
 @dataclass(slots=True)
@@ -76,6 +78,8 @@ def reduce_step(
     timer_specs: dict[str, str] = {}
     slowest: dict[str, tuple[float, int]] = {}
     texts: list[TextItem] = []
+    histograms: dict[str, list[float]] = {}
+    images: list[ImageItem] = []
     ts = 0.0
     mine: dict[int, dict[str, float]] | None = {} if per_rank else None
     order = sorted(acc.ranks)
@@ -107,6 +111,10 @@ def reduce_step(
                     slowest[name] = (ev.seconds, rank)
             elif type(ev) is Text:
                 texts.append(TextItem(rank, ev.name, ev.text))
+            elif type(ev) is Histogram:
+                histograms.setdefault(ev.name, []).extend(ev.values)
+            elif type(ev) is Image:
+                images.append(ImageItem(rank, ev.name, ev.data, ev.format))
         if mine is not None:
             own = _own(acc.ranks[rank].events)
             if own:
@@ -137,5 +145,7 @@ def reduce_step(
         complete=complete,
         ts=ts if ts > 0 else math.nan,
         texts=texts,
+        histograms=histograms,
+        images=images,
         per_rank=mine,
     )

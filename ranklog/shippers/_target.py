@@ -25,7 +25,7 @@ import msgspec
 from ranklog.schemas import ParamValue
 from ranklog.spool import RunInfo
 
-__all__ = ["ShippedStep", "Target", "TextItem", "TransientTargetError"]
+__all__ = ["ImageItem", "ShippedStep", "Target", "TextItem", "TransientTargetError"]
 
 
 class TextItem(msgspec.Struct, frozen=True):
@@ -34,6 +34,15 @@ class TextItem(msgspec.Struct, frozen=True):
     rank: int
     name: str
     text: str
+
+
+class ImageItem(msgspec.Struct, frozen=True):
+    """One image of a step (a plot): which rank logged it, its name, its encoded bytes."""
+
+    rank: int
+    name: str
+    data: bytes
+    format: str = "png"
 
 
 class ShippedStep(msgspec.Struct):
@@ -52,6 +61,9 @@ class ShippedStep(msgspec.Struct):
     #: latest event time in the step (Unix seconds): targets use it as the timestamp
     ts: float
     texts: list[TextItem] = msgspec.field(default_factory=list)
+    #: distributions: name -> every rank's values pooled (rank order)
+    histograms: dict[str, list[float]] = msgspec.field(default_factory=dict)
+    images: list[ImageItem] = msgspec.field(default_factory=list)
     #: each rank's own values (``--per-rank``): rank -> name -> value
     per_rank: dict[int, dict[str, float]] | None = None
 

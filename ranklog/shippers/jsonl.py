@@ -6,6 +6,8 @@
      "ranks": 8, "world_size": 8, "complete": true}
 
 Text events, when a step has some, are in ``"texts": [{"rank", "name", "text"}]``;
+histograms as ``"histograms": {name: {count, min, max, mean}}`` and images as
+``"images": [{"rank", "name", "format", "bytes"}]`` (their contents stay in the spool);
 hyperparameters are one line ``{"params": {...}}`` before the step that follows
 them. NaN and infinities are written as the JSON extensions ``NaN``,
 ``Infinity`` and ``-Infinity`` (Python's ``json`` reads them back).
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -46,9 +49,29 @@ def step_line(s: ShippedStep) -> dict[str, Any]:
     }
     if s.texts:
         obj["texts"] = [{"rank": t.rank, "name": t.name, "text": t.text} for t in s.texts]
+    if s.histograms:
+        obj["histograms"] = {name: _summary(v) for name, v in sorted(s.histograms.items())}
+    if s.images:
+        obj["images"] = [
+            {"rank": i.rank, "name": i.name, "format": i.format, "bytes": len(i.data)}
+            for i in s.images
+        ]
     if s.per_rank is not None:
         obj["per_rank"] = {str(r): v for r, v in sorted(s.per_rank.items())}
     return obj
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    """What a JSONL line says of a histogram: count, min, max, mean (its values are in Parquet)."""
+    real = [v for v in values if v == v]
+    if not real:
+        return {"count": float(len(values))}
+    return {
+        "count": float(len(values)),
+        "min": min(real),
+        "max": max(real),
+        "mean": math.fsum(real) / len(real) if all(math.isfinite(v) for v in real) else math.nan,
+    }
 
 
 class JsonlTarget:
