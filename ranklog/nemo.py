@@ -1,0 +1,225 @@
+"""A drop-in for NeMo RL's ``Logger``: change one import, keep the config.
+
+::
+
+    # from nemo_rl.utils.logger import Logger
+    from ranklog.nemo import Logger
+
+    logger = Logger(cfg["logger"])          # the same dict NeMo RL takes
+    logger.log_hyperparams(cfg)
+    logger.log_metrics({"loss": loss}, step, prefix="train", step_finished=True)
+    logger.finish()
+
+Every process that creates a ``Logger`` writes to a ranklog spool under
+``log_dir/spool``; the process that owns the run (rank 0 unless
+``cfg["ranklog"]["owner_rank"]`` says otherwise) starts one shipper process per
+enabled backend (TensorBoard under ``log_dir/tensorboard``, MLflow at
+``mlflow.tracking_uri`` or ``sqlite:///log_dir/mlflow.db``, W&B with
+``wandb.project``/``name``), and, when ``num_val_samples_to_print`` > 0, a
+console shipper that prints that many validation samples per step. Training
+never waits on a backend; a crash loses nothing that was closed
+(``step_finished=True``, or a later step).
+
+Config keys read: ``log_dir``, ``wandb_enabled``, ``tensorboard_enabled``,
+``mlflow_enabled``, ``wandb`` (``project``, ``name``, ``entity``, ``group``,
+``mode``), ``tensorboard`` (``log_dir``), ``mlflow`` (``experiment_name``,
+``run_name``, ``tracking_uri``), ``monitor_gpus``, ``gpu_monitoring``,
+``num_val_samples_to_print``, and ranklog's own ``ranklog`` section
+(``durability``, ``owner_rank``, ``shutdown_timeout``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import numbers
+import subprocess
+import sys
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import ranklog
+from ranklog.errors import RanklogWarning
+
+__all__ = ["Logger", "LoggerInterface"]
+
+log = logging.getLogger("ranklog.nemo")
+
+
+class LoggerInterface:
+    """NeMo RL's logger interface, as the methods this facade implements."""
+
+    def log_metrics(
+        self,
+        metrics: Mapping[str, Any],
+        step: int,
+        prefix: str | None = "",
+        step_metric: str | None = None,
+        step_finished: bool = False,
+    ) -> None:
+        """Log a dictionary of metrics."""
+        raise NotImplementedError
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        """Log hyperparameters."""
+        raise NotImplementedError
+
+
+class Logger(LoggerInterface):
+    """NeMo RL's ``Logger`` on top of ranklog: same config, same methods."""
+
+    def __init__(
+        self,
+        cfg: Mapping[str, Any],
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.log_dir = Path(cfg.get("log_dir") or "logs")
+        own = dict(cfg.get("ranklog") or {})
+        self.spool = self.log_dir / "spool"
+        name = _first(cfg, ("wandb", "name"), ("mlflow", "run_name")) or self.log_dir.name
+        self.run = ranklog.init(
+            self.spool,
+            rank=rank,
+            world_size=world_size,
+            durability=own.get("durability", "step"),
+            name=name,
+        )
+        self.num_val_samples_to_print = int(cfg.get("num_val_samples_to_print") or 0)
+        self.shutdown_timeout = float(own.get("shutdown_timeout", 120.0))
+        self._skipped: set[str] = set()
+        self._shippers: list[subprocess.Popen[bytes]] = []
+        if cfg.get("monitor_gpus"):
+            warnings.warn(
+                "ranklog.nemo: monitor_gpus is accepted but GPU sampling is not part of this "
+                "ranklog version yet; no GPU series will be logged",
+                RanklogWarning,
+                stacklevel=2,
+            )
+        if self.run.rank == int(own.get("owner_rank", 0)):
+            self._start_shippers()
+
+    # -- shippers ---------------------------------------------------------------------------
+
+    def shipper_commands(self) -> list[list[str]]:
+        """The ``ranklog ship`` command line of each enabled backend."""
+        cfg, base = self.cfg, [sys.executable, "-m", "ranklog.cli", "ship", str(self.spool)]
+        base += ["--quiet"]
+        cmds: list[list[str]] = []
+        if cfg.get("tensorboard_enabled"):
+            sub = Path((cfg.get("tensorboard") or {}).get("log_dir") or "tensorboard")
+            tb_dir = sub if sub.is_absolute() else self.log_dir / sub
+            cmds.append([*base, "--to", f"tensorboard:{tb_dir}"])
+        if cfg.get("mlflow_enabled"):
+            ml = cfg.get("mlflow") or {}
+            uri = ml.get("tracking_uri") or f"sqlite:///{(self.log_dir / 'mlflow.db').resolve()}"
+            cmd = [*base, "--to", f"mlflow:{uri}"]
+            cmd += _flag("--experiment", ml.get("experiment_name"))
+            cmds.append(cmd + _flag("--run-name", ml.get("run_name")))
+        if cfg.get("wandb_enabled"):
+            wb = cfg.get("wandb") or {}
+            cmd = [*base, "--to", f"wandb:{wb.get('project') or 'nemo-rl'}"]
+            cmd += _flag("--run-name", wb.get("name")) + _flag("--entity", wb.get("entity"))
+            cmd += _flag("--group", wb.get("group")) + _flag("--mode", wb.get("mode"))
+            cmds.append([*cmd, "--dir", str(self.log_dir)])
+        if self.num_val_samples_to_print > 0:
+            # every step with text (validation samples) and every partial step is printed
+            cmds.append([*base, "--to", f"console:{10**9}", "--samples",
+                         str(self.num_val_samples_to_print)])  # fmt: skip
+        return cmds
+
+    def _start_shippers(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for cmd in self.shipper_commands():
+            self._shippers.append(subprocess.Popen(cmd))
+
+    # -- LoggerInterface --------------------------------------------------------------------
+
+    def log_metrics(
+        self,
+        metrics: Mapping[str, Any],
+        step: int,
+        prefix: str | None = "",
+        step_metric: str | None = None,
+        step_finished: bool = False,
+    ) -> None:
+        """Log the numbers of ``metrics`` at ``step`` (strings as text; others skipped once).
+
+        ``step_finished=True`` closes the step (ranklog's ``step_end``). ``step_metric``
+        is accepted for compatibility: ranklog plots every value against ``step``.
+        """
+        numbers_: dict[str, Any] = {}
+        for key, value in metrics.items():
+            if isinstance(value, numbers.Real) or _is_scalar_array(value):
+                numbers_[key] = value
+            elif isinstance(value, str):
+                name = f"{prefix}/{key}" if prefix else key
+                self.run.log_text(name, value, step=step)
+            elif key not in self._skipped:
+                self._skipped.add(key)
+                log.info("ranklog.nemo: %r is not a number (%s); not logged as a metric",
+                         key, type(value).__name__)  # fmt: skip
+        if numbers_:
+            self.run.log_metrics(numbers_, step=step, prefix=prefix or None)
+        if step_finished:
+            self.run.step_end(step)
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        """Log hyperparameters (nested dicts flattened with ".", secrets redacted)."""
+        self.run.log_hyperparams(params)
+
+    def log_histogram(self, histogram: Any, step: int, name: str) -> None:
+        """Log a distribution: a histogram in TensorBoard and W&B, summary stats in MLflow."""
+        self.run.log_histogram(name, histogram, step=step)
+
+    def log_plot(self, figure: Any, step: int, name: str) -> None:
+        """Log a matplotlib figure as an image (TensorBoard image, W&B image, MLflow artifact)."""
+        self.run.log_image(name, figure, step=step)
+
+    def log_batched_dict_as_jsonl(self, to_log: Mapping[str, Any], filename: str) -> None:
+        """Write a dict of equal-length lists as JSONL, one line per index, under log_dir."""
+        path = self.log_dir / filename
+        path.parent.mkdir(parents=True, exist_ok=True)
+        n = max((len(v) for v in to_log.values() if isinstance(v, list)), default=0)
+        with open(path, "w") as f:
+            for i in range(n):
+                row = {k: (v[i] if isinstance(v, list) else v) for k, v in to_log.items()}
+                f.write(json.dumps(row, default=str) + "\n")
+
+    def finish(self) -> None:
+        """Close this rank; the owner then waits for its shippers to drain and stop."""
+        self.run.close()
+        for proc in self._shippers:
+            try:
+                proc.wait(timeout=self.shutdown_timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("ranklog.nemo: shipper %s still busy after %.0fs; stopping it "
+                            "(the spool keeps everything: run `ranklog ship` later)",
+                            proc.args, self.shutdown_timeout)  # fmt: skip
+                proc.terminate()
+                proc.wait(timeout=30)
+        self._shippers.clear()
+
+    close = finish
+
+
+def _first(cfg: Mapping[str, Any], *paths: tuple[str, str]) -> str | None:
+    for section, key in paths:
+        value = (cfg.get(section) or {}).get(key)
+        if value:
+            return str(value)
+    return None
+
+
+def _flag(name: str, value: object) -> list[str]:
+    return [] if value in (None, "") else [name, str(value)]
+
+
+def _is_scalar_array(value: object) -> bool:
+    size = getattr(value, "numel", None)
+    n = size() if callable(size) else getattr(value, "size", None)
+    return isinstance(n, int) and n == 1 and hasattr(value, "item")
