@@ -369,6 +369,78 @@ def _bench_mlflow(base: Path, budget: Budget) -> list[Row]:
     return [Row.from_ns(name, samples, "synchronous; tracking store in a temp dir")]
 
 
+# -- NeMo RL: the drop-in against direct fan-out to the three backends -------------------
+
+
+def _bench_nemo(base: Path, budget: Budget) -> list[Row]:
+    """One NeMo-style ``log_metrics(metrics, step, prefix, step_finished=True)`` per step.
+
+    ranklog's drop-in writes the step to its spool (durability ``step``); shipping to
+    the backends happens in other processes. NeMo RL's own ``Logger`` calls each
+    enabled backend in the training process: ``wandb.log``, TensorBoard's
+    ``SummaryWriter.add_scalar`` per value, ``mlflow.log_metrics``.
+    """
+    from ranklog.nemo import Logger
+
+    payloads = _payloads()
+    calls = budget.mlflow_calls
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="nemo-", dir=base) as tmp:
+        logger = Logger({"log_dir": tmp}, rank=0, world_size=1)
+        samples = _time_calls(
+            lambda i: logger.log_metrics(payloads[i % len(payloads)], i, "train", None, True),
+            calls * 10,
+            budget.peer_warmup,
+        )
+        logger.finish()
+        rows.append(Row.from_ns("ranklog.nemo Logger.log_metrics, step_finished", samples,
+                                "spool only; shippers run in other processes"))  # fmt: skip
+    rows.append(_bench_nemo_direct(base, budget))
+    return rows
+
+
+def _bench_nemo_direct(base: Path, budget: Budget) -> Row:
+    name = "NeMo-style direct: wandb.log + add_scalar x10 + mlflow.log_metrics"
+    try:
+        import mlflow
+        import wandb
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+    except ImportError:
+        return Row(name, note="a backend is not installed")
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    _silence_loggers()
+    payloads = _payloads()
+    with tempfile.TemporaryDirectory(prefix="nemo-direct-", dir=base) as tmp:
+        uri = f"sqlite:///{tmp}/mlflow.db"
+        mlflow.set_tracking_uri(uri)
+        mlflow.set_experiment("bench-nemo")
+        writer = EventFileWriter(tmp)
+        settings = wandb.Settings(silent=True, console="off", x_disable_stats=True)
+        run = wandb.init(mode="offline", dir=tmp, project="bench-nemo", settings=settings)
+
+        def add_scalar(tag: str, value: float, step: int) -> None:  # SummaryWriter.add_scalar
+            summary = Summary(value=[Summary.Value(tag=tag, simple_value=value)])
+            writer.add_event(Event(wall_time=time.time(), step=step, summary=summary))
+
+        def log(i: int) -> None:
+            metrics = {f"train/{k}": v for k, v in payloads[i % len(payloads)].items()}
+            run.log(metrics, step=i)
+            for tag, value in metrics.items():
+                add_scalar(tag, value, i)
+            mlflow.log_metrics(metrics, step=i)
+
+        try:
+            with mlflow.start_run():
+                samples = _time_calls(log, budget.mlflow_calls, budget.peer_warmup)
+        finally:
+            writer.close()
+            run.finish()
+            wandb.teardown()
+    return Row.from_ns(name, samples, "all three in the training process, as NeMo RL does")
+
+
 def _run_peer(bench: Callable[[Path, Budget], list[Row]], base: Path, budget: Budget) -> list[Row]:
     """Run one peer benchmark; a peer that breaks gives a row saying so, not a crash."""
     try:
@@ -533,6 +605,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for bench in (_bench_wandb, _bench_tensorboard, _bench_mlflow):
         rows += _run_peer(bench, base, budget)
     rows += [_bench_step_end(base, level, budget) for level in DURABILITIES]
+    rows += _run_peer(_bench_nemo, base, budget)
     rows.append(_import_row(imported))
     lines += _table(rows, _p50(rows, "ranklog log_metrics (step)"))
     lines += _targets(rows, imported)
