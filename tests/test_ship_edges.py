@@ -114,3 +114,38 @@ def test_steps_nobody_logged_do_not_hold_the_cursor(spool: Path, out: Path) -> N
     cursor = load_cursor(spool, "t")
     assert cursor is not None and cursor.last_step == 10
     run.close()
+
+
+def test_late_is_judged_by_the_ranks_own_watermark(spool: Path, out: Path) -> None:
+    """A value for a step its rank already closed is late, even if the step is not shipped."""
+    a, b = rank(spool, 0, 2), rank(spool, 1, 2)
+    log_steps(a, range(5))
+    with pytest.warns(Warning, match="late"):
+        a.log_metrics({"loss": 99.0}, step=2)  # rank 0 closed step 2 already
+    log_steps(b, range(5))
+    a.close(), b.close()
+    shipper = ship(spool, out)
+    assert lines(out)[2]["metrics"]["loss"] == pytest.approx(0.5 + 0.002)
+    assert shipper.stats.late_events == 1
+
+
+def test_params_land_before_the_step_they_were_logged_at(spool: Path, out: Path) -> None:
+    """Params logged during step 3 are written right before step 3, however reads are chunked."""
+    from ranklog.shippers.jsonl import read_jsonl
+
+    run = rank(spool, 0, 1)
+    run.log_hyperparams({"lr": 0.1})
+    log_steps(run, range(3))
+    run.log_hyperparams({"lr": 0.05, "phase": "anneal"})
+    log_steps(run, range(3, 6))
+    run.log_hyperparams({"done": True})
+    run.close()
+    ship(spool, out)
+    order = [
+        ("params", x["params"]) if "params" in x else ("step", x["step"]) for x in read_jsonl(out)
+    ]
+    assert order == [
+        ("params", {"lr": 0.1}), ("step", 0), ("step", 1), ("step", 2),
+        ("params", {"lr": 0.05, "phase": "anneal"}), ("step", 3), ("step", 4), ("step", 5),
+        ("params", {"done": True}),
+    ]  # fmt: skip

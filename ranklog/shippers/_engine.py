@@ -126,6 +126,8 @@ class Shipper:
         self.stats = EngineStats()
         self.params: dict[str, ParamValue] = {}
         self.params_shipped: dict[str, ParamValue] = {}
+        #: new or changed params, in log order: (step before which to ship, key, value)
+        self.params_due: list[tuple[int, str, ParamValue]] = []
         self.shipped_upto = -1  # steps <= this are shipped (or held by the target)
         self._durable_gap = (-1, -1)  # (cursor step, target step): shipped by a dead process
         self.run: RunInfo | None = None
@@ -324,24 +326,22 @@ class Shipper:
         for ev in events:
             if isinstance(ev, STEP_KINDS):
                 step = ev.step
+                own = inc.closed if inc.closed > inc.max_step - 1 else inc.max_step - 1
                 if step > max_step:
                     max_step = step
                 if step > inc.max_step:
                     inc.max_step = step
-                if step <= self.shipped_upto:
-                    if fresh and not (self._durable_gap[0] < step <= self._durable_gap[1]):
-                        if prev_closed is None:
-                            prev_closed = state.closed_before(inc_no)
-                        if step <= prev_closed:
-                            self.stats.relogged_events += 1
-                        else:
-                            self.stats.late_events += 1
-                    continue
                 if prev_closed is None:
                     prev_closed = state.closed_before(inc_no)
-                if step <= prev_closed:
-                    if fresh:
+                if step <= prev_closed:  # closed by an earlier incarnation: re-logged
+                    if fresh and step > self._durable_gap[1]:
                         self.stats.relogged_events += 1
+                    continue
+                if step <= own or step <= self.shipped_upto:
+                    # Late: this rank had closed the step already (its own watermark: the
+                    # same verdict whatever order ranks are read in), or it was shipped.
+                    if fresh and not (self._durable_gap[0] < step <= self._durable_gap[1]):
+                        self.stats.late_events += 1
                     continue
                 acc = self.steps.get(step)
                 if acc is None:
@@ -363,10 +363,12 @@ class Shipper:
             elif isinstance(ev, RankEnd):
                 inc.ended = ev.status
             elif isinstance(ev, Params):
+                effective = inc.max_step + 1 if inc.max_step >= 0 else 0
                 for k, v in ev.values.items():
-                    if k not in self.params_shipped or self.params_shipped[k] != v:
+                    if k not in self.params or self.params[k] != v:
                         holds = True
-                    self.params[k] = v
+                        self.params_due.append((effective, k, v))
+                        self.params[k] = v
         return max_step, holds
 
     # -- completeness -----------------------------------------------------------------
@@ -438,19 +440,37 @@ class Shipper:
             )
         return out
 
-    def _ship(self, steps: list[ShippedStep]) -> None:
-        new_params = {
-            k: v
-            for k, v in self.params.items()
-            if k not in self.params_shipped or self.params_shipped[k] != v
-        }
-        if new_params:
-            self.target.write_params(new_params)
-        if steps:
-            self.target.write(steps)
+    def _ship(self, steps: list[ShippedStep], *, final: bool = False) -> None:
+        """Hand steps (and the params due before them) to the target; flush; commit.
+
+        Params logged while a rank was at step S are written just before the first
+        shipped step >= S (or at the very end): the same place live and in replay.
+        """
+        due = sorted(self.params_due, key=lambda d: d[0])  # stable: log order kept
+        sent = 0
+        chunk: list[ShippedStep] = []
+        for s in steps:
+            group: dict[str, ParamValue] = {}
+            while sent < len(due) and due[sent][0] <= s.step:
+                group[due[sent][1]] = due[sent][2]
+                sent += 1
+            if group:
+                if chunk:
+                    self.target.write(chunk)
+                    chunk = []
+                self.target.write_params(group)
+            chunk.append(s)
+        if chunk:
+            self.target.write(chunk)
+        if final and sent < len(due):
+            self.target.write_params({k: v for _, k, v in due[sent:]})
+            sent = len(due)
         self.target.flush()
         # accepted: move on
-        self.params_shipped.update(new_params)
+        for _, k, v in due[:sent]:
+            self.params_shipped[k] = v
+        done = set(map(id, due[:sent]))
+        self.params_due = [d for d in self.params_due if id(d) not in done]
         for s in steps:
             self.steps.pop(s.step, None)
             self.stats.steps_shipped += 1
@@ -461,10 +481,7 @@ class Shipper:
 
     def _commit(self) -> None:
         c = self.cursor
-        params_pending = any(
-            k not in self.params_shipped or self.params_shipped[k] != v
-            for k, v in self.params.items()
-        )
+        params_pending = bool(self.params_due)
         for seg in self.source.segments.values():
             frames = seg.frames
             n = 0
@@ -501,16 +518,13 @@ class Shipper:
         shipped = 0
         while True:
             steps = self._ready_steps(time.time())
-            params_new = any(
-                k not in self.params_shipped or self.params_shipped[k] != v
-                for k, v in self.params.items()
-            )
-            if not steps and not params_new:
-                break
-            self._ship(steps)
-            shipped += len(steps)
-            if not steps:
-                break
+            if steps:
+                self._ship(steps)
+                shipped += len(steps)
+                continue
+            if self.params_due and not self.steps and self.all_released(time.time()):
+                self._ship([], final=True)  # params logged after the last step
+            break
         # Steps up to the global watermark that nobody logged anything for are done too:
         # anything that arrives for them now is late.
         upto, _ = self._ready_upto(time.time())
