@@ -4,6 +4,8 @@
 
     ranklog ship SPOOL --to TARGET [--to TARGET ...] [--once] [--poll S] [--dead-after S]
                  [--name N] [--samples N]
+    ranklog compact SPOOL --out DIR [--delete]
+    ranklog replay DIR --to TARGET [--to TARGET ...] [--steps A:B] [--names GLOB]
     ranklog inspect SPOOL [--json]
     ranklog demo [--out DIR] [--ranks N] [--steps N]
 """
@@ -159,6 +161,52 @@ def _ship_each(args: argparse.Namespace, targets: list[str]) -> int:
         return max(p.wait() for p in procs)
 
 
+def _compact(args: argparse.Namespace) -> int:
+    from ranklog.spool.parquet import compact
+
+    spool = Path(args.spool)
+    if not (spool / "run.json").is_file():
+        print(f"ranklog compact: {spool} is not a spool (no run.json)", file=sys.stderr)
+        return 2
+    res = compact(spool, args.out, delete=args.delete)
+    rows = ", ".join(f"{t} {n:,}" for t, n in sorted(res.rows.items())) or "nothing new"
+    print(f"compacted {res.files} files into {args.out}: {rows}")
+    for b in res.bad:
+        print(f"  corrupt: {b}")
+    for path in res.deleted:
+        print(f"  deleted (verified): {path}")
+    for why in res.kept:
+        print(f"  kept: {why}")
+    return 0
+
+
+def _parse_steps(text: str | None) -> tuple[int | None, int | None] | None:
+    if not text:
+        return None
+    lo, sep, hi = text.partition(":")
+    if not sep:
+        raise SystemExit(f"ranklog replay: --steps {text!r}: expected A:B (either may be empty)")
+    return (int(lo) if lo else None, int(hi) if hi else None)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from ranklog.shippers import make_target
+    from ranklog.spool.replay import replay
+
+    dataset = Path(args.dataset)
+    if not (dataset / "_manifest.json").is_file():
+        print(f"ranklog replay: {dataset} is not a compacted dataset", file=sys.stderr)
+        return 2
+    steps = _parse_steps(args.steps)
+    code = 0
+    for spec in args.to:
+        target = make_target(spec, dataset, _options(args))
+        code = max(code, replay(dataset, target, steps=steps, names=args.names,
+                                per_rank=args.per_rank))  # fmt: skip
+        print(f"replayed {dataset} into {spec}")
+    return code
+
+
 def _demo(args: argparse.Namespace) -> int:
     from ranklog._demo import run_demo
 
@@ -167,6 +215,24 @@ def _demo(args: argparse.Namespace) -> int:
     code = run_demo(spool, ranks=args.ranks, steps=args.steps, step_seconds=args.step_seconds)
     print(f"\nlook at: {spool}  (ranklog inspect {spool})")
     return code
+
+
+def _target_flags(p: argparse.ArgumentParser) -> None:
+    """Options every target understands (each uses what applies to it)."""
+    p.add_argument(
+        "--samples", type=int, default=2, help="validation samples printed per step (console)"
+    )
+    p.add_argument(
+        "--per-rank", action="store_true",
+        help="also log each rank's own values (TensorBoard rankNNNNN/ sub-runs, MLflow child "
+        "runs, one W&B run per rank grouped by run name)",
+    )  # fmt: skip
+    p.add_argument("--run-name", help="the backend run's name (default: the spool's run name)")
+    p.add_argument("--experiment", help="MLflow experiment (default: the run name)")
+    p.add_argument("--entity", help="W&B entity")
+    p.add_argument("--group", help="W&B group (default: the run name)")
+    p.add_argument("--mode", choices=["online", "offline"], help="W&B mode")
+    p.add_argument("--dir", help="local directory for backend files (W&B; default: SPOOL)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -200,23 +266,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="with a known world size, wait this long after the run starts for every rank",
     )  # fmt: skip
     ship.add_argument("--name", help="cursor name (default: derived from the target)")
-    ship.add_argument(
-        "--samples", type=int, default=2, help="validation samples printed per step (console)"
-    )
     ship.add_argument("--quiet", action="store_true", help="no status line")
-    ship.add_argument(
-        "--per-rank", action="store_true",
-        help="also log each rank's own values (TensorBoard rankNNNNN/ sub-runs, MLflow child "
-        "runs, one W&B run per rank grouped by run name)",
-    )  # fmt: skip
-    ship.add_argument("--run-name", help="the backend run's name (default: the spool's run name)")
-    ship.add_argument("--experiment", help="MLflow experiment (default: the run name)")
-    ship.add_argument("--entity", help="W&B entity")
-    ship.add_argument("--group", help="W&B group (default: the run name)")
-    ship.add_argument("--mode", choices=["online", "offline"], help="W&B mode")
-    ship.add_argument("--dir", help="local directory for backend files (W&B; default: SPOOL)")
     ship.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
+    _target_flags(ship)
     ship.set_defaults(func=_ship)
+
+    comp = sub.add_parser("compact", help="write the spool's events as a Parquet dataset")
+    comp.add_argument("spool")
+    comp.add_argument("--out", required=True, help="dataset directory (created if missing)")
+    comp.add_argument(
+        "--delete", action="store_true",
+        help="delete sealed segments once their rows are verified in Parquet (and shipped)",
+    )  # fmt: skip
+    comp.set_defaults(func=_compact)
+
+    rep = sub.add_parser("replay", help="ship a compacted dataset into any target")
+    rep.add_argument("dataset")
+    rep.add_argument("--to", action="append", required=True, metavar="TARGET")
+    rep.add_argument("--steps", metavar="A:B", help="only steps A <= step < B")
+    rep.add_argument("--names", metavar="GLOB", help="only metrics, timers and text matching")
+    _target_flags(rep)
+    rep.set_defaults(func=_replay)
 
     ins = sub.add_parser("inspect", help="ranks, incarnations, steps, ends and damage of a spool")
     ins.add_argument("spool")

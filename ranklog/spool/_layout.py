@@ -33,6 +33,7 @@ __all__ = [
     "SpoolLayout",
     "ensure_run",
     "read_run",
+    "write_run",
 ]
 
 FILE_MODE: Final = 0o640
@@ -144,6 +145,18 @@ def read_run(root: str | os.PathLike[str]) -> RunInfo:
         raise
     except (ValueError, KeyError, TypeError) as exc:
         raise SpoolFormatError(f"{path}: not a valid run.json ({exc})") from exc
+
+
+def write_run(root: str | os.PathLike[str], info: RunInfo) -> None:
+    """Create ``run.json`` with the given identity (a replay's scratch spool); once only."""
+    layout = SpoolLayout(root)
+    layout.ranks_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    fd = os.open(layout.run_json, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    try:
+        os.write(fd, info.to_json())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def ensure_run(

@@ -1,0 +1,474 @@
+"""Compaction of a spool into a Parquet dataset: one long-format table per kind.
+
+::
+
+    DIR/
+      _manifest.json                               what is done, per source segment
+      metrics/<rank>-<inc>-<seg>-<start>-<end>.parquet
+      timers/...  text/...  params/...  ranks/...  gpu/...  histograms/...  images/...
+
+File names carry the source segment and the byte range of its frames, so a
+run is incremental (a live segment is compacted up to its last complete frame
+and continued next time), idempotent (the same range gives the same file) and
+crash-safe (files are written tmp -> fsync -> rename, then the manifest; files
+a crashed run left that the manifest does not list are removed before the
+range is written again). Every table has the columns of :data:`COMMON`; see
+:data:`SCHEMAS` for the rest. Rows of one event share (rank, incarnation,
+segment, seq, idx), which orders every rank's events as written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import msgspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ranklog.schemas import (
+    Gpu,
+    Heartbeat,
+    Histogram,
+    Image,
+    Metrics,
+    Params,
+    RankEnd,
+    RankStart,
+    StepEnd,
+    Text,
+    Timer,
+)
+from ranklog.spool._layout import DIR_MODE, FILE_MODE, SegmentName, SpoolLayout, fsync_dir, read_run
+from ranklog.spool._reader import BadRange, Frame, SegmentReader
+
+__all__ = ["COMMON", "SCHEMAS", "TABLES", "CompactResult", "compact", "segment_tables"]
+
+log = logging.getLogger("ranklog.compact")
+
+_TS = pa.timestamp("us", tz="UTC")
+COMMON: Final = [
+    ("run_id", pa.string()),
+    ("rank", pa.int32()),
+    ("incarnation", pa.int32()),
+    ("segment", pa.int32()),
+    ("seq", pa.int64()),  # frame sequence number within the incarnation
+    ("idx", pa.int32()),  # event index within the frame
+    ("ts", _TS),
+]
+SCHEMAS: Final[dict[str, pa.Schema]] = {
+    name: pa.schema(COMMON + extra)
+    for name, extra in {
+        "metrics": [("step", pa.int64()), ("name", pa.string()), ("value", pa.float64()),
+                    ("reduce", pa.string())],
+        "timers": [("step", pa.int64()), ("name", pa.string()), ("value", pa.float64()),
+                   ("reduce", pa.string())],
+        "text": [("step", pa.int64()), ("name", pa.string()), ("text", pa.large_string())],
+        "histograms": [("step", pa.int64()), ("name", pa.string()),
+                       ("values", pa.list_(pa.float64()))],
+        "images": [("step", pa.int64()), ("name", pa.string()), ("format", pa.string()),
+                   ("data", pa.large_binary())],
+        "params": [("name", pa.string()), ("value", pa.string())],  # value: JSON text
+        "gpu": [("host", pa.string()), ("index", pa.int32()), ("gpu_name", pa.string()),
+                ("util", pa.float64()), ("mem_used", pa.int64()), ("mem_total", pa.int64()),
+                ("temp", pa.float64()), ("power", pa.float64()), ("step", pa.int64())],
+        "ranks": [("kind", pa.string()), ("step", pa.int64()), ("world_size", pa.int32()),
+                  ("local_rank", pa.int32()), ("host", pa.string()), ("pid", pa.int64()),
+                  ("version", pa.string()), ("status", pa.string()), ("exit_code", pa.int32())],
+    }.items()
+}  # fmt: skip
+TABLES: Final = tuple(SCHEMAS)
+MANIFEST: Final = "_manifest.json"
+#: frames read per output file: bounds memory, keeps files large enough to scan fast
+CHUNK_BYTES: Final = 64 * 1024 * 1024
+_ROW_GROUP: Final = 1_000_000
+_ENCODINGS: Final = {
+    "seq": "DELTA_BINARY_PACKED",
+    "idx": "DELTA_BINARY_PACKED",
+    "ts": "DELTA_BINARY_PACKED",
+    "value": "BYTE_STREAM_SPLIT",
+}
+
+
+class _Columns:
+    """Column lists for one table, filled row by row (or event by event)."""
+
+    def __init__(self, table: str) -> None:
+        self.names = SCHEMAS[table].names
+        self.cols: dict[str, list[Any]] = {n: [] for n in self.names}
+
+    def rows(self, n: int, **values: Any) -> None:
+        """Append ``n`` rows; a list value gives each row its own, a scalar is repeated."""
+        for name in self.names:
+            v = values.get(name)
+            if isinstance(v, list) and name != "values":
+                self.cols[name].extend(v)
+            else:
+                self.cols[name].extend([v] * n)
+
+    def table(self, table: str) -> pa.Table:
+        return pa.Table.from_pydict(self.cols, schema=SCHEMAS[table])
+
+    def __len__(self) -> int:
+        return len(self.cols["rank"])
+
+
+def _us(ts: float) -> int:
+    return round(ts * 1_000_000)
+
+
+def segment_tables(run_id: str, seg: SegmentName, frames: list[Frame]) -> dict[str, pa.Table]:
+    """The rows of ``frames`` (one segment's), as one Arrow table per kind (empty ones left out)."""
+    out = {t: _Columns(t) for t in TABLES}
+    base = {"run_id": run_id, "rank": seg.rank, "incarnation": seg.incarnation,
+            "segment": seg.segment}  # fmt: skip
+    for frame in frames:
+        for idx, ev in enumerate(frame.events):
+            _ADD[type(ev)](out, ev, dict(base, seq=frame.seq, idx=idx, ts=_us(ev.ts)))
+    return {t: c.table(t) for t, c in out.items() if len(c)}
+
+
+def _metrics(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
+    n = len(ev.values)
+    red = ev.reduce
+    ops = [red] * n if isinstance(red, str) else [red.get(k, "mean") for k in ev.values]
+    out["metrics"].rows(
+        n, **key, step=ev.step, name=list(ev.values), value=list(ev.values.values()), reduce=ops
+    )
+
+
+def _timer(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
+    out["timers"].rows(1, **key, step=ev.step, name=ev.name, value=ev.seconds, reduce=ev.reduce)
+
+
+def _text(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
+    out["text"].rows(1, **key, step=ev.step, name=ev.name, text=ev.text)
+
+
+def _histogram(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
+    out["histograms"].rows(1, **key, step=ev.step, name=ev.name, values=ev.values)
+
+
+def _image(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
+    out["images"].rows(1, **key, step=ev.step, name=ev.name, format=ev.format, data=ev.data)
+
+
+def _params(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
+    n = len(ev.values)
+    vals = [json.dumps(v) for v in ev.values.values()]
+    out["params"].rows(n, **key, name=list(ev.values), value=vals)
+
+
+def _gpu(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
+    out["gpu"].rows(1, **key, host=ev.host, index=ev.index, gpu_name=ev.name, util=ev.util,
+                    mem_used=ev.mem_used, mem_total=ev.mem_total, temp=ev.temp,
+                    power=ev.power, step=ev.step)  # fmt: skip
+
+
+def _rank_event(kind: str) -> Callable[[dict[str, _Columns], Any, dict[str, Any]], None]:
+    def add(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
+        extra: dict[str, Any] = {"kind": kind}
+        if isinstance(ev, StepEnd):
+            extra["step"] = ev.step
+        elif isinstance(ev, RankStart):
+            extra.update(world_size=ev.world_size, local_rank=ev.local_rank, host=ev.host,
+                         pid=ev.pid, version=ev.version)  # fmt: skip
+        elif isinstance(ev, RankEnd):
+            extra.update(status=ev.status, exit_code=ev.exit_code)
+        out["ranks"].rows(1, **key, **extra)
+
+    return add
+
+
+_ADD: Final[dict[type, Callable[[dict[str, _Columns], Any, dict[str, Any]], None]]] = {
+    Metrics: _metrics,
+    Timer: _timer,
+    Text: _text,
+    Histogram: _histogram,
+    Image: _image,
+    Params: _params,
+    Gpu: _gpu,
+    RankStart: _rank_event("rank_start"),
+    StepEnd: _rank_event("step_end"),
+    Heartbeat: _rank_event("heartbeat"),
+    RankEnd: _rank_event("rank_end"),
+}
+
+
+# -- the manifest and the compaction run ----------------------------------------------------
+
+
+class SegmentEntry(msgspec.Struct, forbid_unknown_fields=False):
+    """What the manifest knows of one source segment."""
+
+    offset: int = 0  # the next byte to compact
+    sealed: bool = False
+    done: bool = False  # nothing more will ever come from it
+    files: list[str] = msgspec.field(default_factory=list)
+    rows: dict[str, int] = msgspec.field(default_factory=dict)
+    verified: bool = False
+    deleted: bool = False
+
+
+class Manifest(msgspec.Struct, forbid_unknown_fields=False):
+    """``DIR/_manifest.json``: which frames of which segment are in which files."""
+
+    version: int = 1
+    run_id: str = ""
+    name: str = ""
+    world_size: int | None = None
+    created: float = 0.0
+    segments: dict[str, SegmentEntry] = msgspec.field(default_factory=dict)
+    bad: list[str] = msgspec.field(default_factory=list)
+
+
+@dataclass(slots=True)
+class CompactResult:
+    """What one ``compact`` run did."""
+
+    files: int = 0
+    rows: dict[str, int] = field(default_factory=dict)
+    values: int = 0
+    bad: list[BadRange] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)  # --delete refused, with why
+
+
+def load_manifest(out: Path) -> Manifest:
+    """The manifest of a dataset directory (empty when there is none yet)."""
+    try:
+        return msgspec.json.decode((out / MANIFEST).read_bytes(), type=Manifest)
+    except FileNotFoundError:
+        return Manifest()
+
+
+def _save_manifest(out: Path, manifest: Manifest) -> None:
+    _atomic_write(out / MANIFEST, msgspec.json.format(msgspec.json.encode(manifest)))
+
+
+def _atomic_write(path: Path, data: bytes | Callable[[str], None]) -> None:
+    """Write ``path`` via a temporary file, fsync, rename, fsync the directory."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        if callable(data):
+            data(str(tmp))
+        else:
+            tmp.write_bytes(data)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.chmod(tmp, FILE_MODE)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+    fsync_dir(path.parent)
+
+
+def _key(seg: SegmentName) -> str:
+    return f"{seg.rank:05d}-{seg.incarnation:04d}-{seg.segment:06d}"
+
+
+def _write_tables(
+    out: Path, key: str, start: int, end: int, tables: dict[str, pa.Table]
+) -> list[str]:
+    files = []
+    for table, data in tables.items():
+        rel = f"{table}/{key}-{start:012d}-{end:012d}.parquet"
+        path = out / rel
+        path.parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        _atomic_write(path, _parquet_writer(data))
+        files.append(rel)
+    return files
+
+
+_DICTIONARY: Final = ("run_id", "name", "reduce", "kind", "host", "status", "format",
+                      "gpu_name", "version")  # fmt: skip
+
+
+def _parquet_writer(data: pa.Table) -> Callable[[str], None]:
+    names = set(data.schema.names)
+    encodings = {
+        c: e
+        for c, e in _ENCODINGS.items()
+        if c in names
+        and (e != "BYTE_STREAM_SPLIT" or pa.types.is_floating(data.schema.field(c).type))
+    }
+
+    def write(path: str) -> None:
+        pq.write_table(
+            data,
+            path,
+            compression="zstd",
+            row_group_size=_ROW_GROUP,
+            use_dictionary=[c for c in _DICTIONARY if c in names],
+            column_encoding=encodings,
+        )
+
+    return write
+
+
+def _remove_orphans(out: Path, key: str, entry: SegmentEntry) -> None:
+    """Files of this segment that a crashed run wrote but the manifest never listed."""
+    listed = set(entry.files)
+    for table in TABLES:
+        for path in (out / table).glob(f"{key}-*.parquet"):
+            if f"{table}/{path.name}" not in listed:
+                path.unlink()
+
+
+def compact(
+    spool: str | os.PathLike[str], out: str | os.PathLike[str], *, delete: bool = False
+) -> CompactResult:
+    """Compact every new complete frame of ``spool`` into the dataset at ``out``."""
+    layout = SpoolLayout(spool)
+    outdir = Path(out)
+    outdir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    run = read_run(spool)
+    manifest = load_manifest(outdir)
+    if manifest.run_id and manifest.run_id != run.run_id:
+        raise ValueError(f"{outdir} holds run {manifest.run_id}, not {run.run_id}")
+    manifest.run_id, manifest.name = run.run_id, run.name
+    manifest.world_size, manifest.created = run.world_size, run.created
+    result = CompactResult()
+    for rank in layout.ranks():
+        segs = layout.segments(rank)
+        for i, seg in enumerate(segs):
+            later = i + 1 < len(segs)
+            key = _key(seg)
+            entry = manifest.segments.setdefault(key, SegmentEntry())
+            if entry.done:
+                continue
+            _remove_orphans(outdir, key, entry)
+            _compact_segment(run.run_id, seg, later, outdir, key, entry, result)
+            _save_manifest(outdir, manifest)
+    if result.bad:
+        manifest.bad += [str(b) for b in result.bad]
+        _save_manifest(outdir, manifest)
+    if delete:
+        _delete_verified(layout, run.run_id, outdir, manifest, result)
+        _save_manifest(outdir, manifest)
+    return result
+
+
+def _compact_segment(
+    run_id: str,
+    seg: SegmentName,
+    later: bool,
+    outdir: Path,
+    key: str,
+    entry: SegmentEntry,
+    result: CompactResult,
+) -> None:
+    reader = SegmentReader(seg.path)
+    while True:
+        res = reader.read(entry.offset, writer_gone=later, max_bytes=CHUNK_BYTES)
+        for b in res.bad:
+            if b.offset >= entry.offset:
+                log.warning("corrupt spool bytes skipped: %s", b)
+                result.bad.append(b)
+        header = reader.header
+        foreign = header is not None and (header.run_id, header.rank, header.incarnation) != (
+            run_id, seg.rank, seg.incarnation,
+        )  # fmt: skip
+        if foreign:
+            assert header is not None
+            why = f"{seg.path}: segment of run {header.run_id} rank {header.rank}, skipped"
+            log.warning(why)
+            result.bad.append(BadRange(str(seg.path), 0, res.size, why))
+            entry.offset, entry.done = res.size, True
+            return
+        if res.frames:
+            start = res.frames[0].offset
+            tables = segment_tables(run_id, seg, res.frames)
+            files = _write_tables(outdir, key, start, res.end, tables)
+            entry.files += files
+            for table, data in tables.items():
+                entry.rows[table] = entry.rows.get(table, 0) + data.num_rows
+                result.rows[table] = result.rows.get(table, 0) + data.num_rows
+            result.files += len(files)
+            result.values += tables["metrics"].num_rows if "metrics" in tables else 0
+        entry.offset = max(entry.offset, res.end)
+        entry.sealed = entry.sealed or res.sealed
+        if not res.more:
+            entry.done = res.sealed or (later and res.pending == 0)
+            return
+
+
+def _delete_verified(
+    layout: SpoolLayout, run_id: str, outdir: Path, manifest: Manifest, result: CompactResult
+) -> None:
+    """Delete sealed segments whose rows read back equal to a fresh read of the segment.
+
+    A segment a shipper has not finished with (its cursor does not mark it done)
+    is kept: deleting it would take data from under a live shipper.
+    """
+    unfinished = _unfinished_by_shippers(layout)
+    for rank in layout.ranks():
+        for seg in layout.segments(rank):
+            key = _key(seg)
+            entry = manifest.segments.get(key)
+            why = _why_keep(entry, key, unfinished)
+            if why is None:
+                assert entry is not None
+                why = _verify(run_id, seg, outdir, entry)
+            if why is not None:
+                result.kept.append(f"{seg.path}: {why}")
+                continue
+            assert entry is not None
+            entry.verified = True
+            seg.path.unlink()
+            fsync_dir(seg.path.parent)
+            entry.deleted = True
+            result.deleted.append(str(seg.path))
+
+
+def _why_keep(entry: SegmentEntry | None, key: str, unfinished: set[str]) -> str | None:
+    if entry is None or not entry.done:
+        return "not fully compacted yet"
+    if not entry.sealed:
+        return "not sealed (its writer may be alive, or it died without a seal)"
+    shipper_key = key[:5] + "/" + key[6:]
+    if shipper_key in unfinished:
+        return "a shipper has not shipped all of it yet"
+    return None
+
+
+def _unfinished_by_shippers(layout: SpoolLayout) -> set[str]:
+    keys: set[str] = set()
+    if not layout.cursors_dir.is_dir():
+        return keys
+    for path in layout.cursors_dir.glob("*.json"):
+        with contextlib.suppress(ValueError, OSError):
+            cursor = json.loads(path.read_bytes())
+            done = {k for k, v in cursor.get("segments", {}).items() if v.get("done")}
+            for seg in layout.all_segments():
+                k = f"{seg.rank:05d}/{seg.incarnation:04d}-{seg.segment:06d}"
+                if k not in done:
+                    keys.add(k)
+    return keys
+
+
+def _verify(run_id: str, seg: SegmentName, outdir: Path, entry: SegmentEntry) -> str | None:
+    """None when the Parquet rows of ``seg`` equal a fresh read of it, else why not."""
+    res = SegmentReader(seg.path).read(0, writer_gone=True)
+    expected = segment_tables(run_id, seg, res.frames)
+    for table in TABLES:
+        files = sorted(f for f in entry.files if f.startswith(f"{table}/"))
+        want = expected.get(table)
+        if not files:
+            if want is not None and want.num_rows:
+                return f"{table}: no Parquet file for {want.num_rows} rows"
+            continue
+        got = pa.concat_tables([pq.read_table(outdir / f) for f in files]).cast(SCHEMAS[table])
+        if want is None or not got.equals(want):
+            return f"{table}: the Parquet rows differ from the segment"
+    return None

@@ -1,0 +1,219 @@
+"""Compaction into Parquet: every event once, with the right types, whatever is interrupted."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pytest
+
+from ranklog.schemas import Metrics, Params, Text, Timer
+from ranklog.spool import SpoolLayout
+from ranklog.spool.parquet import SCHEMAS, TABLES, compact, load_manifest
+from ranklog.testing import events_by_incarnation
+
+from .shiphelp import log_steps, rank
+
+
+def _job(spool: Path, *, close_last: bool = True) -> None:
+    """3 ranks, small segments (many per rank), a restart of rank 1, every kind of event."""
+    for r in range(3):
+        run = rank(spool, r, 3, max_segment_bytes=4096)
+        run.log_hyperparams({"lr": 0.1, "model": {"depth": 4}, "name": "x"})
+        for s in range(60):
+            run.log_metrics({"loss": r + s / 1000, "nan": math.nan}, step=s, reduce=("mean", "max"))
+            run.log_timing("step_time", 0.5 + r, step=s)
+            if s % 20 == 19:
+                run.log_text("val/sample", f"r{r} s{s}", step=s)
+                run.log_histogram("w", [1.0, 2.0, r], step=s)
+                run.log_image("plot", b"png%d" % s, step=s)
+            run.step_end(s)
+        if r == 1:
+            run._sink.abandon()  # killed
+            run = rank(spool, r, 3, max_segment_bytes=4096)  # requeued
+            log_steps(run, range(55, 70))
+        if close_last or r != 2:
+            run.close()
+        else:
+            run.flush()
+
+
+def _table(out: Path, name: str) -> pa.Table:
+    return ds.dataset(out / name, format="parquet").to_table()
+
+
+def _position(row: dict[str, object]) -> tuple[object, ...]:
+    return (
+        *(row[c] for c in ("rank", "incarnation", "segment", "seq", "idx")),
+        str(row.get("name")),
+    )
+
+
+def _nan_safe(row: dict[str, object]) -> dict[str, object]:
+    return {k: "NaN" if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()}
+
+
+def _dataset(out: Path) -> dict[str, list[dict[str, object]]]:
+    """Every table's rows, sorted by source position (for comparing two datasets)."""
+    return {
+        t: sorted((_nan_safe(r) for r in _table(out, t).to_pylist()), key=_position)
+        for t in TABLES
+        if (out / t).is_dir()
+    }
+
+
+class TestRoundTrip:
+    def test_every_event_exactly_once(self, spool: Path, tmp_path: Path) -> None:
+        """Each event of every rank, incarnation and segment is in Parquet exactly once."""
+        _job(spool)
+        out = tmp_path / "pq"
+        result = compact(spool, out)
+        assert result.bad == []
+        events = events_by_incarnation(spool)
+        metrics = [
+            (r, i, e) for (r, i), evs in events.items() for e in evs if isinstance(e, Metrics)
+        ]
+        expected_values = sum(len(e.values) for _, _, e in metrics)
+        table = _table(out, "metrics")
+        assert table.num_rows == expected_values
+        keys = set(
+            zip(
+                *(
+                    table.column(c).to_pylist()
+                    for c in ("rank", "incarnation", "segment", "seq", "idx", "name")
+                ),
+                strict=True,
+            )
+        )
+        assert len(keys) == expected_values  # no duplicates
+        counts = {
+            "timers": sum(isinstance(e, Timer) for evs in events.values() for e in evs),
+            "text": sum(isinstance(e, Text) for evs in events.values() for e in evs),
+            "params": sum(
+                len(e.values) for evs in events.values() for e in evs if isinstance(e, Params)
+            ),
+        }
+        for t, n in counts.items():
+            assert _table(out, t).num_rows == n, t
+        assert sorted(set(_table(out, "ranks").column("kind").to_pylist())) == [
+            "rank_end", "rank_start", "step_end",
+        ]  # fmt: skip
+
+    def test_types_and_values(self, spool: Path, tmp_path: Path) -> None:
+        """Columns have the documented types; NaN, ops, params as JSON, bytes survive."""
+        _job(spool)
+        out = tmp_path / "pq"
+        compact(spool, out)
+        for t in TABLES:
+            if (out / t).is_dir():
+                assert _table(out, t).schema.equals(SCHEMAS[t], check_metadata=False), t
+        m = _table(out, "metrics").to_pylist()
+        row = next(x for x in m if x["rank"] == 2 and x["name"] == "loss" and x["step"] == 7)
+        assert row["value"] == pytest.approx(2.007) and row["reduce"] == "mean,max"
+        assert all(math.isnan(x["value"]) for x in m if x["name"] == "nan")
+        params = {x["name"]: x["value"] for x in _table(out, "params").to_pylist()}
+        assert params == {"lr": "0.1", "model.depth": "4", "name": '"x"'}
+        imgs = _table(out, "images").to_pylist()
+        assert {x["data"] for x in imgs} >= {b"png19", b"png59"}
+        hist = _table(out, "histograms").to_pylist()
+        assert hist[0]["values"][:2] == [1.0, 2.0]
+
+    def test_twice_is_once(self, spool: Path, tmp_path: Path) -> None:
+        """A second run adds nothing."""
+        _job(spool)
+        out = tmp_path / "pq"
+        compact(spool, out)
+        before = _dataset(out)
+        again = compact(spool, out)
+        assert again.files == 0 and _dataset(out) == before
+
+
+class TestIncremental:
+    def test_live_segment_continues(self, spool: Path, tmp_path: Path) -> None:
+        """A segment being written is compacted up to its last frame and continued later."""
+        run = rank(spool, 0, 1)
+        log_steps(run, range(10))
+        out, whole = tmp_path / "pq", tmp_path / "whole"
+        compact(spool, out)
+        assert _table(out, "metrics").num_rows == 10
+        log_steps(run, range(10, 25))
+        run.close()
+        compact(spool, out)
+        compact(spool, whole)
+        assert _table(out, "metrics").num_rows == 25
+        assert _dataset(out) == _dataset(whole)
+        entry = next(iter(load_manifest(out).segments.values()))
+        assert entry.done and entry.sealed and len(entry.files) >= 4
+
+    def test_killed_mid_way(
+        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Killed between its files and its manifest, then rerun: equal to an uninterrupted run."""
+        import ranklog.spool.parquet as parquet
+
+        _job(spool)
+        whole = tmp_path / "whole"
+        compact(spool, whole)
+        out = tmp_path / "pq"
+        real = parquet._save_manifest
+        calls = {"n": 0}
+
+        def dying(*args: object) -> None:
+            calls["n"] += 1
+            if calls["n"] == 4:
+                raise KeyboardInterrupt("killed")
+            real(*args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(parquet, "_save_manifest", dying)
+        with pytest.raises(KeyboardInterrupt):
+            compact(spool, out)
+        monkeypatch.setattr(parquet, "_save_manifest", real)
+        compact(spool, out)
+        assert _dataset(out) == _dataset(whole)
+
+
+class TestDelete:
+    def test_only_sealed_verified_segments(self, spool: Path, tmp_path: Path) -> None:
+        """--delete removes sealed, verified segments and keeps unsealed ones (named why)."""
+        _job(spool, close_last=False)
+        out = tmp_path / "pq"
+        result = compact(spool, out, delete=True)
+        layout = SpoolLayout(spool)
+        left = {(s.rank, s.incarnation) for s in layout.all_segments()}
+        assert (2, 1) in left  # rank 2 never closed: its last segment is unsealed
+        assert (1, 1) in left  # rank 1's first incarnation was killed: unsealed tail
+        assert result.deleted and all("rlog" in p for p in result.deleted)
+        assert any("not sealed" in k for k in result.kept)
+        # the rows are still all in Parquet
+        assert _table(out, "metrics").num_rows > 0
+
+    def test_corrupt_parquet_is_not_trusted(self, spool: Path, tmp_path: Path) -> None:
+        """A segment whose Parquet rows do not read back equal is kept."""
+        run = rank(spool, 0, 1)
+        log_steps(run, range(5))
+        run.close()
+        out = tmp_path / "pq"
+        compact(spool, out)
+        (f,) = (out / "metrics").glob("*.parquet")
+        import pyarrow.parquet as pq
+
+        t = pq.read_table(f)
+        pq.write_table(t.slice(0, 3), f)  # rows lost after compaction
+        result = compact(spool, out, delete=True)
+        assert result.deleted == [] and "differ" in result.kept[0]
+        assert SpoolLayout(spool).all_segments()
+
+    def test_unshipped_segments_are_kept(self, spool: Path, tmp_path: Path) -> None:
+        """A segment a shipper has not finished is not deleted from under it."""
+        from .shiphelp import ship
+
+        a, b = rank(spool, 0, 2), rank(spool, 1, 2)
+        log_steps(a, range(5))
+        log_steps(b, range(2))
+        a.close()
+        ship(spool, tmp_path / "o.jsonl")  # steps 2..4 wait for rank 1
+        b.close()
+        result = compact(spool, tmp_path / "pq", delete=True)
+        assert any("shipper" in k for k in result.kept)
