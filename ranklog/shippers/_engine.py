@@ -366,9 +366,13 @@ class Shipper:
                 effective = inc.max_step + 1 if inc.max_step >= 0 else 0
                 for k, v in ev.values.items():
                     if k not in self.params or self.params[k] != v:
+                        self.params[k] = v
+                        if effective <= self.shipped_upto:
+                            # shipped before step `effective`, which the target holds
+                            self.params_shipped[k] = v
+                            continue
                         holds = True
                         self.params_due.append((effective, k, v))
-                        self.params[k] = v
         return max_step, holds
 
     # -- completeness -----------------------------------------------------------------
