@@ -1,0 +1,75 @@
+"""The most asked questions about a compacted run, as Arrow tables.
+
+>>> from ranklog.analysis import metric_band, slowest_rank, rank_divergence
+>>> metric_band("runs/exp1.parquet", "train/loss")      # step, mean, min, max, ranks
+>>> slowest_rank("runs/exp1.parquet")                    # step, slowest_rank, seconds, median
+>>> rank_divergence("runs/exp1.parquet", "train/loss")   # rank, mean_abs_dev, max_abs_dev
+
+Each rank's value at a step is the mean of what it logged at that step; the
+across-rank statistics are then taken over ranks. The same queries in DuckDB
+and Polars are in the README.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+
+__all__ = ["metric_band", "per_rank", "rank_divergence", "slowest_rank"]
+
+
+def _table(dataset: str | os.PathLike[str], kind: str, name: str) -> pa.Table:
+    path = Path(dataset) / kind
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no {kind} table in this dataset")
+    return ds.dataset(path, format="parquet").to_table(
+        columns=["step", "rank", "value"], filter=ds.field("name") == name
+    )
+
+
+def per_rank(dataset: str | os.PathLike[str], name: str, *, kind: str = "metrics") -> pa.Table:
+    """step, rank, value: each rank's mean of ``name`` per step."""
+    t = _table(dataset, kind, name)
+    out = t.group_by(["step", "rank"]).aggregate([("value", "mean")])
+    return out.rename_columns(["step", "rank", "value"]).sort_by(
+        [("step", "ascending"), ("rank", "ascending")]
+    )
+
+
+def metric_band(dataset: str | os.PathLike[str], name: str) -> pa.Table:
+    """step, mean, min, max, ranks: ``name`` across ranks (the curve and its min-max band)."""
+    pr = per_rank(dataset, name)
+    out = pr.group_by("step").aggregate(
+        [("value", "mean"), ("value", "min"), ("value", "max"), ("rank", "count")]
+    )
+    return out.rename_columns(["step", "mean", "min", "max", "ranks"]).sort_by("step")
+
+
+def slowest_rank(dataset: str | os.PathLike[str], timer: str = "step_time") -> pa.Table:
+    """step, slowest_rank, seconds, median: who held each step back, and by how much."""
+    pr = per_rank(dataset, timer, kind="timers")
+    stats = pr.group_by("step").aggregate([("value", "max"), ("value", "approximate_median")])
+    stats = stats.rename_columns(["step", "seconds", "median"])
+    joined = pr.join(stats, "step")
+    slow = joined.filter(pc.equal(joined["value"], joined["seconds"]))
+    first = (
+        slow.group_by("step").aggregate([("rank", "min")]).rename_columns(["step", "slowest_rank"])
+    )
+    out = first.join(stats, "step").sort_by("step")
+    return out.select(["step", "slowest_rank", "seconds", "median"])
+
+
+def rank_divergence(dataset: str | os.PathLike[str], name: str) -> pa.Table:
+    """rank, mean_abs_dev, max_abs_dev: how far each rank strays from the across-rank mean."""
+    pr = per_rank(dataset, name)
+    centre = pr.group_by("step").aggregate([("value", "mean")]).rename_columns(["step", "centre"])
+    joined = pr.join(centre, "step")
+    dev = pc.abs(pc.subtract(joined["value"], joined["centre"]))
+    joined = joined.append_column("dev", dev)
+    out = joined.group_by("rank").aggregate([("dev", "mean"), ("dev", "max")])
+    out = out.rename_columns(["rank", "mean_abs_dev", "max_abs_dev"])
+    return out.sort_by([("mean_abs_dev", "descending"), ("rank", "ascending")])
