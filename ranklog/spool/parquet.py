@@ -102,6 +102,7 @@ class _Columns:
     def __init__(self, table: str) -> None:
         self.names = SCHEMAS[table].names
         self.cols: dict[str, list[Any]] = {n: [] for n in self.names}
+        self._pairs = list(self.cols.items())
 
     def rows(self, n: int, **values: Any) -> None:
         """Append ``n`` rows; a list value gives each row its own, a scalar is repeated."""
@@ -111,6 +112,12 @@ class _Columns:
                 self.cols[name].extend(v)
             else:
                 self.cols[name].extend([v] * n)
+
+    def row(self, values: dict[str, Any]) -> None:
+        """Append one row."""
+        get = values.get
+        for name, col in self._pairs:
+            col.append(get(name))
 
     def table(self, table: str) -> pa.Table:
         return pa.Table.from_pydict(self.cols, schema=SCHEMAS[table])
@@ -125,38 +132,143 @@ def _us(ts: float) -> int:
 
 def segment_tables(run_id: str, seg: SegmentName, frames: list[Frame]) -> dict[str, pa.Table]:
     """The rows of ``frames`` (one segment's), as one Arrow table per kind (empty ones left out)."""
-    out = {t: _Columns(t) for t in TABLES}
+    out = {t: _Columns(t) for t in TABLES if t != "metrics"}
     base = {"run_id": run_id, "rank": seg.rank, "incarnation": seg.incarnation,
             "segment": seg.segment}  # fmt: skip
+    metrics = _MetricColumns()
+    ends: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
     for frame in frames:
         for idx, ev in enumerate(frame.events):
-            _ADD[type(ev)](out, ev, dict(base, seq=frame.seq, idx=idx, ts=_us(ev.ts)))
-    return {t: c.table(t) for t, c in out.items() if len(c)}
+            if type(ev) is Metrics:
+                metrics.add(frame.seq, idx, ev)
+            elif type(ev) is StepEnd:  # one per step and rank: the common case, columnar
+                ends[0].append(frame.seq)
+                ends[1].append(idx)
+                ends[2].append(_us(ev.ts))
+                ends[3].append(ev.step)
+            else:
+                key = base.copy()
+                key["seq"], key["idx"], key["ts"] = frame.seq, idx, _us(ev.ts)
+                _ADD[type(ev)](out, ev, key)
+    tables = {t: c.table(t) for t, c in out.items() if len(c)}
+    if metrics.rows:
+        tables["metrics"] = metrics.table(run_id, seg)
+    if ends[0]:
+        step_ends = _step_end_table(run_id, seg, *ends)
+        other = tables.get("ranks")
+        merged = step_ends if other is None else pa.concat_tables([other, step_ends])
+        tables["ranks"] = merged.sort_by([("seq", "ascending"), ("idx", "ascending")])
+    return {t: tables[t] for t in TABLES if t in tables}
 
 
-def _metrics(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
-    n = len(ev.values)
-    red = ev.reduce
-    ops = [red] * n if isinstance(red, str) else [red.get(k, "mean") for k in ev.values]
-    out["metrics"].rows(
-        n, **key, step=ev.step, name=list(ev.values), value=list(ev.values.values()), reduce=ops
-    )
+def _step_end_table(
+    run_id: str, seg: SegmentName, seq: list[int], idx: list[int], ts: list[int], step: list[int]
+) -> pa.Table:
+    n = len(seq)
+    schema = SCHEMAS["ranks"]
+    cols = {
+        "run_id": pa.repeat(pa.scalar(run_id, pa.string()), n),
+        "rank": pa.repeat(pa.scalar(seg.rank, pa.int32()), n),
+        "incarnation": pa.repeat(pa.scalar(seg.incarnation, pa.int32()), n),
+        "segment": pa.repeat(pa.scalar(seg.segment, pa.int32()), n),
+        "seq": pa.array(seq, pa.int64()),
+        "idx": pa.array(idx, pa.int32()),
+        "ts": pa.array(ts, pa.int64()).cast(_TS),
+        "kind": pa.repeat(pa.scalar("step_end", pa.string()), n),
+        "step": pa.array(step, pa.int64()),
+    }
+    return pa.table([cols.get(f.name, pa.nulls(n, f.type)) for f in schema], schema=schema)
+
+
+class _MetricColumns:
+    """The metrics table, built per event and expanded to one row per value in Arrow."""
+
+    def __init__(self) -> None:
+        self.seq: list[int] = []
+        self.idx: list[int] = []
+        self.ts: list[int] = []
+        self.step: list[int] = []
+        self.reduce: list[str] = []
+        self.row_event: list[int] = []
+        self.names: list[str] = []
+        self.values: list[float] = []
+        self.per_name_ops: list[str] | None = None  # when some event reduces per name
+        self.rows = 0
+
+    def add(self, seq: int, idx: int, ev: Metrics) -> None:
+        n = len(ev.values)
+        k = len(self.seq)
+        self.seq.append(seq)
+        self.idx.append(idx)
+        self.ts.append(_us(ev.ts))
+        self.step.append(ev.step)
+        red = ev.reduce
+        if isinstance(red, str):
+            self.reduce.append(red)
+            if self.per_name_ops is not None:
+                self.per_name_ops.extend([red] * n)
+        else:
+            self.reduce.append("")
+            if self.per_name_ops is None:  # switch to one op per row
+                self.per_name_ops = [self.reduce[e] for e in self.row_event]
+            self.per_name_ops.extend(red.get(name, "mean") for name in ev.values)
+        self.row_event.extend([k] * n)
+        self.names.extend(ev.values)
+        self.values.extend(ev.values.values())
+        self.rows += n
+
+    def table(self, run_id: str, seg: SegmentName) -> pa.Table:
+        events = pa.table(
+            {
+                "seq": pa.array(self.seq, pa.int64()),
+                "idx": pa.array(self.idx, pa.int32()),
+                "ts": pa.array(self.ts, pa.int64()).cast(_TS),
+                "step": pa.array(self.step, pa.int64()),
+                "reduce": pa.array(self.reduce, pa.string()),
+            }
+        ).take(pa.array(self.row_event, pa.int32()))
+        n = self.rows
+        reduce = (
+            events["reduce"]
+            if self.per_name_ops is None
+            else pa.array(self.per_name_ops, pa.string())
+        )
+        return pa.table(
+            [
+                pa.repeat(pa.scalar(run_id, pa.string()), n),
+                pa.repeat(pa.scalar(seg.rank, pa.int32()), n),
+                pa.repeat(pa.scalar(seg.incarnation, pa.int32()), n),
+                pa.repeat(pa.scalar(seg.segment, pa.int32()), n),
+                events["seq"],
+                events["idx"],
+                events["ts"],
+                events["step"],
+                pa.array(self.names, pa.string()),
+                pa.array(self.values, pa.float64()),
+                reduce,
+            ],
+            schema=SCHEMAS["metrics"],
+        )
 
 
 def _timer(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
-    out["timers"].rows(1, **key, step=ev.step, name=ev.name, value=ev.seconds, reduce=ev.reduce)
+    key.update(step=ev.step, name=ev.name, value=ev.seconds, reduce=ev.reduce)
+    out["timers"].row(key)
 
 
 def _text(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
-    out["text"].rows(1, **key, step=ev.step, name=ev.name, text=ev.text)
+    key.update(step=ev.step, name=ev.name, text=ev.text)
+    out["text"].row(key)
 
 
 def _histogram(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
-    out["histograms"].rows(1, **key, step=ev.step, name=ev.name, values=ev.values)
+    key.update(step=ev.step, name=ev.name, values=ev.values)
+    out["histograms"].row(key)
 
 
 def _image(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
-    out["images"].rows(1, **key, step=ev.step, name=ev.name, format=ev.format, data=ev.data)
+    key.update(step=ev.step, name=ev.name, format=ev.format, data=ev.data)
+    out["images"].row(key)
 
 
 def _params(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
@@ -166,28 +278,28 @@ def _params(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
 
 
 def _gpu(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
-    out["gpu"].rows(1, **key, host=ev.host, index=ev.index, gpu_name=ev.name, util=ev.util,
-                    mem_used=ev.mem_used, mem_total=ev.mem_total, temp=ev.temp,
-                    power=ev.power, step=ev.step)  # fmt: skip
+    key.update(host=ev.host, index=ev.index, gpu_name=ev.name, util=ev.util,
+               mem_used=ev.mem_used, mem_total=ev.mem_total, temp=ev.temp, power=ev.power,
+               step=ev.step)  # fmt: skip
+    out["gpu"].row(key)
 
 
 def _rank_event(kind: str) -> Callable[[dict[str, _Columns], Any, dict[str, Any]], None]:
     def add(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
-        extra: dict[str, Any] = {"kind": kind}
-        if isinstance(ev, StepEnd):
-            extra["step"] = ev.step
+        key["kind"] = kind
+        if type(ev) is StepEnd:
+            key["step"] = ev.step
         elif isinstance(ev, RankStart):
-            extra.update(world_size=ev.world_size, local_rank=ev.local_rank, host=ev.host,
-                         pid=ev.pid, version=ev.version)  # fmt: skip
+            key.update(world_size=ev.world_size, local_rank=ev.local_rank, host=ev.host,
+                       pid=ev.pid, version=ev.version)  # fmt: skip
         elif isinstance(ev, RankEnd):
-            extra.update(status=ev.status, exit_code=ev.exit_code)
-        out["ranks"].rows(1, **key, **extra)
+            key.update(status=ev.status, exit_code=ev.exit_code)
+        out["ranks"].row(key)
 
     return add
 
 
 _ADD: Final[dict[type, Callable[[dict[str, _Columns], Any, dict[str, Any]], None]]] = {
-    Metrics: _metrics,
     Timer: _timer,
     Text: _text,
     Histogram: _histogram,
@@ -252,7 +364,9 @@ def _save_manifest(out: Path, manifest: Manifest) -> None:
     _atomic_write(out / MANIFEST, msgspec.json.format(msgspec.json.encode(manifest)))
 
 
-def _atomic_write(path: Path, data: bytes | Callable[[str], None]) -> None:
+def _atomic_write(
+    path: Path, data: bytes | Callable[[str], None], *, sync_dir: bool = True
+) -> None:
     """Write ``path`` via a temporary file, fsync, rename, fsync the directory."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -270,7 +384,8 @@ def _atomic_write(path: Path, data: bytes | Callable[[str], None]) -> None:
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
-    fsync_dir(path.parent)
+    if sync_dir:
+        fsync_dir(path.parent)
 
 
 def _key(seg: SegmentName) -> str:
@@ -285,8 +400,10 @@ def _write_tables(
         rel = f"{table}/{key}-{start:012d}-{end:012d}.parquet"
         path = out / rel
         path.parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-        _atomic_write(path, _parquet_writer(data))
+        _atomic_write(path, _parquet_writer(data), sync_dir=False)
         files.append(rel)
+    for rel in files:  # the renames are durable before the manifest lists the files
+        fsync_dir((out / rel).parent)
     return files
 
 
