@@ -38,7 +38,7 @@ from ranklog.schemas import (
 )
 from ranklog.shippers._cursor import Cursor, IncState, SegmentCursor, load_cursor, save_cursor
 from ranklog.shippers._progress import Progress
-from ranklog.shippers._source import SegState, SpoolSource
+from ranklog.shippers._source import SegState, Source, SpoolSource
 from ranklog.shippers._steps import STEP_KINDS, Contribution, StepAcc, reduce_step
 from ranklog.shippers._target import ShippedStep, Target, TransientTargetError
 from ranklog.spool import BadRange, RunInfo, read_run
@@ -112,6 +112,7 @@ class Shipper:
         start_grace: float = 60.0,
         per_rank: bool = False,
         progress: Progress | None = None,
+        source: Source | None = None,
     ) -> None:
         self.spool = spool
         self.target = target
@@ -119,7 +120,7 @@ class Shipper:
         self.dead_after = dead_after
         self.start_grace = start_grace
         self.per_rank = per_rank
-        self.source = SpoolSource(spool, poll=poll)
+        self.source: Source = source if source is not None else SpoolSource(spool, poll=poll)
         self.progress = progress
         self.ranks: dict[int, RankState] = {}
         self.steps: dict[int, StepAcc] = {}

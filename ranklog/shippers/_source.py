@@ -15,11 +15,11 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
-from ranklog.spool import SegmentName, SegmentReader, SpoolLayout
+from ranklog.spool import ReadResult, SegmentHeader, SegmentName, SegmentReader, SpoolLayout
 
-__all__ = ["NETWORK_FS", "SegState", "SpoolSource", "filesystem_of"]
+__all__ = ["NETWORK_FS", "Reader", "SegState", "Source", "SpoolSource", "filesystem_of"]
 
 NETWORK_FS: Final = frozenset(
     {"nfs", "nfs4", "lustre", "gpfs", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "beegfs",
@@ -52,13 +52,25 @@ def is_network_fs(fstype: str) -> bool:
     return fstype in NETWORK_FS or fstype.startswith("fuse")
 
 
+class Reader(Protocol):
+    """What the engine reads a segment with (a file, or a Parquet dataset in replay)."""
+
+    header: SegmentHeader | None
+
+    def read(
+        self, offset: int = 0, *, writer_gone: bool = False, max_bytes: int | None = None
+    ) -> ReadResult:
+        """Frames from ``offset`` on; see :meth:`ranklog.spool.SegmentReader.read`."""
+        ...
+
+
 @dataclass(slots=True, eq=False)
 class SegState:
     """What the shipper knows of one segment file."""
 
     name: SegmentName
     key: str
-    reader: SegmentReader
+    reader: Reader
     #: next byte to read
     offset: int = 0
     #: committed: every event before it belongs to a shipped step
@@ -72,6 +84,34 @@ class SegState:
     mtime: float = 0.0
     #: (frame end, max step in frame, holds params) of frames read but not yet consumed
     frames: list[tuple[int, int, bool]] = field(default_factory=list)
+
+
+class Source(Protocol):
+    """Where the engine's segments come from: a spool directory, or a Parquet dataset."""
+
+    segments: dict[str, SegState]
+    by_rank: dict[int, list[SegState]]
+
+    @property
+    def mode(self) -> str:
+        """How changes are noticed, for status lines."""
+        ...
+
+    def discover(self) -> list[SegState]:
+        """Segments not known yet."""
+        ...
+
+    def probe(self, seg: SegState) -> bool:
+        """Refresh ``seg.size``/``seg.mtime``; True if unread bytes may be there."""
+        ...
+
+    def wait(self, timeout: float) -> None:
+        """Sleep until something may have changed."""
+        ...
+
+    def close(self) -> None:
+        """Release watchers."""
+        ...
 
 
 class SpoolSource:
