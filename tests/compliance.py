@@ -121,8 +121,9 @@ def make_spool(spool: Path) -> None:
     for r in range(RANKS):
         run = rank(spool, r, RANKS)
         run.log_hyperparams({"lr": 0.1, "nested": {"depth": 3}})
-        log_steps(run, range(STEPS))
+        log_steps(run, range(STEPS - 1))
         run.log_text("val/sample_0", "prompt -> answer", step=STEPS - 1)
+        log_steps(run, range(STEPS - 1, STEPS))
         run.close()
 
 

@@ -1,0 +1,398 @@
+"""``tensorboard:DIR``: TensorBoard event files, written with the ``tensorboard`` package alone.
+
+DIR is one TensorBoard run (``tensorboard --logdir`` DIR or a parent)::
+
+    DIR/events.out.tfevents.<time>.<host>.<pid>.<n>     one file per shipper session
+    DIR/events.out.tfevents.0000000000.ranklog.hparams  hparams session + experiment
+    DIR/rank00003/events.out.tfevents.<...>              --per-rank: rank 3's own values
+
+TFRecords (u64 length, masked CRC-32C, ``Event``, masked CRC-32C). A session file starts
+with ``file_version`` and a ``SessionLog.START`` (message ``ranklog run <run_id>``). A step
+is ONE record, ``Event(wall_time=ts, step=step)``: each reduced scalar a float32
+``simple_value`` (NaN/inf kept; out of range: inf), each text a text-plugin string tensor
+(markdown; several ranks' texts of one name share the tag, a block per rank: **rank R**).
+
+Hyperparameters: ``write_params`` appends a ``session_start_info`` (group ``--run-name``
+or the run's name). Readers keep a tag's first metadata in a run, so the hparams file,
+read first, is replaced (tmp, fsync, rename) whenever params or reduced metric names are
+new, before the steps holding them: the latest session_start_info and the experiment
+config (params as hparams, every reduced metric so far). It needs params.
+
+Resume: ``open()`` reads this run's session files (another ranklog run's are an error,
+other writers' ignored), cuts a torn last record off and reports the highest complete
+step. The next write starts a new file with ``SessionLog.START`` at that step + 1, so a
+reader's purge drops nothing and shows each step once; rank sub-runs resume alike from
+their own last step. Writes are unbuffered (one per batch and run); ``flush()`` fsyncs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import math
+import mmap
+import os
+import socket
+import struct
+import time
+from itertools import count
+from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, Final
+
+from ranklog.errors import ConfigError, ExtraMissingError
+from ranklog.schemas import ParamValue
+from ranklog.shippers._target import ShippedStep, TextItem
+from ranklog.spool import RunInfo
+
+if TYPE_CHECKING:
+    from collections.abc import Collection, Iterable
+
+    from ranklog.shippers._registry import TargetOptions
+
+__all__ = ["HPARAMS_FILE", "TensorBoardTarget", "crc32c", "make"]
+
+HPARAMS_FILE: Final = "events.out.tfevents.0000000000.ranklog.hparams"
+_RUN_TAG: Final = "ranklog run "
+_SSI_TAG: Final = "_hparams_/session_start_info"
+_U32, _U64, _F32, _F64 = (struct.Struct(f) for f in ("<I", "<Q", "<f", "<d"))
+_F32_INF: Final = 2.0**128 - 2.0**103  # from here on, float32 rounds to inf
+_seq = count()
+_TB_MODULES: Final = (  # under tensorboard.
+    "compat.proto.event_pb2 compat.proto.summary_pb2 compat.proto.tensor_pb2 compat.proto.types_pb2"
+    " plugins.hparams.metadata plugins.hparams.summary_v2 plugins.text.metadata"
+)
+
+
+def make(arg: str, spool: Path, opts: TargetOptions) -> TensorBoardTarget:
+    """The target for ``tensorboard:DIR`` (the registry's entry point)."""
+    if not arg:
+        raise ConfigError("tensorboard target needs a directory: tensorboard:DIR")
+    _tb()
+    return TensorBoardTarget(Path(arg).expanduser(), per_rank=opts.per_rank, name=opts.run_name)
+
+
+@functools.cache
+def _tb() -> Any:
+    """tensorboard's modules (``event_pb2``, ``hparams_summary_v2``, ...), imported on first use."""
+    try:
+        mods = {m: importlib.import_module(f"tensorboard.{m}") for m in _TB_MODULES.split()}
+    except ImportError:
+        raise ExtraMissingError("tensorboard", "tensorboard") from None
+    return SimpleNamespace(**{"_".join(k.split(".")[-2:]).removeprefix("proto_"): v
+                              for k, v in mods.items()})  # fmt: skip
+
+
+@functools.cache
+def _crc_tables() -> tuple[list[int], ...]:
+    """CRC-32C tables: four that take 16 bits of an 8-byte word each, and the bytewise one."""
+    t8 = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ (0x82F63B78 if c & 1 else 0)
+        t8.append(c)
+    s = [t8]  # s[k][b]: byte b followed by k zero bytes
+    for _ in range(7):
+        s.append([(x >> 8) ^ t8[x & 0xFF] for x in s[-1]])
+    return (*([a ^ b for b in s[6 - k] for a in s[7 - k]] for k in (0, 2, 4, 6)), t8)
+
+
+def crc32c(data: bytes) -> int:
+    """CRC-32C (Castagnoli) of ``data``, eight bytes a round (tensorboard's own is bytewise)."""
+    t0, t1, t2, t3, t8 = _crc_tables()
+    c = 0xFFFFFFFF
+    n = len(data) & ~7
+    for q in struct.unpack_from(f"<{n >> 3}Q", data):
+        x = c ^ q
+        c = t0[x & 0xFFFF] ^ t1[(x >> 16) & 0xFFFF] ^ t2[(x >> 32) & 0xFFFF] ^ t3[x >> 48]
+    for b in data[n:]:
+        c = t8[(c ^ b) & 0xFF] ^ (c >> 8)
+    return c ^ 0xFFFFFFFF
+
+
+def _masked(data: bytes) -> int:
+    c = crc32c(data)
+    return ((((c >> 15) | (c << 17)) & 0xFFFFFFFF) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def _record(data: bytes) -> bytes:
+    head = _U64.pack(len(data))
+    return b"".join((head, _U32.pack(_masked(head)), data, _U32.pack(_masked(data))))
+
+
+def _spans(buf: Any, size: int) -> list[tuple[int, int]]:
+    """(start, end) of each record's data in ``buf``, up to the first torn or bad record."""
+    spans, pos = [], 0
+    while pos + 12 <= size:
+        head = buf[pos : pos + 8]
+        end = pos + 16 + _U64.unpack(head)[0]
+        if end > size or _U32.unpack_from(buf, pos + 8)[0] != _masked(head):
+            break
+        spans.append((pos + 12, end - 4))
+        pos = end
+    while spans and _U32.unpack_from(buf, spans[-1][1])[0] != _masked(buf[slice(*spans[-1])]):
+        spans.pop()  # written in part: a crash or power loss mid-record
+    return spans
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _event(wall: float, step: int, summary: bytes) -> bytes:
+    """A serialized ``Event{1: wall_time, 2: step, 5: summary}``."""
+    head = b"\x09" + _F64.pack(wall if math.isfinite(wall) else time.time()) + b"\x10"
+    return b"".join((head, _varint(step), b"\x2a", _varint(len(summary)), summary))
+
+
+class _Scalars:
+    """``Summary{1: Value{1: tag, 2: simple_value}}`` for one tuple of names, packed at once."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        fmt, self.args = ["<"], list[bytes | float]()
+        for name in names:
+            tag = name.encode()
+            value = b"\x0a" + _varint(len(tag)) + tag + b"\x15"
+            entry = b"\x0a" + _varint(len(value) + 4) + value
+            fmt.append(f"{len(entry)}sf")
+            self.args += (entry, 0.0)
+        self.packer = struct.Struct("".join(fmt))
+
+    def pack(self, values: Collection[float]) -> bytes:
+        args = self.args
+        args[1::2] = values
+        try:
+            return self.packer.pack(*args)
+        except OverflowError:  # beyond float32: inf, as TensorBoard's own writer gives
+            args[1::2] = [math.copysign(math.inf, v) if abs(v) >= _F32_INF else v for v in values]
+            return self.packer.pack(*args)
+
+
+def _texts(texts: list[TextItem]) -> bytes:
+    """Text-plugin values, one per name (a markdown block per rank when several logged it)."""
+    tb, out, by_name = _tb(), [], dict[str, list[TextItem]]()
+    for t in texts:
+        by_name.setdefault(t.name, []).append(t)
+    meta = tb.text_metadata.create_summary_metadata(display_name=None, description=None)
+    for name, items in by_name.items():
+        body = "\n\n---\n\n".join(f"**rank {t.rank}**\n\n{t.text}" for t in items)
+        text = items[0].text if len(items) == 1 else body  # a scalar tensor: no tensor_shape
+        tensor = tb.tensor_pb2.TensorProto(dtype=tb.types_pb2.DT_STRING, string_val=[text.encode()])
+        raw = tb.summary_pb2.Summary.Value(
+            tag=name, metadata=meta, tensor=tensor
+        ).SerializeToString()
+        out.append(b"\x0a" + _varint(len(raw)) + raw)
+    return b"".join(out)
+
+
+def _scan(path: Path, run_id: str) -> int | None:
+    """Highest step record of an event file of this run (its torn tail cut off), else None."""
+    event, owner, last = _tb().event_pb2.Event, "", None
+    with open(path, "r+b") as f:
+        size = os.fstat(f.fileno()).st_size
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else memoryview(b"") as mm:
+            spans = _spans(mm, size)
+            for a, b in spans[:3]:
+                if (msg := str(event.FromString(mm[a:b]).session_log.msg)).startswith(_RUN_TAG):
+                    owner = msg[len(_RUN_TAG) :]
+                    break
+            if owner != run_id:  # another writer's file: leave it alone
+                if owner:
+                    raise ConfigError(f"{path.parent} holds event files of ranklog run {owner}, "
+                                      f"not {run_id}: use another directory")  # fmt: skip
+                return None
+            for a, b in reversed(spans):
+                ev = event.FromString(mm[a:b])
+                vs = ev.summary.value  # a step, not a version, START or session_start_info
+                if ev.HasField("summary") and not (len(vs) == 1 and vs[0].tag == _SSI_TAG):
+                    last = int(ev.step)
+                    break
+        if (good := spans[-1][1] + 4) < size:
+            f.truncate(good)
+            f.flush()
+            os.fsync(f.fileno())
+    return last
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _Run:
+    """A TensorBoard run directory appended to: the main run or a rank's sub-run."""
+
+    def __init__(self, path: Path, run_id: str) -> None:
+        self.path, self.run_id = path, run_id
+        self.fd: int | None = None
+        path.mkdir(parents=True, exist_ok=True)
+        files = [p for p in sorted(path.glob("events.out.tfevents.*")) if p.name != HPARAMS_FILE]
+        lasts = [x for p in files if p.is_file() and (x := _scan(p, run_id)) is not None]
+        self.last: int | None = max(lasts, default=None)
+        stamps = [int(t) for p in files if (t := p.name.split(".")[3]).isdigit()]
+        self.stamp = max(stamps, default=0)  # readers load files in name order: sort new ones last
+
+    def append(self, data: bytes) -> None:
+        if self.fd is None:  # a new session file: version, then START where its steps begin
+            ev, now = _tb().event_pb2, time.time()
+            log = ev.SessionLog(status=ev.SessionLog.START, msg=_RUN_TAG + self.run_id)
+            first = 0 if self.last is None else self.last + 1
+            version = ev.Event(wall_time=now, file_version="brain.Event:2").SerializeToString()
+            start = ev.Event(wall_time=now, step=first, session_log=log).SerializeToString()
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
+            stamp = max(int(now), self.stamp + 1)
+            name = f"events.out.tfevents.{stamp:010d}.{socket.gethostname()}.{os.getpid()}"
+            while self.fd is None:
+                with contextlib.suppress(FileExistsError):
+                    self.fd = os.open(self.path / f"{name}.{next(_seq)}", flags, 0o644)
+            _fsync_dir(self.path)
+            data = _record(version) + _record(start) + data
+        view = memoryview(data)  # after a failed write the engine re-opens: the tail is cut
+        while view:
+            view = view[os.write(self.fd, view) :]
+
+
+class TensorBoardTarget:
+    """Writes shipped steps as TensorBoard event files in one directory (see the module doc)."""
+
+    kind = "tensorboard"
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, per_rank: bool = False, name: str | None = None
+    ) -> None:
+        self.path, self.per_rank, self.name = Path(path), per_rank, name
+        self.spec = f"tensorboard:{self.path}"
+        self._run: RunInfo | None = None
+        self._main: _Run | None = None
+        self._ranks: dict[int, _Run] = {}
+        self._templates: dict[tuple[bool, tuple[str, ...]], _Scalars] = {}
+        self._params: dict[str, ParamValue] = {}
+        self._metrics: set[str] = set()
+
+    def open(self, run: RunInfo) -> int | None:
+        self._close_files()
+        self._run, self._templates = run, {}
+        self._main = _Run(self.path, run.run_id)
+        self._params, self._metrics = self._load_hparams()
+        return self._main.last
+
+    def write_params(self, params: dict[str, ParamValue]) -> None:
+        main = self._require()
+        self._params.update(params)
+        if ssi := self._save_hparams():
+            main.append(_record(_event(time.time(), 0, ssi)))
+
+    def write(self, steps: list[ShippedStep]) -> None:
+        """One record per step and run; rank sub-runs are written first, each with one write."""
+        main, run_id = self._require(), self._run.run_id if self._run else ""
+        todo: dict[_Run, list[tuple[int, bytes]]] = {}
+        for s in steps:
+            for rank, values in (s.per_rank or {}).items() if self.per_rank else ():
+                sub = self._ranks.get(rank)
+                if sub is None:
+                    sub = self._ranks[rank] = _Run(self.path / f"rank{rank:05d}", run_id)
+                if sub.last is None or s.step > sub.last:
+                    rec = _record(_event(s.ts, s.step, self._pack(values, main=False)))
+                    todo.setdefault(sub, []).append((s.step, rec))
+            if main.last is None or s.step > main.last:  # else held already (never sent)
+                summary = self._pack(s.metrics, main=True) + (_texts(s.texts) if s.texts else b"")
+                todo.setdefault(main, []).append((s.step, _record(_event(s.ts, s.step, summary))))
+        for run in sorted(todo, key=lambda r: r is main):
+            run.append(b"".join(rec for _, rec in todo[run]))
+            run.last = todo[run][-1][0]
+
+    def _pack(self, values: dict[str, float], *, main: bool) -> bytes:
+        key = (main, tuple(values))
+        tmpl = self._templates.get(key)
+        if tmpl is None:
+            if len(self._templates) >= 256:  # bounded, whatever the names
+                self._templates.clear()
+            tmpl = self._templates[key] = _Scalars(key[1])
+            if main and not self._metrics.issuperset(key[1]):
+                self._metrics.update(key[1])
+                self._save_hparams()  # before the steps: the experiment lists all they hold
+        return tmpl.pack(values.values())
+
+    def flush(self) -> None:
+        main = self._require()
+        for sub in (*self._ranks.values(), main):
+            if sub.fd is not None:
+                os.fsync(sub.fd)
+
+    def close(self) -> None:
+        try:
+            if self._main is not None:
+                self.flush()
+        finally:
+            self._close_files()
+
+    def _close_files(self) -> None:
+        for sub in (*self._ranks.values(), self._main):
+            if sub is not None and sub.fd is not None:
+                os.close(sub.fd)
+        self._main, self._ranks = None, {}
+
+    def _require(self) -> _Run:
+        if self._main is None:
+            raise RuntimeError(f"{self.spec} is not open")
+        return self._main
+
+    def _save_hparams(self) -> bytes:
+        """Replace the hparams file (version, session_start_info, experiment); the SSI summary."""
+        if not self._params or self._run is None:
+            return b""
+        tb, run, infos = _tb(), self._run, []
+        hp = tb.hparams_summary_v2
+        values = {k: "None" if v is None else v for k, v in sorted(self._params.items())}
+        pb = hp.hparams_pb(values, trial_id=self.name or run.name, start_time_secs=run.created)
+        for k, v in values.items():
+            if isinstance(v, str | bool):
+                domain = hp.Discrete([v])
+            else:
+                domain = hp.RealInterval(float(v), float(v)) if math.isfinite(v) else None
+            infos.append(hp.HParam(k, domain))
+        metrics = [hp.Metric(m) for m in sorted(self._metrics)]
+        config = hp.hparams_config_pb(infos, metrics, run.created).SerializeToString()
+        version = tb.event_pb2.Event(wall_time=run.created, file_version="brain.Event:2")
+        ssi = bytes(pb.SerializeToString())
+        data = (
+            version.SerializeToString(),
+            _event(run.created, 0, ssi),
+            _event(run.created, 0, config),
+        )
+        tmp = self.path / ".ranklog-hparams.tmp"
+        with open(tmp, "wb") as f:
+            f.write(b"".join(map(_record, data)))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path / HPARAMS_FILE)
+        _fsync_dir(self.path)
+        return ssi
+
+    def _load_hparams(self) -> tuple[dict[str, ParamValue], set[str]]:
+        """The params and metric names the hparams file lists (after a restart)."""
+        params: dict[str, ParamValue] = {}
+        metrics: set[str] = set()
+        path, tb = self.path / HPARAMS_FILE, _tb()
+        data = path.read_bytes() if path.is_file() else b""
+        for a, b in _spans(data, len(data)):
+            for v in tb.event_pb2.Event.FromString(data[a:b]).summary.value:
+                content = v.metadata.plugin_data.content
+                if v.tag == _SSI_TAG:
+                    info = tb.hparams_metadata.parse_session_start_info_plugin_data(content)
+                    for k, val in info.hparams.items():
+                        params[str(k)] = getattr(val, str(val.WhichOneof("kind")))
+                elif v.tag == "_hparams_/experiment":
+                    exp = tb.hparams_metadata.parse_experiment_plugin_data(content)
+                    metrics.update(str(m.name.tag) for m in exp.metric_infos)
+        return params, metrics
