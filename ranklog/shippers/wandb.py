@@ -1,0 +1,396 @@
+"""``wandb:PROJECT``: each reduced step logged once to a Weights & Biases run.
+
+Mapping: one W&B run per ranklog run, with a stable id (the first 16 hex digits
+of the ranklog run id), name ``--run-name`` or the run's name, group ``--group``
+or the run's name. Hyperparameters go to ``run.config`` (``allow_val_change``);
+each shipped step is one ``run.log(metrics, step=S, commit=True)``; a step's text
+events are a ``wandb.Table(columns=["rank", "name", "text"])`` under ``samples``.
+With ``--per-rank`` every rank also gets its own run (id ``<id>r<rank:05d>``,
+name ``rank00003``, same group, ``job_type="rank"``): W&B's "one run per
+process, grouped" pattern. wandb is imported only when a target is made.
+
+Modes: ``--mode offline`` writes the run directories under ``--dir`` (default:
+the spool) for a later ``wandb sync``; ``online`` talks to the server. The
+default is online only when an API key is configured (``WANDB_MODE`` is honoured).
+
+Durability point (offline): wandb's service process writes the run's ``.wandb``
+transaction log on a timer (``x_transaction_log_flush_interval``, set here to
+50 ms). :meth:`WandbTarget.flush` returns only once its own reader
+(:mod:`ranklog.shippers._wandb_log`) sees the last logged step and the latest
+config in that file, then fsyncs it: a SIGKILL, or a node crash, after
+``flush()`` loses nothing. Should the file not show them within 10 s (another
+wandb version), the run is finished instead (``finish()`` writes and closes the
+log) and started again at the next write. Online, ``flush()`` finishes the
+runs, which returns once the server has the data; they are resumed
+(``resume="allow"``) at the next write: slow, but the server then holds it.
+
+Offline resume rule: wandb ignores ``resume=`` offline and starts a new
+``offline-run-*-<id>`` directory at every ``init``, so :meth:`WandbTarget.open`
+reads every ``.wandb`` file of the run's id under ``<dir>/wandb`` and returns
+the highest step they hold (with ``--per-rank``, the lowest over the runs).
+Each run then logs only steps above what its own files hold, so W&B never sees
+a step at or below its current one (it would drop it with a warning). Before
+reading, runs left open in this process by a dead target are finished and
+processes still writing those files are waited for, so nothing lands after
+the read; the target runs its own wandb-core (a ``WANDB_SERVICE`` inherited
+from another process is dropped), which exits soon after a killed shipper.
+Online, the step comes from the resumed run (``starting_step``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import netrc
+import os
+import re
+import time
+import urllib.parse
+from pathlib import Path
+from typing import Any, Final
+
+from ranklog.errors import ConfigError, ExtraMissingError
+from ranklog.schemas import ParamValue
+from ranklog.shippers._registry import TargetOptions
+from ranklog.shippers._target import ShippedStep, TransientTargetError
+from ranklog.shippers._wandb_log import LogReader
+from ranklog.spool import RunInfo
+
+__all__ = ["WandbTarget", "make", "scan_offline", "wandb_run_id"]
+
+log = logging.getLogger("ranklog.ship")
+
+#: how often wandb-core writes its transaction log (seconds)
+FLUSH_INTERVAL: Final = 0.05
+#: how long flush() waits to see the data in the log before finishing the run instead
+FLUSH_WAIT: Final = 10.0
+#: how long open() waits for another process to stop writing this run's logs
+WRITER_WAIT: Final = 10.0
+_QUIET: Final = {
+    "silent": True, "console": "off", "x_disable_stats": True, "x_disable_meta": True,
+    "x_disable_machine_info": True, "disable_git": True, "disable_code": True,
+    "save_code": False, "x_transaction_log_flush_interval": FLUSH_INTERVAL,
+    "reinit": "create_new",
+}  # fmt: skip
+#: W&B runs of this process, by (root, id): a target that died leaves its runs here
+_LIVE: dict[tuple[str, str], Any] = {}
+
+
+def make(arg: str, spool: Path, opts: TargetOptions) -> WandbTarget:
+    """The ``wandb:PROJECT`` target (see the module docstring)."""
+    if not arg:
+        raise ConfigError("wandb target needs a project: wandb:PROJECT")
+    if opts.mode not in (None, "offline", "online"):
+        raise ConfigError(f"--mode {opts.mode}: expected offline or online")
+    _wandb()
+    return WandbTarget(
+        arg, Path(opts.dir).expanduser() if opts.dir else spool, entity=opts.entity,
+        run_name=opts.run_name, group=opts.group, mode=opts.mode, per_rank=opts.per_rank,
+    )  # fmt: skip
+
+
+def _wandb() -> Any:
+    try:
+        import wandb
+    except ImportError:
+        raise ExtraMissingError("wandb", "wandb") from None
+    return wandb
+
+
+def default_mode() -> str:
+    """``offline`` unless ``WANDB_MODE`` says online or an API key is configured."""
+    env = os.environ.get("WANDB_MODE", "")
+    if env in ("offline", "dryrun", "online", "run"):
+        return "offline" if env in ("offline", "dryrun") else "online"
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return "online"
+    host = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
+    try:
+        auth = netrc.netrc(os.environ.get("NETRC")).authenticators(host.hostname or "")
+    except (OSError, netrc.NetrcParseError):
+        auth = None
+    return "online" if auth and auth[2] else "offline"
+
+
+def wandb_run_id(ranklog_run_id: str, rank: int | None = None) -> str:
+    """The W&B run id of a ranklog run (``rank``: of that rank's own run)."""
+    base = re.sub(r"[^0-9a-zA-Z]", "", ranklog_run_id)[:16]
+    return base if rank is None else f"{base}r{rank:05d}"
+
+
+def scan_offline(root: Path, wid: str) -> tuple[int | None, dict[str, Any]]:
+    """(highest step, config) over every offline directory of W&B run ``wid`` under ``root``."""
+    top = -1
+    config: dict[str, Any] = {}
+    for path in sorted(root.glob(f"wandb/offline-run-*/run-{wid}.wandb")):
+        for rec in LogReader(path).read():
+            if rec.WhichOneof("record_type") == "history":
+                top = max(top, rec.history.step.num)
+            config.update((k, v) for k, v in _config_set(rec) if k != "_wandb")
+    return (None if top < 0 else top), config
+
+
+def _config_set(rec: Any) -> list[tuple[str, Any]]:
+    """The config items a record sets: a config record's, or those the run record starts with."""
+    kind = rec.WhichOneof("record_type")
+    if kind not in ("config", "run"):
+        return []
+    cfg = rec.config if kind == "config" else rec.run.config
+    return [(i.key or ".".join(i.nested_key), json.loads(i.value_json)) for i in cfg.update]
+
+
+class _Held:
+    """One W&B run of the target: the live Run (or None) and what its log holds."""
+
+    def __init__(self, wid: str, rank: int | None, durable: int) -> None:
+        self.wid, self.rank = wid, rank
+        self.run: Any = None
+        self.reader: LogReader | None = None
+        self.durable = self.sent = durable  # highest step durable / logged
+        self.logged = -1  # highest step logged through the live run (this session)
+        self.seen = -1  # highest step the live run's own log shows
+        self.config_wait: dict[str, Any] = {}
+
+
+class WandbTarget:
+    """Logs shipped steps to W&B runs; durable after :meth:`flush` (see the module docstring)."""
+
+    kind = "wandb"
+
+    def __init__(
+        self, project: str, dir: str | os.PathLike[str], *, entity: str | None = None,
+        run_name: str | None = None, group: str | None = None, mode: str | None = None,
+        per_rank: bool = False,
+    ) -> None:  # fmt: skip
+        self.project, self.root = project, Path(dir).absolute()
+        self.entity, self.run_name, self.group = entity, run_name, group
+        self.mode = mode or default_mode()
+        self.per_rank = per_rank
+        self.spec = f"wandb:{project}"
+        self._run: RunInfo | None = None
+        self._held: dict[int | None, _Held] = {}
+        self._config: dict[str, Any] = {}  # every param known: passed to each new init
+
+    # -- open -------------------------------------------------------------------------
+
+    def open(self, run: RunInfo) -> int | None:
+        self._run, self._held = run, {}
+        base = wandb_run_id(run.run_id)
+        for key in [k for k in _LIVE if k[0] == str(self.root) and k[1].startswith(base)]:
+            with contextlib.suppress(Exception):  # a run a dead target of this process left
+                _LIVE.pop(key).finish()
+        if self.mode == "online":
+            main = self._held[None] = _Held(base, None, -1)
+            self._start(main)
+            return None if self.per_rank or main.durable < 0 else main.durable
+        self._wait_for_writers(base)
+        top, self._config = scan_offline(self.root, base)
+        self._held[None] = _Held(base, None, -1 if top is None else top)
+        if self.per_rank:
+            pattern = re.compile(rf"run-{base}r(\d+)\.wandb")
+            for path in self.root.glob(f"wandb/offline-run-*/run-{base}r*.wandb"):
+                m = pattern.fullmatch(path.name)
+                if m and int(m[1]) not in self._held:
+                    wid = wandb_run_id(run.run_id, int(m[1]))
+                    last, _ = scan_offline(self.root, wid)
+                    self._held[int(m[1])] = _Held(wid, int(m[1]), -1 if last is None else last)
+        low = min(h.durable for h in self._held.values())
+        return None if low < 0 else low
+
+    def _wait_for_writers(self, base: str) -> None:
+        """Wait until no process writes a recently changed log of this run (Linux only)."""
+        now = time.time()
+        recent = set()
+        for p in self.root.glob(f"wandb/offline-run-*/run-{base}*.wandb"):
+            with contextlib.suppress(OSError):
+                if now - p.stat().st_mtime < WRITER_WAIT:
+                    recent.add(os.path.realpath(p))
+        deadline = time.monotonic() + WRITER_WAIT
+        while recent and (pids := _writers(recent)):
+            if time.monotonic() > deadline:
+                raise TransientTargetError(
+                    f"{self.spec}: the run's log is still being written by process {min(pids)}"
+                )
+            time.sleep(0.1)
+
+    # -- write ------------------------------------------------------------------------
+
+    def write_params(self, params: dict[str, ParamValue]) -> None:
+        self._config.update(params)
+        main = self._require(None)
+        if main.run is None:
+            self._start(main)  # the config goes in with init
+        else:
+            self._call(main.run.config.update, dict(params), allow_val_change=True)
+        main.config_wait.update(params)
+
+    def write(self, steps: list[ShippedStep]) -> None:
+        main = self._require(None)
+        for s in steps:
+            if self.per_rank and s.per_rank:
+                for rank, values in sorted(s.per_rank.items()):
+                    held = self._held.get(rank)
+                    if held is None:
+                        assert self._run is not None
+                        held = self._held[rank] = _Held(
+                            wandb_run_id(self._run.run_id, rank), rank, -1
+                        )
+                    self._log(held, dict(values), s.step)
+            row: dict[str, Any] = dict(s.metrics)
+            if s.texts and s.step > main.sent:
+                row["samples"] = _wandb().Table(
+                    columns=["rank", "name", "text"],
+                    data=[[t.rank, t.name, t.text] for t in s.texts],
+                )
+            self._log(main, row, s.step)
+
+    def _log(self, held: _Held, row: dict[str, Any], step: int) -> None:
+        if step <= held.sent:
+            return  # this run already holds it: W&B would drop it with a warning
+        if held.run is None:
+            self._start(held)
+        self._call(held.run.log, row, step=step, commit=True)
+        held.sent = held.logged = step
+
+    def _start(self, held: _Held) -> None:
+        """Start (or, online, resume) the W&B run of ``held``."""
+        wandb, run = _wandb(), self._run
+        assert run is not None
+        names = getattr(wandb.Settings, "model_fields", _QUIET)
+        _own_service()
+        rank = held.rank
+        started = self._call(
+            wandb.init, project=self.project, entity=self.entity, id=held.wid, dir=str(self.root),
+            mode=self.mode, resume="allow", group=self.group or run.name,
+            name=(self.run_name or run.name) if rank is None else f"rank{rank:05d}",
+            job_type=None if rank is None else "rank",
+            config=dict(self._config) if rank is None else None,
+            settings=wandb.Settings(**{k: v for k, v in _QUIET.items() if k in names}),
+        )  # fmt: skip
+        held.run = started
+        _LIVE[(str(self.root), held.wid)] = started
+        path = Path(started.settings.sync_file)
+        if (
+            self.mode == "offline"
+            and path.parent.parent.resolve() != (self.root / "wandb").resolve()
+        ):
+            raise ConfigError(f"wandb wrote to {path}, not under {self.root}: is it writable?")
+        held.reader, held.seen, held.logged = LogReader(path), -1, -1
+        if self.mode == "online" and held.durable < 0 and started.starting_step > 0:
+            held.durable = held.sent = int(started.starting_step) - 1
+        if rank is None:
+            held.config_wait.update(self._config)
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (ConfigError, OSError):
+            raise
+        except Exception as exc:  # wandb's own errors: the engine re-opens and retries
+            raise TransientTargetError(f"{self.spec}: {exc}") from exc
+
+    # -- flush, close -----------------------------------------------------------------
+
+    def flush(self) -> None:
+        deadline = time.monotonic() + FLUSH_WAIT
+        for held in self._held.values():
+            if held.run is None or (held.sent <= held.durable and not held.config_wait):
+                continue
+            if self.mode == "online" or not self._visible(held, deadline):
+                self._finish(held)  # online, or a wandb that does not write on its timer
+            else:
+                _fsync(held.reader.path if held.reader else None)
+            held.durable = held.sent
+            held.config_wait.clear()
+
+    def _visible(self, held: _Held, deadline: float) -> bool:
+        """Wait until the run's own log shows its last logged step and config."""
+        assert held.reader is not None
+        pause = 0.002
+        while True:
+            for rec in held.reader.read():
+                if rec.WhichOneof("record_type") == "history":
+                    held.seen = max(held.seen, rec.history.step.num)
+                for key, value in _config_set(rec):
+                    want = held.config_wait.get(key, held)  # `held`: not waited for
+                    nan = isinstance(want, float) and math.isnan(want) and value != value
+                    if nan or (want is not held and want == value):
+                        del held.config_wait[key]
+            if held.seen >= held.logged and not held.config_wait:
+                return True
+            if time.monotonic() > deadline:
+                log.warning("%s: %s not in the log after %.0fs; finishing the run instead",
+                            self.spec, held.wid, FLUSH_WAIT)  # fmt: skip
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+
+    def _finish(self, held: _Held) -> None:
+        run, path = held.run, held.reader.path if held.reader else None
+        held.run = held.reader = None
+        _LIVE.pop((str(self.root), held.wid), None)
+        self._call(run.finish)
+        if self.mode == "offline":
+            _fsync(path)
+
+    def close(self) -> None:
+        errors = []
+        for held in self._held.values():
+            if held.run is not None:
+                try:
+                    self._finish(held)
+                except Exception as exc:
+                    errors.append(exc)
+                else:
+                    held.durable = held.sent
+                    held.config_wait.clear()
+        if errors:
+            raise TransientTargetError(f"{self.spec}: closing failed: {errors[0]}")
+
+    def _require(self, rank: int | None) -> _Held:
+        if rank not in self._held:
+            raise RuntimeError(f"{self.spec} is not open")
+        return self._held[rank]
+
+
+def _own_service() -> None:
+    """Drop a ``WANDB_SERVICE`` inherited from another process: use a wandb-core of our own.
+
+    A shared service outlives this process: after a crash it would keep the run's
+    log open, and maybe write to it, while a restarted shipper reads it.
+    """
+    token = os.environ.get("WANDB_SERVICE", "")
+    m = re.match(r"\d+-(\d+)-", token)
+    if token and (m is None or int(m[1]) != os.getpid()):
+        log.info("not using the wandb-core service of process %s", m[1] if m else "?")
+        del os.environ["WANDB_SERVICE"]
+
+
+def _fsync(path: Path | None) -> None:
+    """fsync a log file and its directory (a read-only descriptor suffices on Linux)."""
+    if path is None:
+        return
+    for p in (path, path.parent):
+        with contextlib.suppress(OSError):
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def _writers(paths: set[str]) -> set[int]:
+    """Processes that hold one of ``paths`` open (only those /proc lets us see)."""
+    found = set()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            with contextlib.suppress(OSError):
+                for fd in os.scandir(f"/proc/{entry.name}/fd"):
+                    with contextlib.suppress(OSError):
+                        if os.readlink(fd.path) in paths:
+                            found.add(int(entry.name))
+    return found
