@@ -97,3 +97,38 @@ class TestSelection:
         replay(tmp_path / "pq", JsonlTarget(out))
         assert [x["step"] for x in lines(out)] == list(range(5))
         run.close()
+
+
+def _tb_scalars(path: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import (
+        SCALARS,
+        EventAccumulator,
+    )
+
+    acc = EventAccumulator(str(path), size_guidance={SCALARS: 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def _same(a: dict[str, list[tuple[int, float]]], b: dict[str, list[tuple[int, float]]]) -> bool:
+    def norm(x: dict[str, list[tuple[int, float]]]) -> object:
+        return {t: [(s, "nan" if math.isnan(v) else v) for s, v in pts] for t, pts in x.items()}
+
+    return norm(a) == norm(b)
+
+
+class TestBackends:
+    def test_tensorboard_values(self, spool: Path, tmp_path: Path) -> None:
+        """Live shipping and replay give TensorBoard the same scalars at the same steps."""
+        from ranklog.shippers import Shipper
+        from ranklog.shippers.tensorboard import TensorBoardTarget
+
+        _job(spool)
+        Shipper(
+            str(spool), TensorBoardTarget(tmp_path / "live"), name="tb", start_grace=0
+        ).run_forever(once=True)
+        compact(spool, tmp_path / "pq")
+        replay(tmp_path / "pq", TensorBoardTarget(tmp_path / "again"))
+        live, again = _tb_scalars(tmp_path / "live"), _tb_scalars(tmp_path / "again")
+        assert live and _same(live, again)
+        assert [s for s, _ in live["loss"]] == list(range(45))

@@ -361,3 +361,41 @@ class TestHistogramsAndImages:
         (line,) = lines(out)
         assert line["histograms"] == {"grad": {"count": 4.0, "min": 0.0, "max": 11.0, "mean": 5.5}}
         assert line["images"][1] == {"rank": 1, "name": "plot", "format": "png", "bytes": 4}
+
+
+class TestMediaInBackends:
+    def test_tensorboard_histogram_and_image(self, spool: Path, tmp_path: Path) -> None:
+        """TensorBoard gets a histogram (pooled over ranks) and each rank's image."""
+        import io
+
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from tensorboard.backend.event_processing.event_accumulator import (
+            HISTOGRAMS,
+            IMAGES,
+            EventAccumulator,
+        )
+
+        from ranklog.shippers.tensorboard import TensorBoardTarget
+
+        fig, ax = plt.subplots(figsize=(2, 1))
+        ax.plot([0, 1])
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        plt.close(fig)
+        runs = [rank(spool, r, 2) for r in range(2)]
+        for r, run in enumerate(runs):
+            run.log_histogram("grad", [r + 0.5, r + 1.5], step=0)
+            run.log_image("plot", buf.getvalue(), step=0)
+            run.step_end(0)
+            run.close()
+        Shipper(str(spool), TensorBoardTarget(tmp_path / "tb"), name="m").run_forever(once=True)
+        acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={HISTOGRAMS: 0, IMAGES: 0})
+        acc.Reload()
+        (h,) = acc.Histograms("grad")
+        assert h.histogram_value.num == 4 and h.histogram_value.max == 2.5
+        assert set(acc.Tags()["images"]) == {"plot/rank00000", "plot/rank00001"}
+        img = acc.Images("plot/rank00001")[0]
+        assert img.width > 0 and img.encoded_image_string == buf.getvalue()

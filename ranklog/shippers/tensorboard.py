@@ -192,6 +192,27 @@ def _texts(texts: list[TextItem]) -> bytes:
     return b"".join(out)
 
 
+def _media(s: ShippedStep) -> bytes:
+    """Histogram and image values (``histo``, ``image``) of a step."""
+    from ranklog.shippers._media import buckets, image_size, image_tags
+
+    tb, out = _tb(), []
+    pb = tb.summary_pb2
+    for name, values in s.histograms.items():
+        b = buckets(values)
+        if b is not None:
+            histo = pb.HistogramProto(
+                min=b.lo, max=b.hi, num=b.count, sum=b.total, sum_squares=b.total_sq,
+                bucket_limit=b.limits, bucket=b.counts,
+            )  # fmt: skip
+            out.append(pb.Summary.Value(tag=name, histo=histo).SerializeToString())
+    for tag, img in zip(image_tags(s.images), s.images, strict=True):
+        h, w, c = image_size(img.data)
+        image = pb.Summary.Image(height=h, width=w, colorspace=c, encoded_image_string=img.data)
+        out.append(pb.Summary.Value(tag=tag, image=image).SerializeToString())
+    return b"".join(b"\x0a" + _varint(len(raw)) + raw for raw in out)
+
+
 def _scan(path: Path, run_id: str) -> int | None:
     """Highest step record of an event file of this run (its torn tail cut off), else None."""
     event, owner, last = _tb().event_pb2.Event, "", None
@@ -306,6 +327,8 @@ class TensorBoardTarget:
                     todo.setdefault(sub, []).append((s.step, rec))
             if main.last is None or s.step > main.last:  # else held already (never sent)
                 summary = self._pack(s.metrics, main=True) + (_texts(s.texts) if s.texts else b"")
+                if s.histograms or s.images:
+                    summary += _media(s)
                 todo.setdefault(main, []).append((s.step, _record(_event(s.ts, s.step, summary))))
         for run in sorted(todo, key=lambda r: r is main):
             run.append(b"".join(rec for _, rec in todo[run]))

@@ -78,6 +78,28 @@ _QUIET: Final = {
 _LIVE: dict[tuple[str, str], Any] = {}
 
 
+def _media(s: ShippedStep) -> dict[str, Any]:
+    """Histograms as ``wandb.Histogram``, images as ``wandb.Image`` (PNG bytes via Pillow)."""
+    import io
+
+    from ranklog.shippers._media import image_tags
+
+    wandb, out = _wandb(), dict[str, Any]()
+    for name, values in s.histograms.items():
+        finite = [v for v in values if math.isfinite(v)]
+        if finite:
+            out[name] = wandb.Histogram(finite)
+    if s.images:
+        try:
+            from PIL import Image as PILImage
+        except ImportError:  # pragma: no cover - pillow comes with wandb's media extras
+            log.warning("Pillow is not installed: images are not sent to W&B")
+            return out
+        for tag, img in zip(image_tags(s.images), s.images, strict=True):
+            out[tag] = wandb.Image(PILImage.open(io.BytesIO(img.data)))
+    return out
+
+
 def make(arg: str, spool: Path, opts: TargetOptions) -> WandbTarget:
     """The ``wandb:PROJECT`` target (see the module docstring)."""
     if not arg:
@@ -244,6 +266,8 @@ class WandbTarget:
                     columns=["rank", "name", "text"],
                     data=[[t.rank, t.name, t.text] for t in s.texts],
                 )
+            if (s.histograms or s.images) and s.step > main.sent:
+                row.update(_media(s))
             self._log(main, row, s.step)
 
     def _log(self, held: _Held, row: dict[str, Any], step: int) -> None:
