@@ -524,3 +524,30 @@ class TestMake:
         rid = "0123456789abcdef0123456789abcdef"
         assert wandb_run_id(rid) == "0123456789abcdef"
         assert wandb_run_id(rid, 3) == "0123456789abcdefr00003"
+
+
+class TestMedia:
+    def test_histogram_and_images(self, spool: Path, work: Path) -> None:
+        """A histogram is a wandb.Histogram; each rank's image is a wandb.Image of its own."""
+        import io
+
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(2, 1))
+        ax.plot([0, 1])
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        plt.close(fig)
+        runs = [rank(spool, r, 2) for r in range(2)]
+        for r, run in enumerate(runs):
+            run.log_histogram("grad", [r + 0.5, r + 1.5], step=0)
+            run.log_image("plot", buf.getvalue(), step=0)
+            run.step_end(0)
+            run.close()
+        _ship_wandb(spool, _target(work))
+        (row,) = [r for r in _rows(_logs(work)) if r.get("_step") == 0]
+        assert row["grad._type"] == "histogram"
+        assert row["plot/rank00000._type"] == row["plot/rank00001._type"] == "image-file"
