@@ -1,0 +1,414 @@
+"""``mlflow:URI``: reduced steps into one MLflow run, through ``MlflowClient``.
+
+``URI`` is a tracking URI (``http://host:5000``, ``sqlite:///path.db``, ...);
+``mlflow:`` alone means ``sqlite:///SPOOL/mlflow.db``. How ranklog maps onto MLflow:
+
+- Run: one MLflow run per ranklog run, in the experiment ``--experiment`` (default:
+  the ranklog run's name; created if missing), named ``--run-name`` (default: the
+  ranklog run's name). It is tagged ``ranklog.run_id`` and found again by that tag on
+  restart; also tagged ``ranklog.role`` (``main``), ``ranklog.world_size`` and
+  ``ranklog.version``. A sqlite store keeps artifacts in ``mlflow-artifacts/`` beside it.
+- Metrics: ``log_batch`` (at most 1000 metrics a request), ``step`` = the ranklog step,
+  timestamp = the step's own event time in ms, so a retried request is an exact repeat,
+  which MLflow's SQL store ignores (the row's key is key, step, timestamp and value).
+- Params: ``write_params`` logs each key once, as a string (6000 chars at most). MLflow
+  params cannot change: a later different value is logged as a warning and as the tag
+  ``ranklog.param_changed.<key>`` (the latest value); the param keeps its first value.
+- Names: metric and param keys not valid in MLflow (``^[/\\w.\\- :]*$``, at most 250
+  chars, not a path that normalises to something else, no ``..``) get invalid characters
+  replaced by ``_`` and ``_<sha1 of the name, 8 hex>`` appended; the artifact
+  ``ranklog/key_map.json`` maps each renamed original to its MLflow key.
+- Texts: each text event is the artifact ``text/step_<step:08d>/<name>.md``
+  (``<name>.rank<r>.md`` when several ranks logged that name in the step).
+- Per rank (``--per-rank``): one child run per rank (tags ``mlflow.parentRunId``,
+  ``ranklog.run_id``, ``ranklog.role`` = ``rank``, ``ranklog.rank``; named
+  ``<run name>-rank<r>``) holding that rank's own values; found again by tag.
+
+Exactly once: for each batch of steps the texts, the child runs' metrics and the run's
+metrics are sent first; only then the marker metric ``ranklog/step`` (value = step)
+of every step. ``open()`` returns the marker's latest value (MLflow's latest metric is
+the one with the highest step), so a step whose requests were only partly stored is
+never reported: it is sent again, and what was stored is repeated exactly.
+Requests are synchronous and committed by the server when they return; ``flush()``
+has nothing left to do. A server that is down or answers 5xx/429 raises
+:class:`TransientTargetError` after the client's own retries, shortened here (unless
+set in the environment) to 2 retries and a 20 s timeout; any other refusal (4xx: no
+permission, a deleted run) raises :class:`RanklogError`, which stops the shipper.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Final
+
+from ranklog._version import __version__
+from ranklog.errors import ExtraMissingError, RanklogError
+from ranklog.schemas import ParamValue
+from ranklog.shippers._registry import TargetOptions
+from ranklog.shippers._target import ShippedStep, TextItem, TransientTargetError
+from ranklog.spool import RunInfo
+
+__all__ = ["MARKER", "MlflowTarget", "make", "sanitize_key"]
+
+log = logging.getLogger("ranklog.ship")
+
+#: the bookkeeping metric logged last for each step: ``open()`` reads it back
+MARKER: Final = "ranklog/step"
+KEY_MAP: Final = "ranklog/key_map.json"
+_MAX_KEY: Final = 250
+_MAX_METRICS: Final = 1000
+_MAX_PARAMS_TAGS: Final = 100
+_MAX_PARAM_VALUE: Final = 6000
+_MAX_TAG_VALUE: Final = 8000
+#: MLflow's own HTTP retries (default 7 with backoff: minutes) shortened, so that a down
+#: server reaches the engine's backoff in seconds; the environment can still override
+_HTTP_DEFAULTS: Final = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "20",
+}
+_BAD_CHAR = re.compile(r"[^/\w.\- :]")
+
+
+def sanitize_key(name: str) -> str:
+    """``name`` if MLflow accepts it as a key, else a valid key with a hash of ``name``."""
+    out = _BAD_CHAR.sub("_", name)
+    out = re.sub(r"\.(?=\.)", "_", out)  # no ".." anywhere
+    out = "/".join(p if p not in ("", ".") else "_" for p in out.split("/"))
+    if out == name and len(out) <= _MAX_KEY:
+        return out
+    digest = hashlib.sha1(name.encode(), usedforsecurity=False).hexdigest()[:8]
+    return f"{out[: _MAX_KEY - 9]}_{digest}"
+
+
+def _ms(ts: float) -> int:
+    return int(ts * 1000) if math.isfinite(ts) else 0
+
+
+def _chunks(items: list[Any], n: int) -> Iterator[list[Any]]:
+    for i in range(0, len(items), n):
+        yield items[i : i + n]
+
+
+def _with_histograms(step: ShippedStep) -> dict[str, float]:
+    """The step's metrics plus each histogram's summary (``name/count``, ``/min``, ...)."""
+    if not step.histograms:
+        return step.metrics
+    from ranklog.shippers._media import summary
+
+    out = dict(step.metrics)
+    for name, values in step.histograms.items():
+        out.update({f"{name}/{stat}": v for stat, v in summary(values).items()})
+    return out
+
+
+def _text_files(step: ShippedStep) -> list[tuple[str, str]]:
+    """(artifact path, text) of each text event of a step."""
+    by_name: dict[str, list[TextItem]] = {}
+    for t in step.texts:
+        by_name.setdefault(t.name, []).append(t)
+    out = []
+    for name, items in by_name.items():
+        parts = sanitize_key(name).split("/")
+        if any(len(p.encode()) > 120 for p in parts):  # file names: 255 bytes at most
+            digest = hashlib.sha1(name.encode(), usedforsecurity=False).hexdigest()[:8]
+            parts = [p.encode()[:120].decode(errors="ignore") for p in parts]
+            parts[-1] += f"_{digest}"
+        base = f"text/step_{step.step:08d}/{'/'.join(parts)}"
+        seen: dict[int, int] = {}
+        for t in items:
+            n = seen[t.rank] = seen.get(t.rank, 0) + 1
+            suffix = "" if len(items) == 1 else f".rank{t.rank}" + (f".{n}" if n > 1 else "")
+            out.append((f"{base}{suffix}.md", t.text))
+    return out
+
+
+@contextlib.contextmanager
+def _guard(what: str) -> Iterator[None]:
+    """Map MLflow's errors: server down, 5xx, 429 -> TransientTargetError; 4xx -> RanklogError."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        yield
+    except MlflowException as exc:
+        err: Any = exc  # (untyped in mlflow)
+        status = int(err.get_http_status_code())
+        if status >= 500 or status in (408, 429):
+            raise TransientTargetError(f"mlflow {what}: {exc}") from exc
+        raise RanklogError(f"mlflow {what} failed: {exc}") from exc
+    except (OSError, TransientTargetError, RanklogError):
+        raise  # requests' errors are OSErrors: retried by the engine
+    except Exception as exc:
+        if type(exc).__module__.split(".")[0] in ("sqlalchemy", "urllib3", "requests"):
+            raise TransientTargetError(f"mlflow {what}: {exc}") from exc
+        raise
+
+
+class MlflowTarget:
+    """Logs reduced steps to one MLflow run (and one child run per rank with ``per_rank``)."""
+
+    kind = "mlflow"
+
+    def __init__(
+        self,
+        uri: str,
+        *,
+        spec: str | None = None,
+        run_name: str | None = None,
+        experiment: str | None = None,
+        per_rank: bool = False,
+        artifact_root: str | None = None,
+    ) -> None:
+        self.spec = spec or f"mlflow:{uri}"
+        self.uri, self._db = uri, None
+        db = uri.removeprefix("sqlite:///")
+        if db != uri and db and db != ":memory:":  # a sqlite file: absolute, artifacts beside it
+            self._db = Path(db).expanduser().resolve()
+            self.uri = f"sqlite:///{self._db}"
+            artifact_root = artifact_root or (self._db.parent / "mlflow-artifacts").as_uri()
+        self.run_name = run_name
+        self.experiment = experiment
+        self.per_rank = per_rank
+        self.artifact_root = artifact_root
+        self._client: Any = None
+        self._exp_id = ""
+        self._ranklog_id = ""
+        self._name = ""
+        self.run_id = ""
+        self._children: dict[int, str] = {}
+        self._params: dict[str, str] = {}
+        self._world = ""
+        self._keys: dict[str, str] = {}  # every name seen -> its MLflow key
+        self._renamed: dict[str, str] = {}  # the key map artifact: renamed originals only
+
+    # -- the Target protocol ------------------------------------------------------------
+
+    def open(self, run: RunInfo) -> int | None:
+        from mlflow.tracking import MlflowClient
+
+        for name, value in _HTTP_DEFAULTS.items():
+            os.environ.setdefault(name, value)
+        if self._db is not None:
+            self._db.parent.mkdir(parents=True, exist_ok=True)
+        with _guard("open"):
+            self._client = MlflowClient(tracking_uri=self.uri)
+            self._ranklog_id = run.run_id
+            self._name = self.run_name or run.name
+            self._exp_id = self._experiment(self.experiment or run.name)
+            runs = self._search()
+            mains = [r for r in runs if r.data.tags.get("ranklog.role") == "main"]
+            tags = {"ranklog.role": "main", "ranklog.version": __version__}
+            if run.world_size is not None:
+                tags["ranklog.world_size"] = str(run.world_size)
+            main = self._oldest(mains) if mains else self._create(self._name, tags)
+            self.run_id = main.info.run_id
+            self._params = dict(main.data.params)
+            self._world = main.data.tags.get("ranklog.world_size", "")
+            self._children = {}
+            for r in sorted(runs, key=lambda r: (r.info.start_time or 0, r.info.run_id)):
+                rank = r.data.tags.get("ranklog.rank")
+                if r.data.tags.get("ranklog.role") == "rank" and rank is not None:
+                    self._children.setdefault(int(rank), r.info.run_id)
+            self._renamed = self._load_key_map()
+            self._keys = dict(self._renamed)
+            last = main.data.metrics.get(MARKER)
+            return None if last is None else int(last)
+
+    def write_params(self, params: dict[str, ParamValue]) -> None:
+        with _guard("write_params"):
+            from mlflow.entities import Param, RunTag
+            from mlflow.exceptions import MlflowException
+
+            keys = self._map_keys(list(params))
+            values = {keys[k]: str(v)[:_MAX_PARAM_VALUE] for k, v in params.items()}
+            for attempt in range(2):
+                new, tags = [], []
+                for key, value in values.items():
+                    old = self._params.get(key)
+                    if old is None:
+                        new.append(Param(key, value))
+                    elif old != value:
+                        msg = "mlflow: param %r changed from %r to %r (kept: the first; tagged)"
+                        log.warning(msg, key, old, value)
+                        tag = sanitize_key(f"ranklog.param_changed.{key}")
+                        tags.append(RunTag(tag, value[:_MAX_TAG_VALUE]))
+                try:
+                    for chunk in _chunks(new, _MAX_PARAMS_TAGS):
+                        self._client.log_batch(self.run_id, params=chunk, synchronous=True)
+                except MlflowException as exc:  # params we did not know of: read them, again
+                    if attempt or exc.error_code != "INVALID_PARAMETER_VALUE":
+                        raise
+                    self._params = dict(self._client.get_run(self.run_id).data.params)
+                    continue
+                self._params.update((p.key, p.value) for p in new)
+                for chunk in _chunks(tags, _MAX_PARAMS_TAGS):
+                    self._client.log_batch(self.run_id, tags=chunk, synchronous=True)
+                return
+
+    def write(self, steps: list[ShippedStep]) -> None:
+        from mlflow.entities import Metric, RunTag
+
+        if not steps:
+            return
+        with _guard("write"):
+            client = self._client
+            values_of = {s.step: _with_histograms(s) for s in steps}
+            names = {n for v in values_of.values() for n in v}
+            for s in steps if self.per_rank else ():
+                for values in (s.per_rank or {}).values():
+                    names.update(values)
+            keys = self._map_keys(sorted(names))
+            for s in steps:  # texts and images first: the marker vouches for them too
+                for path, text in _text_files(s):
+                    client.log_text(self.run_id, text, path)
+                self._log_images(s)
+            if self.per_rank:
+                by_rank: dict[int, list[Any]] = {}
+                for s in steps:
+                    for r, values in sorted((s.per_rank or {}).items()):
+                        by_rank.setdefault(r, []).extend(
+                            Metric(keys[n], v, _ms(s.ts), s.step) for n, v in values.items()
+                        )
+                for r, metrics in sorted(by_rank.items()):
+                    self._send(self._child(r), metrics)
+            world = str(steps[-1].world_size)
+            if world != self._world:
+                tag = RunTag("ranklog.world_size", world)
+                client.log_batch(self.run_id, tags=[tag], synchronous=True)
+                self._world = world
+            ms = [
+                Metric(keys[n], v, _ms(s.ts), s.step)
+                for s in steps
+                for n, v in values_of[s.step].items()
+            ]
+            self._send(self.run_id, ms)
+            # last: the markers, once everything they vouch for is stored
+            marks = [Metric(MARKER, float(s.step), _ms(s.ts), s.step) for s in steps]
+            self._send(self.run_id, marks)
+
+    def flush(self) -> None:
+        """Nothing to do: every request was committed by the store before it returned."""
+
+    def close(self) -> None:
+        self._client = None
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _log_images(self, step: ShippedStep) -> None:
+        """Each image as an artifact ``images/step_<step>/<name>.<format>``."""
+        import tempfile
+
+        from ranklog.shippers._media import image_tags
+
+        for tag, img in zip(image_tags(step.images), step.images, strict=True):
+            parts = sanitize_key(tag).split("/")
+            folder = "/".join([f"images/step_{step.step:08d}", *parts[:-1]])
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / f"{parts[-1]}.{img.format or 'png'}"
+                path.write_bytes(img.data)
+                self._client.log_artifact(self.run_id, str(path), folder)
+
+    def _send(self, run_id: str, metrics: list[Any]) -> None:
+        for chunk in _chunks(metrics, _MAX_METRICS):
+            self._client.log_batch(run_id, metrics=chunk, synchronous=True)
+
+    def _experiment(self, name: str) -> str:
+        from mlflow.exceptions import MlflowException
+
+        client = self._client
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            try:
+                return str(client.create_experiment(name, artifact_location=self.artifact_root))
+            except MlflowException as exc:  # created meanwhile by another shipper
+                exp = client.get_experiment_by_name(name)
+                if exp is None:
+                    raise exc from None
+        if exp.lifecycle_stage != "active":
+            raise RanklogError(f"MLflow experiment {name!r} is deleted: restore it or choose "
+                               "another --experiment")  # fmt: skip
+        return str(exp.experiment_id)
+
+    def _search(self, extra: str = "") -> list[Any]:
+        """Every active run of this ranklog run in the experiment (main and per-rank)."""
+        query = f"tags.\"ranklog.run_id\" = '{self._ranklog_id}'{extra}"
+        runs: list[Any] = []
+        token = None
+        while True:
+            page = self._client.search_runs(
+                [self._exp_id], query, max_results=1000, page_token=token
+            )
+            runs.extend(page)
+            token = page.token
+            if not token:
+                return runs
+
+    @staticmethod
+    def _oldest(runs: list[Any]) -> Any:
+        """The run every shipper process agrees on, should a retried create have made two."""
+        return min(runs, key=lambda r: (r.info.start_time or 0, r.info.run_id))
+
+    def _create(self, name: str, tags: dict[str, str], extra: str = "") -> Any:
+        """Create a run, then find it again by tags (a retried request may have made two)."""
+        tags = {"ranklog.run_id": self._ranklog_id, **tags}
+        self._client.create_run(self._exp_id, run_name=name, tags=tags)
+        role = tags["ranklog.role"]
+        found = [r for r in self._search(extra) if r.data.tags.get("ranklog.role") == role]
+        if not found:
+            raise TransientTargetError(f"the MLflow run just created for {name!r} is not found yet")
+        return self._oldest(found)
+
+    def _child(self, rank: int) -> str:
+        run_id = self._children.get(rank)
+        if run_id is None:
+            tags = {"mlflow.parentRunId": self.run_id, "ranklog.role": "rank",
+                    "ranklog.rank": str(rank), "ranklog.version": __version__}  # fmt: skip
+            extra = f" and tags.\"ranklog.rank\" = '{rank}'"
+            run_id = self._create(f"{self._name}-rank{rank}", tags, extra).info.run_id
+            self._children[rank] = run_id
+        return run_id
+
+    def _map_keys(self, names: list[str]) -> dict[str, str]:
+        """MLflow keys of ``names``; renamed ones are added to the key map artifact first."""
+        new = {
+            n: sanitize_key(n if n != MARKER else f"{n}\0") for n in names if n not in self._keys
+        }
+        fresh = {n: key for n, key in new.items() if key != n}
+        if fresh:  # (the marker's own name is taken: a metric of that name is renamed)
+            self._client.log_dict(self.run_id, {**self._renamed, **fresh}, KEY_MAP)
+            self._renamed.update(fresh)
+        self._keys.update(new)
+        return {n: self._keys[n] for n in names}
+
+    def _load_key_map(self) -> dict[str, str]:
+        listed = self._client.list_artifacts(self.run_id, KEY_MAP.rpartition("/")[0])
+        if not any(f.path == KEY_MAP for f in listed):
+            return {}
+        with tempfile.TemporaryDirectory(prefix="ranklog-mlflow-") as tmp:
+            path = self._client.download_artifacts(self.run_id, KEY_MAP, tmp)
+            loaded = json.loads(Path(path).read_text())
+        return {str(k): str(v) for k, v in loaded.items()}
+
+
+def make(arg: str, spool: Path, opts: TargetOptions) -> MlflowTarget:
+    """The target of ``mlflow:URI`` (``mlflow:`` alone: a sqlite store in the spool)."""
+    try:
+        import mlflow  # noqa: F401
+    except ImportError:
+        raise ExtraMissingError("mlflow", "mlflow") from None
+    return MlflowTarget(
+        arg or f"sqlite:///{(spool / 'mlflow.db').resolve()}",
+        spec=f"mlflow:{arg}",
+        run_name=opts.run_name,
+        experiment=opts.experiment,
+        per_rank=opts.per_rank,
+    )

@@ -1,0 +1,758 @@
+"""The ``mlflow:`` target: compliance on sqlite, a real ``mlflow server``, names, params, ranks."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import logging
+import math
+import posixpath
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ranklog.errors import ExtraMissingError, RanklogError
+from ranklog.shippers import Shipper, TargetOptions, make_target
+from ranklog.shippers._target import ShippedStep, TextItem, TransientTargetError
+from ranklog.shippers.jsonl import JsonlTarget
+from ranklog.spool import RunInfo, read_run
+
+from .compliance import (
+    Backend,
+    Flaky,
+    Killed,
+    chaos,
+    check,
+    kill_and_restart,
+    make_spool,
+    run_once,
+)
+from .conftest import python_env, run_python
+from .mlflow_server import MlflowServer, free_port, running_server
+from .shiphelp import lines, rank
+
+pytest.importorskip("mlflow")
+
+from mlflow.tracking import MlflowClient
+
+from ranklog.shippers.mlflow import KEY_MAP, MARKER, MlflowTarget, _text_files, make, sanitize_key
+
+_TEMPLATE: dict[str, Path] = {}
+
+
+@pytest.fixture(autouse=True)
+def empty_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each test runs in an empty directory, and MLflow must leave nothing there (no ./mlruns)."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    yield
+    assert not list(cwd.iterdir())
+
+
+@pytest.fixture(scope="session")
+def template_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty MLflow sqlite store with its tables made (migrations take seconds)."""
+    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    _TEMPLATE["db"] = path
+    return path
+
+
+def sqlite_uri(work: Path) -> str:
+    """A sqlite store in ``work``, copied from the template the first time."""
+    db = work / "mlflow.db"
+    if not db.exists():
+        shutil.copyfile(_TEMPLATE["db"], db)
+    return f"sqlite:///{db}"
+
+
+def main_run(client: Any) -> Any:
+    """The one main run ranklog made in this store."""
+    exps = [e.experiment_id for e in client.search_experiments()]
+    runs = client.search_runs(exps, "tags.\"ranklog.role\" = 'main'")
+    assert len(runs) == 1, [r.info.run_id for r in runs]
+    return runs[0]
+
+
+def history(client: Any, run_id: str, keys: list[str]) -> dict[str, dict[int, float]]:
+    """key -> step -> value; fails if any (key, step) holds more than one point."""
+    out: dict[str, dict[int, float]] = {}
+    for key in keys:
+        points = client.get_metric_history(run_id, key)
+        steps = [p.step for p in points]
+        dups = sorted({s for s in steps if steps.count(s) > 1})
+        assert not dups, f"{key}: more than one point at steps {dups}"
+        out[key] = {p.step: p.value for p in points}
+    return out
+
+
+def read_back(uri: str) -> list[tuple[int, dict[str, float]]]:
+    """(step, metrics) of every step the run holds, each step's metrics and marker once."""
+    client = MlflowClient(tracking_uri=uri)
+    run = main_run(client)
+    hist = history(client, run.info.run_id, sorted(run.data.metrics))
+    marked = hist.pop(MARKER, {})
+    steps = sorted({s for h in hist.values() for s in h})
+    assert steps == sorted(marked), "a step without its marker, or a marker without its step"
+    return [(s, {k: h[s] for k, h in hist.items() if s in h}) for s in steps]
+
+
+def _sqlite_backend() -> Backend:
+    def target(work: Path) -> MlflowTarget:
+        return make(sqlite_uri(work), work, TargetOptions())
+
+    return Backend("mlflow-sqlite", target, lambda work: read_back(sqlite_uri(work)))
+
+
+@pytest.fixture
+def backend(template_db: Path) -> Backend:
+    return _sqlite_backend()
+
+
+@pytest.fixture
+def work(tmp_path: Path) -> Path:
+    (tmp_path / "work").mkdir()
+    return tmp_path / "work"
+
+
+@pytest.fixture
+def made(spool: Path) -> Path:
+    make_spool(spool)
+    return spool
+
+
+class TestCompliance:
+    """The shapes of tests/test_compliance.py, for MLflow on sqlite."""
+
+    def test_every_step_once(self, backend: Backend, made: Path, work: Path) -> None:
+        """A plain run ships every step once, in order, with the reduced value."""
+        run_once(made, backend.make(work))
+        check(backend, work)
+        texts = sorted(p.name for p in (work / "mlflow-artifacts").rglob("*.md"))
+        assert texts == [f"sample_0.rank{r}.md" for r in range(3)]
+
+    def test_rerun_sends_nothing_twice(self, backend: Backend, made: Path, work: Path) -> None:
+        """Shipping again without the cursor adds nothing: the run's marker tells the last step."""
+        run_once(made, backend.make(work))
+        (made / "cursors" / "compliance.json").unlink()
+        run_once(made, backend.make(work))
+        check(backend, work)
+
+    @pytest.mark.parametrize("after", [False, True], ids=["before", "after"])
+    @pytest.mark.parametrize(
+        ("method", "n"),
+        [("open", 1), ("write_params", 1), ("write", 1), ("write", 3), ("flush", 1),
+         ("flush", 4), ("commit", 1), ("commit", 3)],
+    )  # fmt: skip
+    def test_killed_anywhere(
+        self,
+        backend: Backend,
+        made: Path,
+        work: Path,
+        method: str,
+        n: int,
+        after: bool,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        """Killed before or after any call, then restarted: each step exactly once."""
+        kill_and_restart(backend, made, work, method, n, monkeypatch, after=after)
+        check(backend, work)
+
+    @pytest.mark.parametrize("seed", [1, 2, 3])
+    def test_killed_again_and_again(
+        self, backend: Backend, made: Path, work: Path, seed: int, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A dozen deaths at random calls, then a clean run: each step exactly once."""
+        chaos(backend, made, work, seed, monkeypatch)
+        check(backend, work)
+
+    @pytest.mark.parametrize("after", [False, True], ids=["before", "after"])
+    @pytest.mark.parametrize(("method", "n"), [("write", 2), ("flush", 2), ("open", 1)])
+    def test_failure_is_retried_without_duplicates(
+        self,
+        backend: Backend,
+        made: Path,
+        work: Path,
+        method: str,
+        n: int,
+        after: bool,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        """A call that fails (before or after it took effect) is retried; nothing twice."""
+        import ranklog.shippers._engine as engine
+
+        monkeypatch.setattr(engine, "BATCH_STEPS", 7)
+        monkeypatch.setattr(time, "sleep", lambda s: None)  # the engine's backoff
+        flaky = Flaky(backend.make(work), method, n, after=after)
+        run_once(made, flaky)
+        assert flaky.failed == 1
+        check(backend, work)
+
+
+class _DyingClient:
+    """An MlflowClient whose n-th ``log_batch`` dies before it is sent."""
+
+    def __init__(self, inner: Any, calls: list[int]) -> None:
+        self.inner, self.calls = inner, calls
+
+    def log_batch(self, *args: Any, **kw: Any) -> Any:
+        self.calls[0] -= 1
+        if self.calls[0] == 0:
+            raise Killed("log_batch")
+        return self.inner.log_batch(*args, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class DiesMidWrite(MlflowTarget):
+    """Dies between the requests of one write (some of a step's metrics stored, not its marker)."""
+
+    def __init__(self, uri: str, calls: list[int], *, per_rank: bool) -> None:
+        super().__init__(uri, per_rank=per_rank)
+        self.calls = calls
+
+    def open(self, run: RunInfo) -> int | None:
+        last = super().open(run)
+        self._client = _DyingClient(self._client, self.calls)
+        return last
+
+
+class TestTornWrites:
+    """A write is several requests; dying between any two loses nothing and doubles nothing."""
+
+    @pytest.mark.parametrize("per_rank", [False, True], ids=["main", "per-rank"])
+    @pytest.mark.parametrize("n", [1, 2, 3, 4, 6, 9])
+    def test_killed_between_requests(
+        self,
+        template_db: Path,
+        made: Path,
+        work: Path,
+        n: int,
+        per_rank: bool,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        """Killed before the n-th request of a write, then restarted: each step exactly once."""
+        import ranklog.shippers._engine as engine
+
+        monkeypatch.setattr(engine, "BATCH_STEPS", 7)
+        uri = sqlite_uri(work)
+
+        def ship(target: MlflowTarget) -> None:
+            Shipper(
+                str(made), target, name="torn", dead_after=3600, start_grace=0, per_rank=per_rank
+            ).run_forever(once=True)
+
+        with pytest.raises(Killed):
+            ship(DiesMidWrite(uri, [n], per_rank=per_rank))
+        client = MlflowClient(tracking_uri=uri)
+        main = main_run(client)
+        marked = set(history(client, main.info.run_id, [MARKER])[MARKER])
+        stored = set(history(client, main.info.run_id, ["loss"])["loss"])
+        assert marked <= stored
+        if n == (6 if per_rank else 3):  # died after the metrics, before the markers
+            assert stored - marked, "the write was not torn"
+        last = make(uri, made, TargetOptions()).open(read_run(made))
+        assert last == (max(marked) if marked else None)
+        ship(make(uri, made, TargetOptions(per_rank=per_rank)))
+        held = read_back(uri)
+        assert [s for s, _ in held] == list(range(60))
+        for s, metrics in held:
+            assert metrics["loss"] == pytest.approx((0 + 1 + 2) / 3 + s / 1000)
+        if per_rank:
+            client = MlflowClient(tracking_uri=uri)
+            main = main_run(client)
+            query = "tags.\"ranklog.role\" = 'rank'"
+            children = client.search_runs([main.info.experiment_id], query)
+            assert len(children) == 3
+            for child in children:
+                r = int(child.data.tags["ranklog.rank"])
+                hist = history(client, child.info.run_id, ["loss"])["loss"]
+                assert hist == {s: pytest.approx(r + s / 1000) for s in range(60)}
+
+
+class Amnesiac(MlflowTarget):
+    """Forgets what the run holds: every step is sent again."""
+
+    def open(self, run: RunInfo) -> int | None:
+        super().open(run)
+        return None
+
+
+def resend_everything(spool: Path, uri: str) -> None:
+    """Ship, then ship it all again as exact repeats (no cursor, no marker read)."""
+    run_once(spool, make(uri, spool, TargetOptions()))
+    (spool / "cursors" / "compliance.json").unlink()
+    run_once(spool, Amnesiac(uri))
+
+
+def rich_spool(spool: Path, *, steps: int = 12, world: int = 3) -> None:
+    """Metrics with several reduce ops, timers, NaN, texts from one and from several ranks."""
+    runs = [rank(spool, r, world) for r in range(world)]
+    for run in runs:
+        run.log_hyperparams({"lr": 0.001, "model": {"layers": 4, "name": "tiny"}, "flag": True})
+    for s in range(steps):
+        for run in runs:
+            r = run.rank
+            run.log_metrics({"loss": r + s / 1000, "acc": 0.5 + r / 10}, step=s, prefix="train")
+            run.log_metrics({"gnorm": (r + 1) * (s + 1)}, step=s, reduce=("mean", "max", "min"))
+            run.log_metrics({"odd": math.nan if s == 3 else float(s)}, step=s, reduce="last")
+            run.log_timing("step_time", 0.01 * (r + 1), step=s)
+            if s == 5 and r < 2:
+                run.log_text("val/sample_0", f"rank {r} says {s}", step=s)
+            if s == 7 and r == 2:
+                run.log_text("val/sample_1", "only rank 2", step=s)
+            run.step_end(s)
+    for run in runs:
+        run.close()
+
+
+def same(a: float, b: float) -> bool:
+    return (math.isnan(a) and math.isnan(b)) or a == b
+
+
+def compare_with_jsonl(client: Any, spool: Path, out: Path) -> Any:
+    """Each (key, step) of the JSONL output is in MLflow once, with the same value; no more."""
+    shipper = Shipper(str(spool), JsonlTarget(out), name="jsonl", dead_after=3600, start_grace=0)
+    shipper.run_forever(once=True)
+    got = lines(out)
+    run = main_run(client)
+    keys = sorted({k for x in got for k in x["metrics"]})
+    assert sorted(k for k in run.data.metrics if k != MARKER) == keys
+    hist = history(client, run.info.run_id, [*keys, MARKER])
+    assert sorted(hist[MARKER]) == [x["step"] for x in got]
+    for x in got:
+        for k, v in x["metrics"].items():
+            assert same(hist[k][x["step"]], v), (k, x["step"], hist[k][x["step"]], v)
+    points = sum(len(h) for k, h in hist.items() if k != MARKER)
+    assert points == sum(len(x["metrics"]) for x in got)
+    return run
+
+
+def artifact_text(client: Any, run_id: str, path: str, tmp: Path) -> str:
+    return Path(client.download_artifacts(run_id, path, str(tmp))).read_text()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """One ``mlflow server`` on 127.0.0.1 for this module, stopped by pid at the end."""
+    with running_server(tmp_path_factory.mktemp("mlflow-server")) as srv:
+        yield srv
+
+
+@pytest.mark.slow
+class TestServer:
+    """Against a real ``mlflow server --host 127.0.0.1`` with a sqlite store."""
+
+    def test_values_params_tags_texts(
+        self, server: MlflowServer, spool: Path, tmp_path: Path
+    ) -> None:
+        """Each value equals the JSONL target's, once per (key, step); params, tags, texts there."""
+        rich_spool(spool)
+        opts = TargetOptions(experiment="server-test", run_name="rich")
+        target = make_target(f"mlflow:{server.uri}", spool, opts)
+        Shipper(str(spool), target, name="m", dead_after=3600, start_grace=0).run_forever(once=True)
+        client = MlflowClient(tracking_uri=server.uri)
+        run = compare_with_jsonl(client, spool, tmp_path / "out.jsonl")
+        assert client.get_experiment(run.info.experiment_id).name == "server-test"
+        assert run.info.run_name == "rich"
+        params = run.data.params
+        assert params == {"lr": "0.001", "model.layers": "4", "model.name": "tiny", "flag": "True"}
+        tags = run.data.tags
+        assert tags["ranklog.run_id"] == read_run(spool).run_id
+        assert tags["ranklog.world_size"] == "3"
+        assert tags["ranklog.version"]
+        texts = [f.path for f in client.list_artifacts(run.info.run_id, "text/step_00000005/val")]
+        assert texts == [
+            "text/step_00000005/val/sample_0.rank0.md",
+            "text/step_00000005/val/sample_0.rank1.md",
+        ]
+        got = artifact_text(client, run.info.run_id, texts[1], tmp_path)
+        assert got == "rank 1 says 5"
+        path = "text/step_00000007/val/sample_1.md"
+        assert artifact_text(client, run.info.run_id, path, tmp_path) == "only rank 2"
+
+    def test_exact_repeats_are_ignored(self, server: MlflowServer, spool: Path) -> None:
+        """The server stores a re-sent step (same key, step, timestamp, value) once, not twice."""
+        make_spool(spool)
+        resend_everything(spool, server.uri)
+        client = MlflowClient(tracking_uri=server.uri)
+        exps = [e.experiment_id for e in client.search_experiments()]
+        query = f"tags.\"ranklog.run_id\" = '{read_run(spool).run_id}'"
+        (run,) = client.search_runs(exps, query)
+        hist = history(client, run.info.run_id, ["loss", MARKER])
+        assert sorted(hist["loss"]) == sorted(hist[MARKER]) == list(range(60))
+
+
+@pytest.mark.slow
+class TestServerKilled:
+    """The server dies for ~20 s while producers write and a shipper follows the job."""
+
+    PRODUCER = """
+import sys, time, ranklog
+run = ranklog.init(sys.argv[1], rank=int(sys.argv[2]), world_size=int(sys.argv[3]))
+run.log_hyperparams({"lr": 0.1})
+for step in range(int(sys.argv[4])):
+    run.log_metrics({"loss": run.rank + step / 1000}, step=step, prefix="train")
+    run.log_timing("step_time", 0.01 * (run.rank + 1), step=step)
+    run.step_end(step)
+    time.sleep(0.05)
+run.close()
+"""
+
+    def test_nothing_lost_or_doubled(self, spool: Path, tmp_path: Path) -> None:
+        """Killed mid-run and restarted on the same port and store: each step once, right value."""
+        ranks, steps = 3, 600
+        server = MlflowServer(tmp_path / "server")
+        procs: list[subprocess.Popen[bytes]] = []
+        log = tmp_path / "shipper.log"
+        try:
+            server.start()
+            for r in range(ranks):
+                args = [str(spool), str(r), str(ranks), str(steps)]
+                procs.append(
+                    subprocess.Popen([sys.executable, "-c", self.PRODUCER, *args], env=python_env())
+                )
+            time.sleep(1.0)
+            cmd = [sys.executable, "-m", "ranklog.cli", "ship", str(spool), "--quiet"]
+            cmd += ["--to", f"mlflow:{server.uri}", "--poll", "0.1", "--start-grace", "120"]
+            with open(log, "wb") as err:
+                shipper = subprocess.Popen(cmd, env=python_env(), stderr=err)
+            procs.append(shipper)
+            client = MlflowClient(tracking_uri=server.uri)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # shipping has begun
+                runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+                if runs and runs[0].data.metrics.get(MARKER, -1) >= 5:
+                    break
+                time.sleep(0.5)
+            else:
+                pytest.fail("nothing shipped in 60 s: " + log.read_text())
+            server.kill(signal.SIGKILL)
+            assert any(p.poll() is None for p in procs[:ranks]), "producers finished too early"
+            time.sleep(20)
+            assert shipper.poll() is None, log.read_text()
+            server.start()
+            for p in procs[:ranks]:
+                assert p.wait(timeout=180) == 0
+            assert shipper.wait(timeout=240) == 0, log.read_text()  # exits once all ranks ended
+            text = log.read_text()
+            assert "failed" in text  # it did notice the outage
+            compare_with_jsonl(client, spool, tmp_path / "out.jsonl")
+            held = read_back(server.uri)
+            assert [s for s, _ in held] == list(range(steps))
+            for s, metrics in held:
+                assert metrics["train/loss"] == pytest.approx((ranks - 1) / 2 + s / 1000)
+            assert main_run(client).data.params == {"lr": "0.1"}
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            server.stop()
+
+
+class TestNames:
+    """Keys MLflow would refuse are renamed deterministically, and the renaming is recorded."""
+
+    VALID = re.compile(r"^[/\w.\- :]*$")
+
+    def valid(self, key: str) -> bool:
+        norm = posixpath.normpath(key)
+        return (
+            bool(self.VALID.match(key))
+            and "\n" not in key
+            and len(key) <= 250
+            and ".." not in key
+            and norm == key
+            and not norm.startswith(("/", "."))
+        )
+
+    @pytest.mark.parametrize(
+        "name",
+        ["bad key!/with..dots", "", ".", "..", "/lead", "trail/", "a//b", "./x", "é€", "x\n",
+         "a" * 300, "ranklog/ranks_reporting", "ok/name-1 :x.y"],
+    )  # fmt: skip
+    def test_sanitized_keys_are_valid(self, name: str) -> None:
+        """Every name maps to a key MLflow accepts; a valid name stays as it is."""
+        key = sanitize_key(name)
+        assert self.valid(key), key
+        assert sanitize_key(name) == key
+        if self.valid(name):
+            assert key == name
+
+    def test_distinct_names_stay_distinct(self) -> None:
+        """Names that clean up alike (or share a long prefix) still get different keys."""
+        names = ["a b!", "a b?", "a b_", "a/b..c", "a/b._c", "x" * 300, "x" * 299 + "y"]
+        assert len({sanitize_key(n) for n in names}) == len(names)
+
+    def test_text_paths(self) -> None:
+        """Text artifacts name the rank only when several share a name; no file name is too long."""
+        texts = [TextItem(0, "val/a", "x"), TextItem(1, "val/a", "y"), TextItem(1, "val/a", "z")]
+        texts += [TextItem(2, "b b!", "w"), TextItem(0, "é" * 300, "v")]
+        step = ShippedStep(3, {}, 3, 3, True, 1.0, texts=texts)
+        paths = [p for p, _ in _text_files(step)]
+        assert paths[:4] == [
+            "text/step_00000003/val/a.rank0.md",
+            "text/step_00000003/val/a.rank1.md",
+            "text/step_00000003/val/a.rank1.2.md",
+            f"text/step_00000003/{sanitize_key('b b!')}.md",
+        ]
+        assert all(len(part.encode()) < 255 for p in paths for part in p.split("/"))
+        assert len(set(paths)) == len(paths)
+
+    def test_bad_key_ships_under_a_valid_key(
+        self, template_db: Path, spool: Path, work: Path
+    ) -> None:
+        """``bad key!/with..dots`` ships under a valid key; the key map records it, and new ones."""
+        uri = sqlite_uri(work)
+        run = rank(spool, 0, 1)
+        run.log_hyperparams({"bad param!": 1})
+        for s in range(3):
+            run.log_metrics({"bad key!/with..dots": s + 0.5, "fine": 1.0}, step=s)
+            run.step_end(s)
+        run.flush()
+        run_once(spool, make(uri, work, TargetOptions()))
+        for s in range(3, 5):
+            run.log_metrics({"bad key!/with..dots": s + 0.5, "new one?": 2.0}, step=s)
+            run.step_end(s)
+        run.close()
+        run_once(spool, make(uri, work, TargetOptions()))
+        client = MlflowClient(tracking_uri=uri)
+        main = main_run(client)
+        key, new = sanitize_key("bad key!/with..dots"), sanitize_key("new one?")
+        assert self.valid(key) and key.startswith("bad key_/with_.dots_")
+        assert sorted(main.data.metrics) == sorted([key, new, "fine", MARKER])
+        hist = history(client, main.info.run_id, [key])
+        assert hist[key] == {s: s + 0.5 for s in range(5)}
+        assert main.data.params == {sanitize_key("bad param!"): "1"}
+        mapping = json.loads(artifact_text(client, main.info.run_id, KEY_MAP, work))
+        assert mapping == {
+            "bad key!/with..dots": key,
+            "new one?": new,
+            "bad param!": sanitize_key("bad param!"),
+        }
+
+    def test_marker_name_is_reserved(self, template_db: Path, spool: Path, work: Path) -> None:
+        """A user metric called ``ranklog/step`` is renamed instead of clobbering the marker."""
+        run = rank(spool, 0, 1)
+        for s in range(3):
+            run.log_metrics({MARKER: 100.0 + s}, step=s)
+            run.step_end(s)
+        run.close()
+        uri = sqlite_uri(work)
+        run_once(spool, make(uri, work, TargetOptions()))
+        client = MlflowClient(tracking_uri=uri)
+        main = main_run(client)
+        assert main.data.metrics[MARKER] == 2.0
+        (other,) = [k for k in main.data.metrics if k != MARKER]
+        assert history(client, main.info.run_id, [other])[other] == {0: 100.0, 1: 101.0, 2: 102.0}
+
+
+class TestParams:
+    """MLflow params are immutable: a changed value is reported, never fatal."""
+
+    def test_changed_param_does_not_crash(
+        self, template_db: Path, spool: Path, work: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """lr changes mid-run: the shipper warns, tags the new value and ships every step."""
+        uri = sqlite_uri(work)
+        run = rank(spool, 0, 1)
+        run.log_hyperparams({"lr": 0.1, "bs": 32})
+        for s in range(3):
+            run.log_metrics({"loss": float(s)}, step=s)
+            run.step_end(s)
+        run.flush()
+        run_once(spool, make(uri, work, TargetOptions()))
+        run.log_hyperparams({"lr": 0.2, "wd": 0.01})
+        for s in range(3, 6):
+            run.log_metrics({"loss": float(s)}, step=s)
+            run.step_end(s)
+        run.close()
+        with caplog.at_level(logging.WARNING, logger="ranklog.ship"):
+            run_once(spool, make(uri, work, TargetOptions()))
+        assert "'lr' changed from '0.1' to '0.2'" in caplog.text
+        main = main_run(MlflowClient(tracking_uri=uri))
+        assert main.data.params == {"lr": "0.1", "bs": "32", "wd": "0.01"}
+        assert main.data.tags["ranklog.param_changed.lr"] == "0.2"
+        assert [s for s, _ in read_back(uri)] == list(range(6))
+
+    def test_params_unknown_to_the_target(self, template_db: Path, spool: Path, work: Path) -> None:
+        """A param set in the run behind the target's back, with another value, is no error."""
+        uri = sqlite_uri(work)
+        run = rank(spool, 0, 1)
+        run.log_metrics({"loss": 1.0}, step=0)
+        run.step_end(0)
+        run.flush()
+        run_once(spool, make(uri, work, TargetOptions()))
+        target = make(uri, work, TargetOptions())
+        target.open(read_run(spool))
+        MlflowClient(tracking_uri=uri).log_param(target.run_id, "lr", "9")
+        target.write_params({"lr": 0.5, "bs": 8})
+        main = main_run(MlflowClient(tracking_uri=uri))
+        assert main.data.params == {"lr": "9", "bs": "8"}
+        assert main.data.tags["ranklog.param_changed.lr"] == "0.5"
+
+
+class TestPerRank:
+    """``--per-rank``: a child run per rank with the rank's own values."""
+
+    def test_child_runs_hold_each_ranks_values(
+        self, template_db: Path, made: Path, work: Path
+    ) -> None:
+        """Each child run holds its rank's loss once per step; a restart reuses the children."""
+        uri = sqlite_uri(work)
+        opts = TargetOptions(per_rank=True, run_name="pr")
+
+        def ship_once() -> None:
+            target = make(uri, made, opts)
+            Shipper(
+                str(made), target, name="pr", dead_after=3600, start_grace=0, per_rank=True
+            ).run_forever(once=True)
+
+        ship_once()
+        (made / "cursors" / "pr.json").unlink()
+        ship_once()
+        client = MlflowClient(tracking_uri=uri)
+        main = main_run(client)
+        exp = main.info.experiment_id
+        query = f"tags.\"ranklog.run_id\" = '{main.data.tags['ranklog.run_id']}'"
+        runs = client.search_runs([exp], query)
+        children = [r for r in runs if r.info.run_id != main.info.run_id]
+        assert sorted(int(c.data.tags["ranklog.rank"]) for c in children) == [0, 1, 2]
+        for child in children:
+            r = int(child.data.tags["ranklog.rank"])
+            assert child.data.tags["mlflow.parentRunId"] == main.info.run_id
+            assert child.info.run_name == f"pr-rank{r}"
+            hist = history(client, child.info.run_id, ["loss"])["loss"]
+            assert hist == {s: pytest.approx(r + s / 1000) for s in range(60)}
+        assert [s for s, _ in read_back(uri)] == list(range(60))
+
+
+class TestWiring:
+    """How the target is built, where it stores, and how it fails."""
+
+    def test_default_store_is_in_the_spool(self, template_db: Path, spool: Path) -> None:
+        """``mlflow:`` alone ships to sqlite in the spool, texts beside it; names from options."""
+        rich_spool(spool)
+        shutil.copyfile(template_db, spool / "mlflow.db")
+        opts = TargetOptions(experiment="exp-x", run_name="run-y")
+        target = make_target("mlflow:", spool, opts)
+        assert target.spec == "mlflow:"
+        run_once(spool, target)
+        uri = f"sqlite:///{(spool / 'mlflow.db').resolve()}"
+        client = MlflowClient(tracking_uri=uri)
+        main = main_run(client)
+        assert client.get_experiment(main.info.experiment_id).name == "exp-x"
+        assert main.info.run_name == "run-y"
+        assert [s for s, _ in read_back(uri)] == list(range(12))
+        texts = sorted(p.name for p in (spool / "mlflow-artifacts").rglob("*.md"))
+        assert texts == ["sample_0.rank0.md", "sample_0.rank1.md", "sample_1.md"]
+
+    def test_down_server_is_transient_and_quick(self, spool: Path) -> None:
+        """Nothing listening: open() raises TransientTargetError within seconds."""
+        make_spool(spool)
+        target = make(f"http://127.0.0.1:{free_port()}", spool, TargetOptions())
+        t0 = time.monotonic()
+        with pytest.raises(TransientTargetError):
+            target.open(read_run(spool))
+        assert time.monotonic() - t0 < 15
+
+    @pytest.mark.parametrize(
+        ("status", "code", "transient"),
+        [(503, "TEMPORARILY_UNAVAILABLE", True), (500, "INTERNAL_ERROR", True),
+         (429, "REQUEST_LIMIT_EXCEEDED", True), (403, "PERMISSION_DENIED", False)],
+    )  # fmt: skip
+    def test_error_answers(self, spool: Path, status: int, code: str, transient: bool) -> None:
+        """5xx and 429 raise TransientTargetError (the engine retries); 403 stops with a message."""
+        make_spool(spool)
+        body = json.dumps({"error_code": code, "message": "no"}).encode()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+        thread.start()
+        try:
+            target = make(f"http://127.0.0.1:{httpd.server_port}", spool, TargetOptions())
+            t0 = time.monotonic()
+            with pytest.raises(TransientTargetError if transient else RanklogError):
+                target.open(read_run(spool))
+            assert time.monotonic() - t0 < 15
+        finally:
+            httpd.shutdown()
+            httpd.server_close()
+            thread.join()
+
+    def test_missing_extra(self, monkeypatch: pytest.MonkeyPatch, spool: Path) -> None:
+        """Without mlflow installed the error names ``pip install 'ranklog[mlflow]'``."""
+        monkeypatch.setitem(sys.modules, "mlflow", None)
+        with pytest.raises(ExtraMissingError, match=r"ranklog\[mlflow\]"):
+            make("", spool, TargetOptions())
+
+    def test_import_ranklog_does_not_import_mlflow(self) -> None:
+        """``import ranklog`` and the shippers package leave mlflow unimported."""
+        code = "import sys, ranklog, ranklog.shippers; print('mlflow' in sys.modules)"
+        assert run_python(code).stdout.strip() == "False"
+
+    def test_exact_repeats_on_sqlite(self, template_db: Path, made: Path, work: Path) -> None:
+        """The sqlite store keeps one point when a step is re-sent with the same timestamp."""
+        uri = sqlite_uri(work)
+        resend_everything(made, uri)
+        held = read_back(uri)
+        assert [s for s, _ in held] == list(range(60))
+
+
+class TestMedia:
+    def test_histogram_summary_and_image_artifacts(self, tmp_path: Path) -> None:
+        """A histogram becomes name/count, /min, /max, /mean, /std; each image an artifact."""
+        from mlflow.tracking import MlflowClient
+
+        from ranklog.shippers import Shipper
+        from ranklog.shippers._registry import TargetOptions
+        from ranklog.shippers.mlflow import make as make_mlflow
+
+        from .shiphelp import rank
+
+        spool = tmp_path / "spool"
+        runs = [rank(spool, r, 2) for r in range(2)]
+        for r, run in enumerate(runs):
+            run.log_histogram("grad", [float(r), r + 2.0], step=0)
+            run.log_image("plot", b"\\x89PNG-rank%d" % r, step=0)
+            run.step_end(0)
+            run.close()
+        uri = f"sqlite:///{tmp_path / 'm.db'}"
+        target = make_mlflow(uri, spool, TargetOptions())
+        Shipper(str(spool), target, name="m").run_forever(once=True)
+        client = MlflowClient(tracking_uri=uri)
+        (found,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+        data = found.data.metrics
+        assert data["grad/count"] == 4 and data["grad/max"] == 3.0 and data["grad/mean"] == 1.5
+        arts = [
+            a.path for a in client.list_artifacts(found.info.run_id, "images/step_00000000/plot")
+        ]
+        assert sorted(arts) == [
+            "images/step_00000000/plot/rank00000.png",
+            "images/step_00000000/plot/rank00001.png",
+        ]
