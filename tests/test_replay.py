@@ -132,3 +132,35 @@ class TestBackends:
         live, again = _tb_scalars(tmp_path / "live"), _tb_scalars(tmp_path / "again")
         assert live and _same(live, again)
         assert [s for s, _ in live["loss"]] == list(range(45))
+
+    def test_mlflow_values(self, spool: Path, tmp_path: Path) -> None:
+        """Live shipping and replay give MLflow the same points."""
+        from mlflow.tracking import MlflowClient
+
+        from ranklog.shippers import Shipper
+        from ranklog.shippers._registry import TargetOptions
+        from ranklog.shippers.mlflow import make as make_mlflow
+
+        _job(spool)
+        compact(spool, tmp_path / "pq")
+        got = {}
+        for label in ("live", "again"):
+            uri = f"sqlite:///{tmp_path / label}.db"
+            target = make_mlflow(uri, spool, TargetOptions())
+            if label == "live":
+                Shipper(str(spool), target, name="ml", start_grace=0).run_forever(once=True)
+            else:
+                replay(tmp_path / "pq", target)
+            client = MlflowClient(tracking_uri=uri)
+            (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+            got[label] = {
+                key: sorted(
+                    (m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)
+                )
+                for key in run.data.metrics
+            }
+        norm = {
+            k: {m: [(s, "nan" if math.isnan(v) else v) for s, v in pts] for m, pts in d.items()}
+            for k, d in got.items()
+        }
+        assert norm["live"] == norm["again"] and len(norm["live"]["loss"]) == 45
