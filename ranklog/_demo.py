@@ -70,10 +70,10 @@ def run_demo(spool: Path, *, ranks: int = 4, steps: int = 300, step_seconds: flo
     spool.mkdir(parents=True, exist_ok=True)
     print(f"demo: {ranks} ranks x {steps} steps into {spool}", flush=True)
     every = max(1, steps // 6)
-    shipper = subprocess.Popen(
-        [sys.executable, "-m", "ranklog.cli", "ship", str(spool), "--quiet", "--samples", "1",
-         "--to", f"jsonl:{out / 'metrics.jsonl'}", "--to", f"console:{every}"]
-    )  # fmt: skip
+    targets = [f"jsonl:{out / 'metrics.jsonl'}", f"console:{every}", *_backends(out)]
+    cmd = [sys.executable, "-m", "ranklog.cli", "ship", str(spool), "--quiet", "--samples", "1"]
+    cmd += ["--mode", "offline", "--dir", str(out), "--run-name", "ranklog-demo"]
+    shipper = subprocess.Popen([*cmd, *(a for t in targets for a in ("--to", t))])
     procs = []
     t0 = time.monotonic()
     for r in range(ranks):
@@ -90,9 +90,60 @@ def run_demo(spool: Path, *, ranks: int = 4, steps: int = 300, step_seconds: flo
     codes = [p.wait() for p in procs]
     print(f"demo: ranks exited with {codes} after {time.monotonic() - t0:.1f}s", flush=True)
     shipped = shipper.wait()
-    print(f"demo: shippers exited with {shipped}; reduced steps in {out / 'metrics.jsonl'}\n")
+    print(f"demo: shippers exited with {shipped}\n")
     _inspect(spool)
-    return 0 if not any(codes) and shipped == 0 else 1
+    archived = _archive(spool, out)
+    print("\nopen the results:")
+    print(f"  reduced steps      {out / 'metrics.jsonl'}")
+    for line in _how_to_open(out):
+        print(f"  {line}")
+    return 0 if not any(codes) and shipped == 0 and archived else 1
+
+
+def _archive(spool: Path, out: Path) -> bool:
+    """Compact the spool, replay it into a fresh TensorBoard directory, write the report."""
+    from ranklog.cli import main
+
+    print()
+    ok = main(["compact", str(spool), "--out", str(out / "parquet")]) == 0
+    replay_to = f"tensorboard:{out / 'replayed-tensorboard'}"
+    ok = ok and main(["replay", str(out / "parquet"), "--to", replay_to]) == 0
+    try:
+        import matplotlib  # noqa: F401  (the report extra)
+    except ImportError:
+        print("report: skipped (pip install 'ranklog[report]')")
+        return ok
+    return ok and main(["report", str(out / "parquet"), "--out", str(out / "report.html")]) == 0
+
+
+def _backends(out: Path) -> list[str]:
+    """The backend targets whose packages are installed (the demo installs all three)."""
+    import importlib.util
+
+    specs = {
+        "tensorboard": f"tensorboard:{out / 'tensorboard'}",
+        "mlflow": f"mlflow:sqlite:///{out / 'mlflow.db'}",
+        "wandb": "wandb:ranklog-demo",
+    }
+    return [t for mod, t in specs.items() if importlib.util.find_spec(mod) is not None]
+
+
+def _how_to_open(out: Path) -> list[str]:
+    lines = [f"Parquet dataset    {out / 'parquet'}   (DuckDB, Polars, pyarrow)"]
+    if (out / "report.html").is_file():
+        lines.append(f"report             {out / 'report.html'}")
+    if (out / "replayed-tensorboard").is_dir():
+        lines.append(f"replayed           tensorboard --logdir {out / 'replayed-tensorboard'}")
+    if (out / "tensorboard").is_dir():
+        lines.append(f"TensorBoard        tensorboard --logdir {out / 'tensorboard'}")
+    if (out / "mlflow.db").is_file():
+        lines.append(
+            f"MLflow             mlflow ui --backend-store-uri sqlite:///{out / 'mlflow.db'}"
+        )
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    if runs:
+        lines.append(f"W&B (offline)      wandb sync {runs[-1]}   (uploads it; needs an API key)")
+    return lines
 
 
 def _inspect(spool: Path) -> None:

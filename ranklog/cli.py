@@ -7,6 +7,7 @@
     ranklog compact SPOOL --out DIR [--delete]
     ranklog replay DIR --to TARGET [--to TARGET ...] [--steps A:B] [--names GLOB]
     ranklog inspect SPOOL [--json]
+    ranklog report DIR --out report.html
     ranklog demo [--out DIR] [--ranks N] [--steps N]
 """
 
@@ -207,6 +208,24 @@ def _replay(args: argparse.Namespace) -> int:
     return code
 
 
+def _report(args: argparse.Namespace) -> int:
+    from ranklog.errors import ConfigError, ExtraMissingError
+
+    dataset = Path(args.dataset)
+    if not (dataset / "_manifest.json").is_file():
+        print(f"ranklog report: {dataset} is not a compacted dataset", file=sys.stderr)
+        return 2
+    try:
+        from ranklog.report import write_report
+
+        path = write_report(dataset, Path(args.out))
+    except (ExtraMissingError, ConfigError) as exc:
+        print(f"ranklog report: {exc}", file=sys.stderr)
+        return 2
+    print(f"report: {path}")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from ranklog._demo import run_demo
 
@@ -292,6 +311,11 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("spool")
     ins.add_argument("--json", action="store_true", help="machine-readable output")
     ins.set_defaults(func=_inspect)
+
+    rpt = sub.add_parser("report", help="an HTML report of a compacted dataset")
+    rpt.add_argument("dataset")
+    rpt.add_argument("--out", default="report.html", help="the HTML file to write")
+    rpt.set_defaults(func=_report)
 
     demo = sub.add_parser("demo", help="a short multi-process job on this machine")
     demo.add_argument("--out", help="directory for the demo's outputs (default: a temp dir)")

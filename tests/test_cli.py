@@ -110,3 +110,7 @@ class TestDemo:
         out = capsys.readouterr().out
         assert "2 seen, 2 ended" in out and "0..19" in out
         assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 21  # params + 20
+        assert (tmp_path / "report.html").stat().st_size > 10_000
+        assert (tmp_path / "parquet" / "_manifest.json").is_file()
+        for opener in ("tensorboard --logdir", "mlflow ui --backend-store-uri", "wandb sync"):
+            assert opener in out

@@ -287,6 +287,97 @@ def _bench_throughput(base: Path, ranks: int, steps: int, timeout: float) -> Row
     )
 
 
+TARGET_BYTES_PER_VALUE: Final = 4.0
+
+
+def _bench_archive(base: Path, ranks: int, steps: int, timeout: float) -> tuple[list[Row], float]:
+    """Compaction and replay of the throughput spool; replay must equal live shipping."""
+    values = ranks * steps * METRICS
+    size = f"{ranks} ranks x {steps:,} steps ({values / 1e6:.2f} M values)"
+    with tempfile.TemporaryDirectory(prefix="archive-", dir=base) as name:
+        tmp = Path(name)
+        spool, pq, live, again = tmp / "spool", tmp / "pq", tmp / "live.jsonl", tmp / "replay.jsonl"
+        _write_spool(spool, ranks, steps)
+        ship = _run_measured(_ship_cmd(spool, live, "--once"), tmp, timeout)
+        comp = _run_measured(
+            [sys.executable, "-m", "ranklog.cli", "compact", str(spool), "--out", str(pq)],
+            tmp,
+            timeout,
+        )
+        metrics_bytes = sum(p.stat().st_size for p in (pq / "metrics").glob("*.parquet"))
+        total_bytes = sum(p.stat().st_size for p in pq.rglob("*.parquet"))
+        rep = _run_measured(
+            [sys.executable, "-m", "ranklog.cli", "replay", str(pq), "--to", f"jsonl:{again}"],
+            tmp,
+            timeout,
+        )
+        same = live.is_file() and again.is_file() and live.read_bytes() == again.read_bytes()
+    rows = []
+    for label, run, extra in (
+        ("compact (parquet)", comp,
+         f"{metrics_bytes / values:.2f} B/value in metrics, {total_bytes / values:.2f} B/value "
+         "with every table"),
+        ("replay (jsonl)", rep,
+         "JSONL byte-identical to live shipping" if same else "FAILED: JSONL differs from live"),
+        ("ship --once (jsonl), same spool", ship, "live shipping, for comparison"),
+    ):  # fmt: skip
+        problem = f"exit {run.returncode}: {_short(run.stderr)}" if run.returncode else ""
+        rows.append(
+            Row(
+                label,
+                size,
+                wall_s=run.wall_s,
+                values_per_s=values / run.wall_s,
+                values_per_cpu_s=values / run.cpu_s if run.cpu_s else None,
+                cpu_s=run.cpu_s,
+                rss_mb=run.maxrss_mb,
+                ok=not problem and (same or label != "replay (jsonl)"),
+                note=f"FAILED: {problem}" if problem else extra,
+            )
+        )
+    return rows, metrics_bytes / values
+
+
+#: backend targets compared on the same spool; {tmp} is the run's temp directory
+BACKENDS: Final = {
+    "tensorboard": "tensorboard:{tmp}/tb",
+    "mlflow": "mlflow:sqlite:///{tmp}/mlflow.db",
+    "wandb": "wandb:bench",
+}
+
+
+def _bench_targets(base: Path, ranks: int, steps: int, timeout: float) -> list[Row]:
+    """The same spool shipped with ``--once`` to each backend: steps/s and values/s."""
+    values = ranks * steps * METRICS
+    size = f"{ranks} ranks x {steps:,} steps ({values / 1e6:.2f} M values)"
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="targets-", dir=base) as tmp:
+        spool = Path(tmp) / "spool"
+        _write_spool(spool, ranks, steps)
+        for kind, spec in BACKENDS.items():
+            cmd = _ship_cmd(spool, Path(tmp) / "unused.jsonl", "--once")
+            cmd[cmd.index("--to") + 1] = spec.format(tmp=tmp)
+            cmd += ["--mode", "offline", "--dir", tmp, "--name", kind]
+            run = _run_measured(cmd, Path(tmp), timeout)
+            problem = f"exit {run.returncode}: {_short(run.stderr)}" if run.returncode else ""
+            rows.append(
+                Row(
+                    f"ship --once ({kind})",
+                    size,
+                    wall_s=run.wall_s,
+                    values_per_s=values / run.wall_s,
+                    values_per_cpu_s=values / run.cpu_s if run.cpu_s else None,
+                    cpu_s=run.cpu_s,
+                    rss_mb=run.maxrss_mb,
+                    ok=not problem,
+                    note=f"FAILED: {problem}"
+                    if problem
+                    else f"{steps / run.wall_s:,.0f} reduced steps/s ({METRICS} values each)",
+                )
+            )
+    return rows
+
+
 def _startup_row(base: Path, timeout: float) -> Row:
     """The fixed cost inside every wall time above: a child interpreter running the CLI."""
     with tempfile.TemporaryDirectory(prefix="startup-", dir=base) as tmp:
@@ -631,14 +722,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     small = _bench_throughput(base, THROUGHPUT_RANKS, budget.steps, budget.ship_timeout_s)
     large = _bench_throughput(base, THROUGHPUT_RANKS, SCALE * budget.steps, budget.ship_timeout_s)
     latency = [_bench_latency(base, budget, poll) for poll in (None, 1.0)]
+    archive, bytes_per_value = _bench_archive(
+        base, THROUGHPUT_RANKS, budget.steps, budget.ship_timeout_s
+    )
+    backends = _bench_targets(base, THROUGHPUT_RANKS, budget.steps // 4, budget.ship_timeout_s)
     idle_seconds = 4.0 if args.quick else 10.0
     idle = [_bench_idle(base, idle_seconds, poll) for poll in (1.0, None)]
-    rows = [small, large, _startup_row(base, budget.ship_timeout_s), *latency, *idle]
+    rows = [small, large, *archive, *backends, _startup_row(base, budget.ship_timeout_s),
+            *latency, *idle]  # fmt: skip
     lines += _table(rows)
     lines += _targets(small, large, latency)
     lines += [
         f"- {_verdict(row.ok)}: {row.name} < {TARGET_IDLE_CPU * 100:g} % of a core: {row.note}"
         for row in idle
+    ]
+    comp, rep, live = archive
+    lines += [
+        f"- {_verdict((comp.values_per_s or 0) >= TARGET_VALUES_PER_S)}: compaction >= 1 M "
+        f"values/s: {_rate(comp.values_per_s)} values/s",
+        f"- {_verdict(bytes_per_value <= TARGET_BYTES_PER_VALUE)}: <= "
+        f"{TARGET_BYTES_PER_VALUE:g} bytes per metric value on disk: {bytes_per_value:.2f}",
+        f"- {_verdict(rep.ok and (rep.values_per_s or 0) >= (live.values_per_s or 0))}: replay "
+        f"at least as fast as live shipping: {_rate(rep.values_per_s)} vs "
+        f"{_rate(live.values_per_s)} values/s ({rep.note})",
     ]
     print("\n".join(lines), flush=True)
     return 0

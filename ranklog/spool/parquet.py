@@ -48,7 +48,16 @@ from ranklog.schemas import (
 from ranklog.spool._layout import DIR_MODE, FILE_MODE, SegmentName, SpoolLayout, fsync_dir, read_run
 from ranklog.spool._reader import BadRange, Frame, SegmentReader
 
-__all__ = ["COMMON", "SCHEMAS", "TABLES", "CompactResult", "compact", "segment_tables"]
+__all__ = [
+    "COMMON",
+    "SCHEMAS",
+    "TABLES",
+    "CompactResult",
+    "Manifest",
+    "compact",
+    "load_manifest",
+    "segment_tables",
+]
 
 log = logging.getLogger("ranklog.compact")
 
