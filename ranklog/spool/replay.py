@@ -14,6 +14,7 @@ Timestamps are those of the dataset, rounded to the microsecond.
 
 from __future__ import annotations
 
+import bisect
 import fnmatch
 import json
 import os
@@ -48,29 +49,31 @@ from ranklog.spool._layout import RunInfo, SegmentName, write_run
 from ranklog.spool._reader import Frame, ReadResult
 from ranklog.spool.parquet import TABLES, load_manifest
 
-__all__ = ["ParquetSource", "rank_events", "replay"]
+__all__ = ["COLUMNS", "ParquetSource", "replay", "segment_events"]
 
 Key = tuple[int, int, int, int]  # incarnation, segment, seq, idx
 _KEY: Final = ("incarnation", "segment", "seq", "idx")
-#: frames handed to the engine per read (it reads in bounded slices, as from files)
-_FRAMES_PER_READ: Final = 512
+#: rows turned into events per read: the engine reads in bounded slices, as from files
+_ROWS_PER_READ: Final = 8_192  # about what 256 KiB of a segment holds
 
 
-def _rank_files(dataset: Path) -> dict[str, dict[int, list[Path]]]:
-    """table -> rank -> its Parquet files (a file's name starts with its rank)."""
-    out: dict[str, dict[int, list[Path]]] = {}
+SegKey = tuple[int, int, int]  # rank, incarnation, segment
+
+
+def _segment_files(dataset: Path) -> dict[SegKey, dict[str, list[Path]]]:
+    """(rank, incarnation, segment) -> table -> its Parquet files (names carry the segment)."""
+    out: dict[SegKey, dict[str, list[Path]]] = defaultdict(lambda: defaultdict(list))
     for name in TABLES:
-        per_rank: dict[int, list[Path]] = defaultdict(list)
         for path in sorted((dataset / name).glob("*.parquet")):
-            per_rank[int(path.name.split("-", 1)[0])].append(path)
-        out[name] = dict(per_rank)
-    return out
+            rank, inc, seg = (int(x) for x in path.name.split("-")[:3])
+            out[(rank, inc, seg)][name].append(path)
+    return dict(sorted(out.items()))
 
 
-def _table(files: list[Path] | None, columns: list[str]) -> pa.Table | None:
+def _table(files: list[Path] | None, columns: list[str], where: Any = None) -> pa.Table | None:
     if not files:
         return None
-    t = ds.dataset(files, format="parquet").to_table(columns=[*_KEY, "ts", *columns])
+    t = ds.dataset(files, format="parquet").to_table(columns=[*_KEY, "ts", *columns], filter=where)
     if t.num_rows == 0:
         return None
     t = t.sort_by([(k, "ascending") for k in _KEY])
@@ -119,15 +122,29 @@ def _metrics(
         out.append(((inc[e], seg[e], seq[e], idx[e]), ev))
 
 
-def rank_events(
-    files: dict[str, dict[int, list[Path]]],
+#: the columns each table is read with (besides the key and ts)
+COLUMNS: Final[dict[str, list[str]]] = {
+    "metrics": ["step", "name", "value", "reduce"],
+    "timers": ["step", "name", "value", "reduce"],
+    "text": ["step", "name", "text"],
+    "histograms": ["step", "name", "values"],
+    "images": ["step", "name", "data", "format"],
+    "params": ["name", "value"],
+    "gpu": ["host", "index", "util", "mem_used", "mem_total", "temp", "power", "step", "gpu_name"],
+    "ranks": ["kind", "step", "world_size", "local_rank", "host", "pid", "version", "status",
+              "exit_code"],
+}  # fmt: skip
+
+
+def segment_events(
+    tables: dict[str, pa.Table | None],
     rank: int,
     run_id: str,
     *,
     steps: tuple[int | None, int | None] | None = None,
     names: str | None = None,
 ) -> list[tuple[Key, Event]]:
-    """One rank's events, in write order, rebuilt from the dataset (selections applied)."""
+    """Events rebuilt from rows of one rank (tables as read by ``_table``), in write order."""
 
     def step_ok(step: int) -> bool:
         if steps is None:
@@ -142,7 +159,7 @@ def rank_events(
         return step_ok(step) and name_ok(name)
 
     out: list[tuple[Key, Event]] = []
-    t = _table(files["metrics"].get(rank), ["step", "name", "value", "reduce"])
+    t = tables.get("metrics")
     if t is not None:
         _metrics(t, step_ok, name_ok, names is not None, out)
     simple: dict[str, tuple[list[str], Any]] = {  # columns in the order of the fields
@@ -152,13 +169,13 @@ def rank_events(
         "images": (["step", "name", "data", "format"], Image),
     }
     for table, (columns, make) in simple.items():
-        t = _table(files[table].get(rank), columns)
+        t = tables.get(table)
         if t is None:
             continue
         for inc, seg, seq, idx, ts, *rest in zip(*_cols(t, *_KEY, "ts", *columns), strict=True):
             if keep(rest[0], rest[1]):
                 out.append(((inc, seg, seq, idx), make(ts / 1e6, *rest)))
-    t = _table(files["params"].get(rank), ["name", "value"])
+    t = tables.get("params")
     if t is not None:
         grouped: dict[Key, tuple[float, dict[str, ParamValue]]] = {}
         for inc, seg, seq, idx, ts, name, value in zip(
@@ -166,36 +183,16 @@ def rank_events(
         ):
             grouped.setdefault((inc, seg, seq, idx), (ts / 1e6, {}))[1][name] = json.loads(value)
         out += [(k, Params(ts, values)) for k, (ts, values) in grouped.items()]
-    gpu_cols = [
-        "host",
-        "index",
-        "util",
-        "mem_used",
-        "mem_total",
-        "temp",
-        "power",
-        "step",
-        "gpu_name",
-    ]
-    t = _table(files["gpu"].get(rank), gpu_cols)
+    gpu_cols = COLUMNS["gpu"]
+    t = tables.get("gpu")
     if t is not None:
         for inc, seg, seq, idx, ts, host, index, util, used, total, temp, power, step, gname in zip(
             *_cols(t, *_KEY, "ts", *gpu_cols), strict=True
         ):
             gpu = Gpu(ts / 1e6, host, index, util, used, total, temp, power, step, gname or "")
             out.append(((inc, seg, seq, idx), gpu))
-    rank_cols = [
-        "kind",
-        "step",
-        "world_size",
-        "local_rank",
-        "host",
-        "pid",
-        "version",
-        "status",
-        "exit_code",
-    ]
-    t = _table(files["ranks"].get(rank), rank_cols)
+    rank_cols = COLUMNS["ranks"]
+    t = tables.get("ranks")
     if t is not None:
         for (
             inc,
@@ -235,33 +232,103 @@ def rank_events(
 
 
 class _ParquetReader:
-    """Stands in for a SegmentReader: one original segment's frames, rebuilt from Parquet.
+    """Stands in for a SegmentReader: one original segment, rebuilt from its Parquet files.
 
-    Offsets count frames (``HEADER_SIZE + i`` is the start of frame ``i``).
+    Offsets count frames (``HEADER_SIZE + i`` is the start of frame ``i``). The segment's
+    rows are loaded on first use and turned into events a window of frames at a time, so
+    memory holds one window of Python objects per segment, not the run.
     """
 
-    def __init__(self, header: SegmentHeader, frames: list[Frame], path: Path) -> None:
+    def __init__(
+        self,
+        files: dict[str, list[Path]],
+        header: SegmentHeader,
+        *,
+        last: bool,
+        steps: tuple[int | None, int | None] | None,
+        names: str | None,
+    ) -> None:
         self.header: SegmentHeader | None = header
-        self.frames = frames
-        self.size = HEADER_SIZE + len(frames)
+        self._files, self._last, self._steps, self._names = files, last, steps, names
+        self._loaded = False
+        self._tables: dict[str, tuple[pa.Table | None, list[int]]] | None = None
+        self._seqs: list[int] = []
+        self._rows: list[int] = []
+        self._end_frame = False  # a synthetic rank_end frame closes the rank
+        self.size = HEADER_SIZE
+
+    def load(self) -> None:
+        """Count the segment's frames from its ``seq`` columns alone (once)."""
+        if self._loaded:
+            return
+        self._loaded = True
+        rows: dict[int, int] = defaultdict(int)
+        ended = False
+        for name, files in self._files.items():
+            t = ds.dataset(files, format="parquet").to_table(
+                columns=["seq", "kind"] if name == "ranks" else ["seq"]
+            )
+            for item in pc.value_counts(t["seq"]).to_pylist():
+                rows[item["values"]] += item["counts"]
+            if name == "ranks":
+                ended = bool(pc.any(pc.equal(t["kind"], "rank_end")).as_py())
+        self._seqs = sorted(rows)
+        self._rows = [rows[q] for q in self._seqs]
+        self._end_frame = self._last and not ended
+        self.size = HEADER_SIZE + len(self._seqs) + self._end_frame
+
+    def _window(self, lo: int, hi: int) -> dict[str, pa.Table | None]:
+        """The segment's rows of frames ``lo..hi`` (its tables are read once, then sliced)."""
+        if self._tables is None:
+            self._tables = {}
+            for name, files in self._files.items():
+                t = _table(files, COLUMNS[name])
+                self._tables[name] = (t, [] if t is None else t["seq"].to_pylist())
+        out: dict[str, pa.Table | None] = {}
+        for name, (t, seqs) in self._tables.items():
+            a, b = bisect.bisect_left(seqs, lo), bisect.bisect_right(seqs, hi)
+            out[name] = None if t is None or a == b else t.slice(a, b - a)
+        return out
 
     def read(
         self, offset: int = 0, *, writer_gone: bool = False, max_bytes: int | None = None
     ) -> ReadResult:
+        self.load()
+        assert self.header is not None
         start = max(offset, HEADER_SIZE) - HEADER_SIZE
-        chunk = self.frames[start : start + _FRAMES_PER_READ]
-        end = HEADER_SIZE + start + len(chunk)
-        res = ReadResult(frames=chunk, end=end, size=self.size)
+        stop, budget = start, 0
+        while stop < len(self._seqs) and (stop == start or budget < _ROWS_PER_READ):
+            budget += self._rows[stop]
+            stop += 1
+        window = self._seqs[start:stop]
+        frames: list[Frame] = []
+        if window:
+            h = self.header
+            part = self._window(window[0], window[-1])
+            events = segment_events(part, h.rank, h.run_id, steps=self._steps, names=self._names)
+            by_seq: dict[int, list[Event]] = {seq: [] for seq in window}
+            for key, ev in events:
+                by_seq[key[2]].append(ev)
+            for i, seq in enumerate(window):
+                pos = HEADER_SIZE + start + i
+                frames.append(Frame(pos, pos + 1, seq, SCHEMA_VERSION, by_seq[seq]))
+        end = HEADER_SIZE + start + len(frames)
+        if self._end_frame and end == self.size - 1:
+            last_ts = frames[-1].events[-1].ts if frames and frames[-1].events else 0.0
+            frames.append(Frame(end, end + 1, (window[-1] if window else 0) + 1, SCHEMA_VERSION,
+                                [RankEnd(last_ts, "unknown", None)]))  # fmt: skip
+            end += 1
+        res = ReadResult(frames=frames, end=end, size=self.size)
         if end < self.size:
-            res.more = True
-            res.pending = self.size - end
+            res.more, res.pending = True, self.size - end
         else:
             res.seal = {"reason": "replay"}
+            self._tables = None  # read to the end: let the rows go
         return res
 
 
 class ParquetSource:
-    """Stands in for a spool directory: every rank's events, from a compacted dataset."""
+    """Stands in for a spool directory: every rank's segments, from a compacted dataset."""
 
     polling = True
     network = False
@@ -280,20 +347,20 @@ class ParquetSource:
         self.segments: dict[str, SegState] = {}
         self.by_rank: dict[int, list[SegState]] = {}
         self._new: list[SegState] = []
-        files = _rank_files(self.dataset)
-        for rank in sorted({r for per_rank in files.values() for r in per_rank}):
-            events = rank_events(files, rank, run.run_id, steps=steps, names=names)
-            for (inc, seg), frames in _frames(events, rank).items():
-                header = SegmentHeader(rank, inc, seg, run.created, run.run_id, run.world_size)
-                path = self.dataset / f"{rank:05d}-{inc:04d}-{seg:06d}"
-                state = SegState(
-                    SegmentName(rank, inc, seg, path),
-                    f"{rank:05d}/{inc:04d}-{seg:06d}",
-                    _ParquetReader(header, frames, path),
-                )
-                self.segments[state.key] = state
-                self.by_rank.setdefault(rank, []).append(state)
-                self._new.append(state)
+        files = _segment_files(self.dataset)
+        last_of_rank = {k[0]: k for k in files}  # sorted: the last key of each rank wins
+        for (rank, inc, seg), tables in files.items():
+            header = SegmentHeader(rank, inc, seg, run.created, run.run_id, run.world_size)
+            reader = _ParquetReader(
+                dict(tables), header, last=last_of_rank[rank] == (rank, inc, seg),
+                steps=steps, names=names,
+            )  # fmt: skip
+            path = self.dataset / f"{rank:05d}-{inc:04d}-{seg:06d}"
+            state = SegState(SegmentName(rank, inc, seg, path), f"{rank:05d}/{inc:04d}-{seg:06d}",
+                             reader)  # fmt: skip
+            self.segments[state.key] = state
+            self.by_rank.setdefault(rank, []).append(state)
+            self._new.append(state)
 
     @property
     def mode(self) -> str:
@@ -304,6 +371,7 @@ class ParquetSource:
         return new
 
     def probe(self, seg: Any) -> bool:
+        seg.reader.load()
         seg.size = seg.reader.size
         seg.mtime = 0.0  # long silent: every rank is released once read to the end
         return bool(seg.size > seg.offset)
@@ -313,26 +381,6 @@ class ParquetSource:
 
     def close(self) -> None:
         return None
-
-
-def _frames(events: list[tuple[Key, Event]], rank: int) -> dict[tuple[int, int], list[Frame]]:
-    """Events grouped into frames per (incarnation, segment); the last incarnation ends."""
-    grouped: dict[tuple[int, int], list[Frame]] = defaultdict(list)
-    current: tuple[int, int, int] | None = None
-    for key, ev in events:
-        if key[:3] != current:
-            current = key[:3]
-            frames = grouped[key[:2]]
-            pos = HEADER_SIZE + len(frames)
-            frames.append(Frame(pos, pos + 1, key[2], SCHEMA_VERSION, []))
-        grouped[key[:2]][-1].events.append(ev)
-    if events and not isinstance(events[-1][1], RankEnd):
-        last_key, last = events[-1]
-        frames = grouped[last_key[:2]]
-        pos = HEADER_SIZE + len(frames)
-        end = RankEnd(last.ts, "unknown", None)
-        frames.append(Frame(pos, pos + 1, last_key[2] + 1, SCHEMA_VERSION, [end]))
-    return dict(sorted(grouped.items()))
 
 
 def replay(
