@@ -6,6 +6,7 @@
                  [--name N] [--samples N]
     ranklog compact SPOOL --out DIR [--delete]
     ranklog replay DIR --to TARGET [--to TARGET ...] [--steps A:B] [--names GLOB]
+                   [--relogged first|last]
     ranklog inspect SPOOL [--json]
     ranklog report DIR --out report.html
     ranklog demo [--out DIR] [--ranks N] [--steps N]
@@ -203,7 +204,7 @@ def _replay(args: argparse.Namespace) -> int:
     for spec in args.to:
         target = make_target(spec, dataset, _options(args))
         code = max(code, replay(dataset, target, steps=steps, names=args.names,
-                                per_rank=args.per_rank))  # fmt: skip
+                                per_rank=args.per_rank, relogged=args.relogged))  # fmt: skip
         print(f"replayed {dataset} into {spec}")
     return code
 
@@ -304,6 +305,11 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--to", action="append", required=True, metavar="TARGET")
     rep.add_argument("--steps", metavar="A:B", help="only steps A <= step < B")
     rep.add_argument("--names", metavar="GLOB", help="only metrics, timers and text matching")
+    rep.add_argument(
+        "--relogged", choices=["first", "last"], default="first",
+        help="steps a rank logged again after a restart: keep the values shipped first (as "
+        "live backends did) or the last ones (the branch training continued from)",
+    )  # fmt: skip
     _target_flags(rep)
     rep.set_defaults(func=_replay)
 

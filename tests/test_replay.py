@@ -164,3 +164,35 @@ class TestBackends:
             for k, d in got.items()
         }
         assert norm["live"] == norm["again"] and len(norm["live"]["loss"]) == 45
+
+
+class TestRelogged:
+    def test_marked_in_parquet_and_both_branches_replay(self, spool: Path, tmp_path: Path) -> None:
+        """Re-logged rows are marked in Parquet; --relogged picks the first or the last values."""
+        import pyarrow.dataset as ds
+
+        other = rank(spool, 1, 2)
+        first = rank(spool, 0, 2)
+        for s in range(10):
+            first.log_metrics({"loss": float(s)}, step=s)
+            first.step_end(s)
+        first._sink.abandon()  # killed after step 9; requeued from a checkpoint at step 6
+        second = rank(spool, 0, 2)
+        for s in range(6, 12):
+            second.log_metrics({"loss": 100.0 + s}, step=s)
+            second.step_end(s)
+        second.close()
+        log_steps(other, range(12))
+        other.close()
+        compact(spool, tmp_path / "pq")
+        rows = ds.dataset(tmp_path / "pq" / "metrics").to_table().to_pylist()
+        marked = {(r["incarnation"], r["step"]) for r in rows if r["relogged"]}
+        assert marked == {(2, 6), (2, 7), (2, 8), (2, 9)}
+        for mode, expect in (("first", 8.0), ("last", 108.0)):
+            out = tmp_path / f"{mode}.jsonl"
+            argv = ["replay", str(tmp_path / "pq"), "--to", f"jsonl:{out}", "--relogged", mode]
+            assert main(argv) == 0
+            got = {x["step"]: x["metrics"]["loss"] for x in lines(out)}
+            assert sorted(got) == list(range(12))
+            assert got[8] == pytest.approx((expect + 1 + 0.008) / 2), mode
+            assert got[11] == pytest.approx((111.0 + 1 + 0.011) / 2)

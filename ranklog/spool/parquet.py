@@ -30,6 +30,7 @@ from typing import Any, Final
 
 import msgspec
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ranklog.schemas import (
@@ -51,6 +52,7 @@ from ranklog.spool._reader import BadRange, Frame, SegmentReader
 __all__ = [
     "COMMON",
     "SCHEMAS",
+    "STEP_TABLES",
     "TABLES",
     "CompactResult",
     "Manifest",
@@ -71,8 +73,10 @@ COMMON: Final = [
     ("idx", pa.int32()),  # event index within the frame
     ("ts", _TS),
 ]
+#: tables whose rows belong to a step; they carry ``relogged`` last
+STEP_TABLES: Final = ("metrics", "timers", "text", "histograms", "images")
 SCHEMAS: Final[dict[str, pa.Schema]] = {
-    name: pa.schema(COMMON + extra)
+    name: pa.schema(COMMON + extra + ([("relogged", pa.bool_())] if name in STEP_TABLES else []))
     for name, extra in {
         "metrics": [("step", pa.int64()), ("name", pa.string()), ("value", pa.float64()),
                     ("reduce", pa.string())],
@@ -129,7 +133,10 @@ class _Columns:
             col.append(get(name))
 
     def table(self, table: str) -> pa.Table:
-        return pa.Table.from_pydict(self.cols, schema=SCHEMAS[table])
+        schema = SCHEMAS[table]
+        if table in STEP_TABLES:  # relogged is added by segment_tables
+            schema = schema.remove(schema.get_field_index("relogged"))
+        return pa.Table.from_pydict(self.cols, schema=schema)
 
     def __len__(self) -> int:
         return len(self.cols["rank"])
@@ -139,8 +146,14 @@ def _us(ts: float) -> int:
     return round(ts * 1_000_000)
 
 
-def segment_tables(run_id: str, seg: SegmentName, frames: list[Frame]) -> dict[str, pa.Table]:
-    """The rows of ``frames`` (one segment's), as one Arrow table per kind (empty ones left out)."""
+def segment_tables(
+    run_id: str, seg: SegmentName, frames: list[Frame], relogged_upto: int = -1
+) -> dict[str, pa.Table]:
+    """The rows of ``frames`` (one segment's), as one Arrow table per kind (empty ones left out).
+
+    Rows of steps up to ``relogged_upto`` (the steps an earlier incarnation of the rank had
+    closed) are marked ``relogged``: training logged them again after a restart.
+    """
     out = {t: _Columns(t) for t in TABLES if t != "metrics"}
     base = {"run_id": run_id, "rank": seg.rank, "incarnation": seg.incarnation,
             "segment": seg.segment}  # fmt: skip
@@ -167,6 +180,11 @@ def segment_tables(run_id: str, seg: SegmentName, frames: list[Frame]) -> dict[s
         other = tables.get("ranks")
         merged = step_ends if other is None else pa.concat_tables([other, step_ends])
         tables["ranks"] = merged.sort_by([("seq", "ascending"), ("idx", "ascending")])
+    for name in STEP_TABLES:
+        t = tables.get(name)
+        if t is not None:
+            flag = pc.less_equal(t["step"], pa.scalar(relogged_upto, pa.int64()))
+            tables[name] = t.append_column("relogged", flag)
     return {t: tables[t] for t in TABLES if t in tables}
 
 
@@ -256,7 +274,7 @@ class _MetricColumns:
                 pa.array(self.values, pa.float64()),
                 reduce,
             ],
-            schema=SCHEMAS["metrics"],
+            schema=SCHEMAS["metrics"].remove(SCHEMAS["metrics"].get_field_index("relogged")),
         )
 
 
@@ -347,6 +365,17 @@ class Manifest(msgspec.Struct, forbid_unknown_fields=False):
     created: float = 0.0
     segments: dict[str, SegmentEntry] = msgspec.field(default_factory=dict)
     bad: list[str] = msgspec.field(default_factory=list)
+    #: "rank/incarnation" -> [closed step, highest step]: what each incarnation had closed
+    marks: dict[str, list[int]] = msgspec.field(default_factory=dict)
+
+    def relogged_upto(self, rank: int, incarnation: int) -> int:
+        """The highest step an earlier incarnation of ``rank`` had closed (-1: none)."""
+        best = -1
+        for key, (closed, top) in self.marks.items():
+            r, inc = (int(x) for x in key.split("/"))
+            if r == rank and inc < incarnation:
+                best = max(best, closed, top - 1)
+        return best
 
 
 @dataclass(slots=True)
@@ -474,7 +503,7 @@ def compact(
             if entry.done:
                 continue
             _remove_orphans(outdir, key, entry)
-            _compact_segment(run.run_id, seg, later, outdir, key, entry, result)
+            _compact_segment(run.run_id, seg, later, outdir, key, entry, result, manifest)
             _save_manifest(outdir, manifest)
     if result.bad:
         manifest.bad += [str(b) for b in result.bad]
@@ -493,8 +522,11 @@ def _compact_segment(
     key: str,
     entry: SegmentEntry,
     result: CompactResult,
+    manifest: Manifest,
 ) -> None:
     reader = SegmentReader(seg.path)
+    upto = manifest.relogged_upto(seg.rank, seg.incarnation)
+    mark = manifest.marks.setdefault(f"{seg.rank}/{seg.incarnation}", [-1, -1])
     while True:
         res = reader.read(entry.offset, writer_gone=later, max_bytes=CHUNK_BYTES)
         for b in res.bad:
@@ -514,7 +546,8 @@ def _compact_segment(
             return
         if res.frames:
             start = res.frames[0].offset
-            tables = segment_tables(run_id, seg, res.frames)
+            tables = segment_tables(run_id, seg, res.frames, upto)
+            _update_mark(mark, res.frames)
             files = _write_tables(outdir, key, start, res.end, tables)
             entry.files += files
             for table, data in tables.items():
@@ -527,6 +560,16 @@ def _compact_segment(
         if not res.more:
             entry.done = res.sealed or (later and res.pending == 0)
             return
+
+
+def _update_mark(mark: list[int], frames: list[Frame]) -> None:
+    """Raise [closed, highest step] of an incarnation by what ``frames`` hold."""
+    for frame in frames:
+        for ev in frame.events:
+            if type(ev) is StepEnd:
+                mark[0] = max(mark[0], ev.step)
+            elif isinstance(ev, Metrics | Timer | Text | Histogram | Image):
+                mark[1] = max(mark[1], ev.step)
 
 
 def _delete_verified(
@@ -586,7 +629,8 @@ def _unfinished_by_shippers(layout: SpoolLayout) -> set[str]:
 def _verify(run_id: str, seg: SegmentName, outdir: Path, entry: SegmentEntry) -> str | None:
     """None when the Parquet rows of ``seg`` equal a fresh read of it, else why not."""
     res = SegmentReader(seg.path).read(0, writer_gone=True)
-    expected = segment_tables(run_id, seg, res.frames)
+    upto = load_manifest(outdir).relogged_upto(seg.rank, seg.incarnation)
+    expected = segment_tables(run_id, seg, res.frames, upto)
     for table in TABLES:
         files = sorted(f for f in entry.files if f.startswith(f"{table}/"))
         want = expected.get(table)

@@ -10,6 +10,11 @@ byte the same). Every rank is treated as ended: an incarnation that never wrote
 will never write again.
 
 Timestamps are those of the dataset, rounded to the microsecond.
+
+After a requeue, steps a rank logged twice (between its last checkpoint and the kill)
+replay by default as live shipping shipped them: the first closed values
+(``--relogged first``). ``--relogged last`` rebuilds the branch training actually
+continued from: the later incarnation's values for those steps.
 """
 
 from __future__ import annotations
@@ -143,10 +148,17 @@ def segment_events(
     *,
     steps: tuple[int | None, int | None] | None = None,
     names: str | None = None,
+    cutoff: int | None = None,
 ) -> list[tuple[Key, Event]]:
-    """Events rebuilt from rows of one rank (tables as read by ``_table``), in write order."""
+    """Events rebuilt from rows of one rank (tables as read by ``_table``), in write order.
+
+    With ``cutoff``, step events and step_ends at or after it are left out (the part of an
+    incarnation that a later one, resumed from a checkpoint, logged again).
+    """
 
     def step_ok(step: int) -> bool:
+        if cutoff is not None and step >= cutoff:
+            return False
         if steps is None:
             return True
         lo, hi = steps
@@ -213,7 +225,8 @@ def segment_events(
             key = (inc, seg, seq, idx)
             s = ts / 1e6
             if kind == "step_end":
-                out.append((key, StepEnd(s, step)))
+                if cutoff is None or step < cutoff:
+                    out.append((key, StepEnd(s, step)))
             elif kind == "rank_start":
                 out.append(
                     (
@@ -247,9 +260,11 @@ class _ParquetReader:
         last: bool,
         steps: tuple[int | None, int | None] | None,
         names: str | None,
+        cutoff: int | None = None,
     ) -> None:
         self.header: SegmentHeader | None = header
         self._files, self._last, self._steps, self._names = files, last, steps, names
+        self._cutoff = cutoff
         self._loaded = False
         self._tables: dict[str, tuple[pa.Table | None, list[int]]] | None = None
         self._seqs: list[int] = []
@@ -305,7 +320,9 @@ class _ParquetReader:
         if window:
             h = self.header
             part = self._window(window[0], window[-1])
-            events = segment_events(part, h.rank, h.run_id, steps=self._steps, names=self._names)
+            events = segment_events(
+                part, h.rank, h.run_id, steps=self._steps, names=self._names, cutoff=self._cutoff
+            )
             by_seq: dict[int, list[Event]] = {seq: [] for seq in window}
             for key, ev in events:
                 by_seq[key[2]].append(ev)
@@ -327,6 +344,29 @@ class _ParquetReader:
         return res
 
 
+def _cutoffs(dataset: Path) -> dict[tuple[int, int], int]:
+    """(rank, incarnation) -> the step a later incarnation of the rank resumed from.
+
+    That incarnation's values from there on are what training actually continued from;
+    the earlier incarnation's values for those steps are left out (``--relogged last``).
+    """
+    starts: dict[tuple[int, int], int] = {}
+    for name in ("metrics", "timers", "text"):
+        path = dataset / name
+        if not path.is_dir() or not any(path.glob("*.parquet")):
+            continue
+        t = ds.dataset(path, format="parquet").to_table(columns=["rank", "incarnation", "step"])
+        for row in t.group_by(["rank", "incarnation"]).aggregate([("step", "min")]).to_pylist():
+            key = (row["rank"], row["incarnation"])
+            starts[key] = min(starts.get(key, row["step_min"]), row["step_min"])
+    out: dict[tuple[int, int], int] = {}
+    for (rank, inc), _ in starts.items():
+        later = [s for (r, i), s in starts.items() if r == rank and i > inc]
+        if later:
+            out[(rank, inc)] = min(later)
+    return out
+
+
 class ParquetSource:
     """Stands in for a spool directory: every rank's segments, from a compacted dataset."""
 
@@ -340,20 +380,24 @@ class ParquetSource:
         *,
         steps: tuple[int | None, int | None] | None = None,
         names: str | None = None,
+        relogged: str = "first",
     ) -> None:
         from ranklog.shippers._source import SegState
 
+        if relogged not in ("first", "last"):
+            raise ValueError(f"relogged must be 'first' or 'last', got {relogged!r}")
         self.dataset = Path(dataset)
         self.segments: dict[str, SegState] = {}
         self.by_rank: dict[int, list[SegState]] = {}
         self._new: list[SegState] = []
         files = _segment_files(self.dataset)
         last_of_rank = {k[0]: k for k in files}  # sorted: the last key of each rank wins
+        cutoffs = _cutoffs(self.dataset) if relogged == "last" else {}
         for (rank, inc, seg), tables in files.items():
             header = SegmentHeader(rank, inc, seg, run.created, run.run_id, run.world_size)
             reader = _ParquetReader(
                 dict(tables), header, last=last_of_rank[rank] == (rank, inc, seg),
-                steps=steps, names=names,
+                steps=steps, names=names, cutoff=cutoffs.get((rank, inc)),
             )  # fmt: skip
             path = self.dataset / f"{rank:05d}-{inc:04d}-{seg:06d}"
             state = SegState(SegmentName(rank, inc, seg, path), f"{rank:05d}/{inc:04d}-{seg:06d}",
@@ -390,8 +434,13 @@ def replay(
     steps: tuple[int | None, int | None] | None = None,
     names: str | None = None,
     per_rank: bool = False,
+    relogged: str = "first",
 ) -> int:
-    """Ship a dataset into ``target`` (a Target object) as live shipping would have."""
+    """Ship a dataset into ``target`` (a Target object) as live shipping would have.
+
+    ``relogged="last"`` rebuilds instead the branch training continued from after a
+    restart: for steps a rank logged again, the later incarnation's values count.
+    """
     from ranklog.shippers import Shipper
 
     dataset = Path(dataset)
@@ -402,7 +451,7 @@ def replay(
     scratch = Path(tempfile.mkdtemp(prefix="ranklog-replay-"))  # run.json and the cursor
     try:
         write_run(scratch, run)
-        source = ParquetSource(dataset, run, steps=steps, names=names)
+        source = ParquetSource(dataset, run, steps=steps, names=names, relogged=relogged)
         shipper = Shipper(
             str(scratch), target, name="replay", start_grace=0, per_rank=per_rank, source=source
         )
