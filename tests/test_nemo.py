@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,17 +38,21 @@ def _loss(step: int) -> float:
     return 2.0 * math.exp(-step / 5)
 
 
-@pytest.fixture
-def trained(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A NeMo-style training loop run against the drop-in, with every backend enabled."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv("WANDB_MODE", "offline")
+        monkeypatch.setenv("WANDB_SILENT", "true")
+        yield _train(tmp_path_factory.mktemp("nemo") / "logs")
+
+
+def _train(log_dir: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    log_dir = tmp_path / "logs"
     logger = Logger(_cfg(log_dir), rank=0, world_size=1)
     logger.log_hyperparams({"policy": {"model_name": "tiny"}, "grpo": {"lr": 1e-5}})
     for step in range(STEPS):
