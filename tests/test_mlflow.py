@@ -26,13 +26,10 @@ from ranklog.shippers._target import ShippedStep, TextItem, TransientTargetError
 from ranklog.shippers.jsonl import JsonlTarget
 from ranklog.spool import RunInfo, read_run
 
+from . import test_compliance as tc
 from .compliance import (
     Backend,
-    Flaky,
     Killed,
-    chaos,
-    check,
-    kill_and_restart,
     make_spool,
     run_once,
 )
@@ -131,72 +128,14 @@ def made(spool: Path) -> Path:
     return spool
 
 
-class TestCompliance:
-    """The shapes of tests/test_compliance.py, for MLflow on sqlite."""
+class TestCompliance(tc.TestCompliance):
+    """tests/test_compliance.py's exactly-once tests, run against MLflow on sqlite."""
 
-    def test_every_step_once(self, backend: Backend, made: Path, work: Path) -> None:
-        """A plain run ships every step once, in order, with the reduced value."""
+    def test_texts_are_artifacts(self, backend: Backend, made: Path, work: Path) -> None:
+        """Each rank's text of a step is an artifact of its own."""
         run_once(made, backend.make(work))
-        check(backend, work)
         texts = sorted(p.name for p in (work / "mlflow-artifacts").rglob("*.md"))
         assert texts == [f"sample_0.rank{r}.md" for r in range(3)]
-
-    def test_rerun_sends_nothing_twice(self, backend: Backend, made: Path, work: Path) -> None:
-        """Shipping again without the cursor adds nothing: the run's marker tells the last step."""
-        run_once(made, backend.make(work))
-        (made / "cursors" / "compliance.json").unlink()
-        run_once(made, backend.make(work))
-        check(backend, work)
-
-    @pytest.mark.parametrize("after", [False, True], ids=["before", "after"])
-    @pytest.mark.parametrize(
-        ("method", "n"),
-        [("open", 1), ("write_params", 1), ("write", 1), ("write", 3), ("flush", 1),
-         ("flush", 4), ("commit", 1), ("commit", 3)],
-    )  # fmt: skip
-    def test_killed_anywhere(
-        self,
-        backend: Backend,
-        made: Path,
-        work: Path,
-        method: str,
-        n: int,
-        after: bool,
-        monkeypatch: pytest.MonkeyPatch,
-    ) -> None:
-        """Killed before or after any call, then restarted: each step exactly once."""
-        kill_and_restart(backend, made, work, method, n, monkeypatch, after=after)
-        check(backend, work)
-
-    @pytest.mark.parametrize("seed", [1, 2, 3])
-    def test_killed_again_and_again(
-        self, backend: Backend, made: Path, work: Path, seed: int, monkeypatch: pytest.MonkeyPatch
-    ) -> None:
-        """A dozen deaths at random calls, then a clean run: each step exactly once."""
-        chaos(backend, made, work, seed, monkeypatch)
-        check(backend, work)
-
-    @pytest.mark.parametrize("after", [False, True], ids=["before", "after"])
-    @pytest.mark.parametrize(("method", "n"), [("write", 2), ("flush", 2), ("open", 1)])
-    def test_failure_is_retried_without_duplicates(
-        self,
-        backend: Backend,
-        made: Path,
-        work: Path,
-        method: str,
-        n: int,
-        after: bool,
-        monkeypatch: pytest.MonkeyPatch,
-    ) -> None:
-        """A call that fails (before or after it took effect) is retried; nothing twice."""
-        import ranklog.shippers._engine as engine
-
-        monkeypatch.setattr(engine, "BATCH_STEPS", 7)
-        monkeypatch.setattr(time, "sleep", lambda s: None)  # the engine's backoff
-        flaky = Flaky(backend.make(work), method, n, after=after)
-        run_once(made, flaky)
-        assert flaky.failed == 1
-        check(backend, work)
 
 
 class _DyingClient:

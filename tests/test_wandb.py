@@ -29,14 +29,12 @@ from ranklog.shippers._wandb_log import (
 from ranklog.shippers.wandb import WandbTarget, scan_offline, wandb_run_id
 from ranklog.spool import read_run
 
+from . import test_compliance as tc
 from .compliance import (
     Backend,
-    Flaky,
     Killed,
     KillSwitch,
-    chaos,
     check,
-    kill_and_restart,
     make_spool,
     run_once,
 )
@@ -223,58 +221,12 @@ class TestReader:
         assert list(iter_records(tmp_path / "missing.wandb")) == []
 
 
-class TestCompliance:
-    """The shared exactly-once shapes and grid of tests/test_compliance.py."""
+class TestCompliance(tc.TestCompliance):
+    """tests/test_compliance.py's exactly-once tests, run against W&B offline."""
 
-    def test_every_step_once(self, made: Path, work: Path) -> None:
-        """A plain run ships every step once, in order, with the reduced value."""
-        run_once(made, WANDB.make(work))
-        check(WANDB, work)
-
-    def test_rerun_sends_nothing_twice(self, made: Path, work: Path) -> None:
-        """Shipping again without the cursor adds nothing: the target knows its last step."""
-        run_once(made, WANDB.make(work))
-        (made / "cursors" / "compliance.json").unlink()
-        run_once(made, WANDB.make(work))
-        check(WANDB, work)
-
-    @pytest.mark.parametrize("after", [False, True], ids=["before", "after"])
-    @pytest.mark.parametrize(
-        ("method", "n"),
-        [("open", 1), ("write_params", 1), ("write", 1), ("write", 3), ("flush", 1),
-         ("flush", 4), ("commit", 1), ("commit", 3)],
-    )  # fmt: skip
-    def test_killed_anywhere(
-        self, made: Path, work: Path, method: str, n: int, after: bool,
-        monkeypatch: pytest.MonkeyPatch,
-    ) -> None:  # fmt: skip
-        """Killed before or after any call (after write: unflushed; after flush: uncommitted)."""
-        kill_and_restart(WANDB, made, work, method, n, monkeypatch, after=after)
-        check(WANDB, work)
-
-    @pytest.mark.parametrize("seed", [1, 2, 3])
-    def test_killed_again_and_again(
-        self, made: Path, work: Path, seed: int, monkeypatch: pytest.MonkeyPatch
-    ) -> None:
-        """A dozen deaths at random calls, then a clean run: each step exactly once."""
-        chaos(WANDB, made, work, seed, monkeypatch)
-        check(WANDB, work)
-
-    @pytest.mark.parametrize("after", [False, True], ids=["before", "after"])
-    @pytest.mark.parametrize(("method", "n"), [("write", 2), ("flush", 2), ("open", 1)])
-    def test_failure_is_retried_without_duplicates(
-        self, made: Path, work: Path, method: str, n: int, after: bool,
-        monkeypatch: pytest.MonkeyPatch,
-    ) -> None:  # fmt: skip
-        """A call that fails (before or after it took effect) is retried; nothing twice."""
-        import ranklog.shippers._engine as engine
-
-        monkeypatch.setattr(engine, "BATCH_STEPS", 7)
-        monkeypatch.setattr(engine.time, "sleep", lambda s: None)
-        flaky = Flaky(WANDB.make(work), method, n, after=after)
-        run_once(made, flaky)  # type: ignore[arg-type]
-        assert flaky.failed == 1
-        check(WANDB, work)
+    @pytest.fixture
+    def backend(self) -> Backend:
+        return WANDB
 
     def test_finish_fallback(self, made: Path, work: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         """If the log never shows the steps in time, flush finishes the run: still exactly once."""
