@@ -149,3 +149,19 @@ def test_params_land_before_the_step_they_were_logged_at(spool: Path, out: Path)
         ("params", {"lr": 0.05, "phase": "anneal"}), ("step", 3), ("step", 4), ("step", 5),
         ("params", {"done": True}),
     ]  # fmt: skip
+
+
+def test_a_rank_ended_by_sigterm_may_come_back(spool: Path, out: Path) -> None:
+    """rank_end written on SIGTERM (a requeue) holds steps for dead_after, not at once."""
+    a, b = rank(spool, 0, 2), rank(spool, 1, 2)
+    log_steps(a, range(6))
+    log_steps(b, range(3))
+    b.close("signal", 143)  # requeued: SLURM sent SIGTERM
+    ship(spool, out, dead_after=60)
+    assert [x["step"] for x in lines(out)] == [0, 1, 2]  # steps 3..5 wait for the requeue
+    again = rank(spool, 1, 2)
+    log_steps(again, range(3, 6))
+    again.close(), a.close()
+    ship(spool, out, dead_after=60)
+    got = lines(out)
+    assert [x["step"] for x in got] == list(range(6)) and all(x["complete"] for x in got)

@@ -8,8 +8,9 @@ One loop, single-threaded::
 
 Completeness: step S ships when every expected rank has a watermark >= S
 (``step_end``, or any event of a later step), or is released: its latest
-incarnation wrote ``rank_end``, or it wrote no byte for ``dead_after`` seconds
-(then the step is marked partial). With a known world size, ranks that never
+incarnation wrote ``rank_end`` (other than on SIGTERM, after which a requeue may
+bring it back), or it wrote no byte for ``dead_after`` seconds (then the step is
+marked partial). With a known world size, ranks that never
 appeared are waited for ``start_grace`` seconds after the run was created.
 
 Incarnations: a new incarnation ends the previous one at once. For each rank
@@ -77,8 +78,16 @@ class RankState:
         return max((max(s.closed, s.max_step - 1) for s in self.incs.values()), default=-1)
 
     def ended(self) -> bool:
-        """Whether the newest incarnation wrote rank_end."""
-        return bool(self.incs) and self.incs[self.latest].ended is not None
+        """Whether the newest incarnation wrote rank_end, and not because of a signal.
+
+        A rank ended by SIGTERM (``status == "signal"``: a SLURM requeue or preemption,
+        torchrun stopping its workers) may well come back as a new incarnation: it is
+        released like a silent rank, after ``dead_after``, not at once.
+        """
+        if not self.incs:
+            return False
+        status = self.incs[self.latest].ended
+        return status is not None and status != "signal"
 
     def closed_before(self, inc: int) -> int:
         """Highest step closed (step_end, or a later step) by an incarnation before ``inc``."""
