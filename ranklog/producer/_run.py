@@ -22,6 +22,7 @@ from ranklog.producer._env import detect_rank
 from ranklog.producer._sink import DURABILITY_LEVELS, SpoolSink
 from ranklog.producer._values import as_float, check_step, flatten_params, op_spec
 from ranklog.schemas import (
+    Gpu,
     Histogram,
     Image,
     Metrics,
@@ -91,6 +92,8 @@ class Run:
         max_segment_bytes: int,
         name: str | None,
         handle_signals: bool,
+        gpu: Any = "off",
+        gpu_interval: float = 10.0,
     ) -> None:
         if durability not in DURABILITY_LEVELS:
             raise ConfigError(f"durability must be one of {DURABILITY_LEVELS}, got {durability!r}")
@@ -105,6 +108,11 @@ class Run:
         self.durability: Durability = durability
         self.layout = SpoolLayout(self.spool)
         self.info = ensure_run(self.spool, name=name, world_size=world_size)
+        self._host = socket.gethostname()
+        self._gpu: Any = None
+        self._gpu_lock = False
+        if gpu != "off":
+            self._gpu = self._gpu_sampler(gpu, gpu_interval, local_rank)
         writer = IncarnationWriter.create(
             self.layout,
             self.info,
@@ -133,7 +141,7 @@ class Run:
                 rank,
                 world_size,
                 local_rank,
-                socket.gethostname(),
+                self._host,
                 os.getpid(),
                 self.incarnation,
                 __version__,
@@ -141,6 +149,8 @@ class Run:
         )
         self._sink.flush(sync=self._fsync)
         _live_runs.add(self)
+        if self._gpu is not None:
+            self._gpu.start()
         atexit.register(self._atexit)
         self._prev_handler: Any = None
         if handle_signals and threading.current_thread() is threading.main_thread():
@@ -342,6 +352,7 @@ class Run:
         _live_runs.discard(self)
         with contextlib.suppress(Exception):
             atexit.unregister(self._atexit)
+        self._stop_gpu()
         sink, self._sink = self._sink, _DeadSink("after close()")
         sink.close(RankEnd(time.time(), status, exit_code))
 
@@ -373,8 +384,36 @@ class Run:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
 
+    def _gpu_sampler(self, gpu: Any, interval: float, local_rank: int | None) -> Any:
+        """The GPU sampler of this host, if this process is the one that samples it."""
+        from ranklog.producer._gpu import GpuSampler, elect_sampler, release_election
+
+        if not elect_sampler(self.spool, self._host, local_rank):
+            return None
+        self._gpu_lock = local_rank is None
+        try:
+            return GpuSampler(self._append_gpu, source=gpu, interval=interval, host=self._host)
+        except BaseException:
+            if self._gpu_lock:
+                release_election(self.spool, self._host)
+            raise
+
+    def _append_gpu(self, event: Gpu) -> None:
+        self._sink.append(event, wait=False)
+
+    def _stop_gpu(self) -> None:
+        if self._gpu is None:
+            return
+        self._gpu.stop(timeout=1.0)
+        self._gpu = None
+        if self._gpu_lock:
+            from ranklog.producer._gpu import release_election
+
+            release_election(self.spool, self._host)
+
     def _forget_after_fork(self) -> None:
         """In a forked child: never touch the parent's files."""
+        self._gpu = None  # the thread did not survive the fork; the lock is the parent's
         self._closed = True
         self._sink = _DeadSink("from a forked child of a rank")
         with contextlib.suppress(Exception):
@@ -392,7 +431,7 @@ class _DeadSink:
         self._why = why
         self._warned = False
 
-    def append(self, event: object) -> None:
+    def append(self, event: object, *, wait: bool = True) -> None:
         if not self._warned:
             self._warned = True
             warnings.warn(
@@ -443,12 +482,18 @@ def init(
     max_segment_bytes: int = DEFAULT_SEGMENT_BYTES,
     name: str | None = None,
     handle_signals: bool = True,
+    gpu: Any = "off",
+    gpu_interval: float = 10.0,
 ) -> Run:
     """Start logging this rank into ``spool`` (default: ``$RANKLOG_SPOOL``).
 
     Rank, world size and local rank come from the arguments, else from torchrun,
     SLURM, Open MPI or PMI variables, else rank 0 of 1. A restarted rank (SLURM
     requeue, restart from checkpoint) writes a new incarnation in the same spool.
+
+    ``gpu`` (``"off"``, ``"auto"``, ``"nvml"``, ``"ray"`` or a source object) starts a
+    background GPU sampler every ``gpu_interval`` seconds on one process per host (local
+    rank 0, or whoever holds the host's lock in the spool when local ranks are unknown).
     """
     if spool is None:
         spool = os.environ.get(SPOOL_ENV)
@@ -467,4 +512,6 @@ def init(
         max_segment_bytes=max_segment_bytes,
         name=name,
         handle_signals=handle_signals,
+        gpu=gpu,
+        gpu_interval=gpu_interval,
     )
