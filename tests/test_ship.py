@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ranklog.shippers import Shipper, load_cursor
+from ranklog.shippers import ShippedStep, Shipper, load_cursor
 from ranklog.shippers.console import ConsoleTarget
 from ranklog.shippers.jsonl import JsonlTarget, read_jsonl
 from ranklog.testing import read_events
@@ -399,3 +399,46 @@ class TestMediaInBackends:
         assert set(acc.Tags()["images"]) == {"plot/rank00000", "plot/rank00001"}
         img = acc.Images("plot/rank00001")[0]
         assert img.width > 0 and img.encoded_image_string == buf.getvalue()
+
+
+class TestGpu:
+    def test_samples_join_the_step_in_progress(
+        self, spool: Path, out: Path, tmp_path: Path
+    ) -> None:
+        """GPU samples are aggregated per step and GPU, and named in each backend's convention."""
+        from tensorboard.backend.event_processing.event_accumulator import (
+            SCALARS,
+            EventAccumulator,
+        )
+
+        from ranklog.schemas import Gpu
+        from ranklog.shippers._media import gpu_metrics
+        from ranklog.shippers.tensorboard import TensorBoardTarget
+
+        runs = [rank(spool, r, 2) for r in range(2)]
+        for s in range(3):
+            for r, run in enumerate(runs):
+                run.log_metrics({"loss": 1.0}, step=s)
+                if r == 0:  # the host's sampler lives on rank 0
+                    for util in (10.0 * s, 10.0 * s + 20):
+                        run._sink.append(
+                            Gpu(1.0, "node7", 1, util, 100 * (s + 1), 1000, 60.0, 300.0)
+                        )
+                run.step_end(s)
+        for run in runs:
+            run.close()
+        shipper = Shipper(str(spool), JsonlTarget(out), name="g", start_grace=0)
+        seen: list[ShippedStep] = []
+        real = shipper.target.write
+        shipper.target.write = lambda steps: (seen.extend(steps), real(steps))  # type: ignore[method-assign]
+        shipper.run_forever(once=True)
+        (g,) = seen[2].gpu
+        assert (g.host, g.index, g.samples, g.util, g.mem_used) == ("node7", 1, 2, 30.0, 300)
+        assert lines(out)[1]["gpu"][0]["util"] == 20.0
+        assert gpu_metrics(seen[2], "wandb")["node7/gpu.1.gpu"] == 30.0
+        assert gpu_metrics(seen[2], "mlflow")["system/node7/gpu_1_memory_usage_megabytes"] == 3e-4
+        Shipper(str(spool), TensorBoardTarget(tmp_path / "tb"), name="t").run_forever(once=True)
+        acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={SCALARS: 0})
+        acc.Reload()
+        assert [e.value for e in acc.Scalars("gpu/node7/1/utilization")] == [10.0, 20.0, 30.0]
+        assert "gpu/all/utilization" in acc.Tags()["scalars"]

@@ -31,6 +31,7 @@ from typing import Final
 from ranklog.errors import RanklogError
 from ranklog.schemas import (
     Event,
+    Gpu,
     Params,
     ParamValue,
     RankEnd,
@@ -361,6 +362,20 @@ class Shipper:
                     acc.ranks[rank] = contrib = Contribution(inc_no)
                 if contrib.incarnation == inc_no:
                     contrib.events.append(ev)
+            elif isinstance(ev, Gpu):
+                # a sample belongs to the step this rank is in (its own stream's order)
+                step = ev.step if ev.step is not None else max(inc.closed, inc.max_step - 1) + 1
+                if step > self.shipped_upto:
+                    if step > max_step:
+                        max_step = step
+                    acc = self.steps.get(step)
+                    if acc is None:
+                        self.steps[step] = acc = StepAcc()
+                    contrib = acc.ranks.get(rank)
+                    if contrib is None or contrib.incarnation < inc_no:
+                        acc.ranks[rank] = contrib = Contribution(inc_no)
+                    if contrib.incarnation == inc_no:
+                        contrib.events.append(ev)
             elif isinstance(ev, StepEnd):
                 if ev.step > inc.closed:
                     inc.closed = ev.step

@@ -12,9 +12,9 @@ import struct
 from collections import Counter
 from dataclasses import dataclass
 
-from ranklog.shippers._target import ImageItem
+from ranklog.shippers._target import ImageItem, ShippedStep
 
-__all__ = ["Buckets", "buckets", "image_size", "image_tags", "summary"]
+__all__ = ["Buckets", "buckets", "gpu_metrics", "image_size", "image_tags", "summary"]
 
 _PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -72,3 +72,58 @@ def image_tags(images: list[ImageItem]) -> list[str]:
     """The tag of each image: its name, or ``name/rankNNNNN`` when ranks share the name."""
     shared = Counter(i.name for i in images)
     return [i.name if shared[i.name] == 1 else f"{i.name}/rank{i.rank:05d}" for i in images]
+
+
+def gpu_metrics(step: ShippedStep, style: str) -> dict[str, float]:
+    """A step's GPU statistics named the way each ecosystem names them.
+
+    ``tensorboard``: ``gpu/<host>/<i>/utilization`` ...; ``mlflow``: MLflow's system
+    metrics, ``system/<host>/gpu_<i>_utilization_percentage`` ...; ``wandb``: W&B's,
+    ``<host>/gpu.<i>.gpu``, ``<host>/gpu.<i>.memoryAllocatedBytes`` .... Across all GPUs
+    of the job: mean utilisation and peak memory.
+    """
+    if not step.gpu:
+        return {}
+    names = _GPU_NAMES[style]
+    out: dict[str, float] = {}
+    for g in step.gpu:
+        fields = {"util": g.util, "mem": g.mem_used, "temp": g.temp, "power": g.power}
+        for field, value in fields.items():
+            if value is not None:
+                scale = 1e-6 if style == "mlflow" and field == "mem" else 1.0
+                out[names[field].format(host=g.host, i=g.index)] = float(value) * scale
+    utils = [g.util for g in step.gpu if g.util is not None]
+    mems = [g.mem_used for g in step.gpu if g.mem_used is not None]
+    if utils:
+        out[names["all_util"]] = math.fsum(utils) / len(utils)
+    if mems:
+        out[names["all_mem"]] = float(max(mems)) * (1e-6 if style == "mlflow" else 1.0)
+    return out
+
+
+_GPU_NAMES: dict[str, dict[str, str]] = {
+    "tensorboard": {
+        "util": "gpu/{host}/{i}/utilization",
+        "mem": "gpu/{host}/{i}/memory_used_bytes",
+        "temp": "gpu/{host}/{i}/temperature",
+        "power": "gpu/{host}/{i}/power_watts",
+        "all_util": "gpu/all/utilization",
+        "all_mem": "gpu/all/memory_used_bytes_max",
+    },
+    "mlflow": {
+        "util": "system/{host}/gpu_{i}_utilization_percentage",
+        "mem": "system/{host}/gpu_{i}_memory_usage_megabytes",
+        "temp": "system/{host}/gpu_{i}_temperature_celsius",
+        "power": "system/{host}/gpu_{i}_power_usage_watts",
+        "all_util": "system/gpu_utilization_percentage",
+        "all_mem": "system/gpu_memory_usage_megabytes_max",
+    },
+    "wandb": {
+        "util": "{host}/gpu.{i}.gpu",
+        "mem": "{host}/gpu.{i}.memoryAllocatedBytes",
+        "temp": "{host}/gpu.{i}.temp",
+        "power": "{host}/gpu.{i}.powerWatts",
+        "all_util": "gpu.all.gpu",
+        "all_mem": "gpu.all.memoryAllocatedBytesMax",
+    },
+}

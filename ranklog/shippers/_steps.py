@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
-from ranklog.schemas import DEFAULT_METRIC_REDUCE, Histogram, Image, Metrics, Text, Timer
+from ranklog.schemas import DEFAULT_METRIC_REDUCE, Gpu, Histogram, Image, Metrics, Text, Timer
 from ranklog.shippers._reduce import Partial, output_names, parse_ops
-from ranklog.shippers._target import ImageItem, ShippedStep, TextItem
+from ranklog.shippers._target import GpuStat, ImageItem, ShippedStep, TextItem
 
 __all__ = ["STEP_KINDS", "Contribution", "StepAcc", "reduce_step"]
 
-StepEvent = Metrics | Timer | Text | Histogram | Image
+StepEvent = Metrics | Timer | Text | Histogram | Image | Gpu
 #: the event kinds that belong to a step
 STEP_KINDS: Final = (Metrics, Timer, Text, Histogram, Image)
 
@@ -33,6 +33,30 @@ class StepAcc:
 
 
 _NO_LAST: Final = (-math.inf, -1, math.nan)
+
+
+def _gpu_stat(host: str, index: int, samples: list[Gpu]) -> GpuStat:
+    """One GPU over a step: mean utilisation and power, peak memory and temperature."""
+
+    def mean(xs: list[float | None]) -> float | None:
+        real = [x for x in xs if x is not None and x == x]
+        return math.fsum(real) / len(real) if real else None
+
+    def peak(xs: list[Any]) -> Any:
+        real = [x for x in xs if x is not None]
+        return max(real) if real else None
+
+    return GpuStat(
+        host=host,
+        index=index,
+        name=samples[-1].name,
+        samples=len(samples),
+        util=mean([g.util for g in samples]),
+        mem_used=peak([g.mem_used for g in samples]),
+        mem_total=peak([g.mem_total for g in samples]),
+        temp=peak([g.temp for g in samples]),
+        power=mean([g.power for g in samples]),
+    )
 
 
 def _own(events: list[StepEvent]) -> dict[str, float]:
@@ -80,6 +104,7 @@ def reduce_step(
     texts: list[TextItem] = []
     histograms: dict[str, list[float]] = {}
     images: list[ImageItem] = []
+    gpus: dict[tuple[str, int], list[Gpu]] = {}
     ts = 0.0
     mine: dict[int, dict[str, float]] | None = {} if per_rank else None
     order = sorted(acc.ranks)
@@ -115,6 +140,8 @@ def reduce_step(
                 histograms.setdefault(ev.name, []).extend(ev.values)
             elif type(ev) is Image:
                 images.append(ImageItem(rank, ev.name, ev.data, ev.format))
+            elif type(ev) is Gpu:
+                gpus.setdefault((ev.host, ev.index), []).append(ev)
         if mine is not None:
             own = _own(acc.ranks[rank].events)
             if own:
@@ -147,5 +174,6 @@ def reduce_step(
         texts=texts,
         histograms=histograms,
         images=images,
+        gpu=[_gpu_stat(host, index, gpus[(host, index)]) for host, index in sorted(gpus)],
         per_rank=mine,
     )

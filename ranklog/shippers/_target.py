@@ -25,7 +25,7 @@ import msgspec
 from ranklog.schemas import ParamValue
 from ranklog.spool import RunInfo
 
-__all__ = ["ImageItem", "ShippedStep", "Target", "TextItem", "TransientTargetError"]
+__all__ = ["GpuStat", "ImageItem", "ShippedStep", "Target", "TextItem", "TransientTargetError"]
 
 
 class TextItem(msgspec.Struct, frozen=True):
@@ -43,6 +43,20 @@ class ImageItem(msgspec.Struct, frozen=True):
     name: str
     data: bytes
     format: str = "png"
+
+
+class GpuStat(msgspec.Struct, frozen=True):
+    """One GPU over one step: the samples its host's sampler took while the step ran."""
+
+    host: str
+    index: int
+    name: str
+    samples: int
+    util: float | None  # mean, percent
+    mem_used: int | None  # peak, bytes
+    mem_total: int | None
+    temp: float | None  # peak, °C
+    power: float | None  # mean, W
 
 
 class ShippedStep(msgspec.Struct):
@@ -64,6 +78,8 @@ class ShippedStep(msgspec.Struct):
     #: distributions: name -> every rank's values pooled (rank order)
     histograms: dict[str, list[float]] = msgspec.field(default_factory=dict)
     images: list[ImageItem] = msgspec.field(default_factory=list)
+    #: per GPU, over the step (``gpu_metrics`` names them for each backend)
+    gpu: list[GpuStat] = msgspec.field(default_factory=list)
     #: each rank's own values (``--per-rank``): rank -> name -> value
     per_rank: dict[int, dict[str, float]] | None = None
 

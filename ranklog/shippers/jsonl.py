@@ -51,6 +51,13 @@ def step_line(s: ShippedStep) -> dict[str, Any]:
         obj["texts"] = [{"rank": t.rank, "name": t.name, "text": t.text} for t in s.texts]
     if s.histograms:
         obj["histograms"] = {name: _summary(v) for name, v in sorted(s.histograms.items())}
+    if s.gpu:
+        obj["gpu"] = [
+            {"host": g.host, "index": g.index, "name": g.name, "util": g.util,
+             "mem_used": g.mem_used, "mem_total": g.mem_total, "temp": g.temp,
+             "power": g.power, "samples": g.samples}
+            for g in s.gpu
+        ]  # fmt: skip
     if s.images:
         obj["images"] = [
             {"rank": i.rank, "name": i.name, "format": i.format, "bytes": len(i.data)}

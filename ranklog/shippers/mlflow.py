@@ -101,11 +101,11 @@ def _chunks(items: list[Any], n: int) -> Iterator[list[Any]]:
 
 def _with_histograms(step: ShippedStep) -> dict[str, float]:
     """The step's metrics plus each histogram's summary (``name/count``, ``/min``, ...)."""
-    if not step.histograms:
+    if not step.histograms and not step.gpu:
         return step.metrics
-    from ranklog.shippers._media import summary
+    from ranklog.shippers._media import gpu_metrics, summary
 
-    out = dict(step.metrics)
+    out = {**step.metrics, **gpu_metrics(step, "mlflow")}
     for name, values in step.histograms.items():
         out.update({f"{name}/{stat}": v for stat, v in summary(values).items()})
     return out

@@ -326,7 +326,12 @@ class TensorBoardTarget:
                     rec = _record(_event(s.ts, s.step, self._pack(values, main=False)))
                     todo.setdefault(sub, []).append((s.step, rec))
             if main.last is None or s.step > main.last:  # else held already (never sent)
-                summary = self._pack(s.metrics, main=True) + (_texts(s.texts) if s.texts else b"")
+                values = s.metrics
+                if s.gpu:
+                    from ranklog.shippers._media import gpu_metrics
+
+                    values = {**values, **gpu_metrics(s, "tensorboard")}
+                summary = self._pack(values, main=True) + (_texts(s.texts) if s.texts else b"")
                 if s.histograms or s.images:
                     summary += _media(s)
                 todo.setdefault(main, []).append((s.step, _record(_event(s.ts, s.step, summary))))

@@ -268,6 +268,10 @@ class WandbTarget:
                 )
             if (s.histograms or s.images) and s.step > main.sent:
                 row.update(_media(s))
+            if s.gpu:
+                from ranklog.shippers._media import gpu_metrics
+
+                row.update(gpu_metrics(s, "wandb"))
             self._log(main, row, s.step)
 
     def _log(self, held: _Held, row: dict[str, Any], step: int) -> None:
