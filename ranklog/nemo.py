@@ -35,13 +35,11 @@ import logging
 import numbers
 import subprocess
 import sys
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import ranklog
-from ranklog.errors import RanklogWarning
 
 __all__ = ["Logger", "LoggerInterface"]
 
@@ -82,24 +80,20 @@ class Logger(LoggerInterface):
         own = dict(cfg.get("ranklog") or {})
         self.spool = self.log_dir / "spool"
         name = _first(cfg, ("wandb", "name"), ("mlflow", "run_name")) or self.log_dir.name
+        gpu_cfg = cfg.get("gpu_monitoring") or {}
         self.run = ranklog.init(
             self.spool,
             rank=rank,
             world_size=world_size,
             durability=own.get("durability", "step"),
             name=name,
+            gpu="auto" if cfg.get("monitor_gpus") else "off",
+            gpu_interval=float(gpu_cfg.get("collection_interval") or 10.0),
         )
         self.num_val_samples_to_print = int(cfg.get("num_val_samples_to_print") or 0)
         self.shutdown_timeout = float(own.get("shutdown_timeout", 120.0))
         self._skipped: set[str] = set()
         self._shippers: list[subprocess.Popen[bytes]] = []
-        if cfg.get("monitor_gpus"):
-            warnings.warn(
-                "ranklog.nemo: monitor_gpus is accepted but GPU sampling is not part of this "
-                "ranklog version yet; no GPU series will be logged",
-                RanklogWarning,
-                stacklevel=2,
-            )
         if self.run.rank == int(own.get("owner_rank", 0)):
             self._start_shippers()
 
