@@ -51,7 +51,7 @@ class IncarnationSummary:
 
     @property
     def state(self) -> str:
-        """``ended (status)``, ``superseded`` (a later incarnation exists) or ``open``."""
+        """``ended (status)`` once rank_end was read, else ``open`` (running, killed...)."""
         if self.end_status is not None:
             return f"ended ({self.end_status})"
         return "open"
