@@ -171,9 +171,11 @@ def free_port() -> int:
 class MlflowServer:
     """A real ``mlflow server`` on 127.0.0.1 over a sqlite store, in its own process group."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, port: int | None = None) -> None:
         self.root = root
-        self.port = free_port()
+        self.port = port or free_port()
+        self.db = root / "server.db"
+        self.artifacts = root / "artifacts"
         self.log = root / "server.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -186,8 +188,9 @@ class MlflowServer:
         self.root.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1"]
         cmd += ["--port", str(self.port), "--workers", "1"]
-        cmd += ["--backend-store-uri", f"sqlite:///{self.root / 'server.db'}"]
-        cmd += ["--artifacts-destination", str(self.root / "artifacts")]
+        cmd += ["--backend-store-uri", f"sqlite:///{self.db}"]
+        cmd += ["--artifacts-destination", str(self.artifacts)]
+        # no background job runner (a dozen huey processes): this machine has 2 cores
         env = child_env(MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
@@ -211,6 +214,7 @@ class MlflowServer:
         raise RuntimeError(f"mlflow server did not answer in {timeout}s: {self.tail()}")
 
     def healthy(self) -> bool:
+        """Whether ``/health`` answers 200 now."""
         try:
             with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as resp:
                 return bool(resp.status == 200)
@@ -248,7 +252,12 @@ class MlflowServer:
             os.killpg(self.proc.pid, signal.SIGKILL)  # a child SIGTERM left behind
         self.proc = None
 
+    def stop(self) -> None:
+        """Terminate the server (SIGTERM, then SIGKILL)."""
+        self.kill(signal.SIGTERM)
+
     def tail(self, n: int = 2000) -> str:
+        """The end of the server's log, for failure messages."""
         try:
             return self.log.read_text(errors="replace")[-n:]
         except OSError as exc:

@@ -41,7 +41,7 @@ from ranklog.schemas import (
 from ranklog.shippers._cursor import Cursor, IncState, SegmentCursor, load_cursor, save_cursor
 from ranklog.shippers._progress import Progress
 from ranklog.shippers._source import SegState, Source, SpoolSource
-from ranklog.shippers._steps import STEP_KINDS, Contribution, StepAcc, reduce_step
+from ranklog.shippers._steps import STEP_KINDS, Contribution, StepAcc, StepEvent, reduce_step
 from ranklog.shippers._target import ShippedStep, Target, TransientTargetError
 from ranklog.spool import BadRange, RunInfo, read_run
 
@@ -354,28 +354,14 @@ class Shipper:
                     if fresh and not (self._durable_gap[0] < step <= self._durable_gap[1]):
                         self.stats.late_events += 1
                     continue
-                acc = self.steps.get(step)
-                if acc is None:
-                    self.steps[step] = acc = StepAcc()
-                contrib = acc.ranks.get(rank)
-                if contrib is None or contrib.incarnation < inc_no:
-                    acc.ranks[rank] = contrib = Contribution(inc_no)
-                if contrib.incarnation == inc_no:
-                    contrib.events.append(ev)
+                self._contribute(step, rank, inc_no, ev)
             elif isinstance(ev, Gpu):
                 # a sample belongs to the step this rank is in (its own stream's order)
                 step = ev.step if ev.step is not None else max(inc.closed, inc.max_step - 1) + 1
                 if step > self.shipped_upto:
                     if step > max_step:
                         max_step = step
-                    acc = self.steps.get(step)
-                    if acc is None:
-                        self.steps[step] = acc = StepAcc()
-                    contrib = acc.ranks.get(rank)
-                    if contrib is None or contrib.incarnation < inc_no:
-                        acc.ranks[rank] = contrib = Contribution(inc_no)
-                    if contrib.incarnation == inc_no:
-                        contrib.events.append(ev)
+                    self._contribute(step, rank, inc_no, ev)
             elif isinstance(ev, StepEnd):
                 if ev.step > inc.closed:
                     inc.closed = ev.step
@@ -399,6 +385,17 @@ class Shipper:
                         holds = True
                         self.params_due.append((effective, k, v))
         return max_step, holds
+
+    def _contribute(self, step: int, rank: int, inc_no: int, ev: StepEvent) -> None:
+        """Add ``ev`` to what ``rank`` logged for ``step``; a later incarnation replaces."""
+        acc = self.steps.get(step)
+        if acc is None:
+            self.steps[step] = acc = StepAcc()
+        contrib = acc.ranks.get(rank)
+        if contrib is None or contrib.incarnation < inc_no:
+            acc.ranks[rank] = contrib = Contribution(inc_no)
+        if contrib.incarnation == inc_no:
+            contrib.events.append(ev)
 
     # -- completeness -----------------------------------------------------------------
 
