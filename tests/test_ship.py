@@ -138,10 +138,10 @@ class TestMemory:
         self, spool: Path, out: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """Steps held back by a slow rank are capped: fast ranks are read only as it catches up."""
-        import ranklog.shippers._engine as engine
+        import ranklog.shippers._tail as tail
 
-        monkeypatch.setattr(engine, "ROUND_BYTES", 2048)
-        monkeypatch.setattr(engine, "MAX_PENDING_STEPS", 20)
+        monkeypatch.setattr(tail, "ROUND_BYTES", 2048)
+        monkeypatch.setattr(tail, "MAX_PENDING_STEPS", 20)
         fast, slow = rank(spool, 0, 2), rank(spool, 1, 2)
         log_steps(fast, range(500))
         log_steps(slow, range(5))

@@ -38,9 +38,9 @@ def test_an_ended_rank_is_read_to_the_end_before_it_releases(
     spool: Path, out: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A rank that ended releases steps only once its whole backlog has been read."""
-    import ranklog.shippers._engine as engine
+    import ranklog.shippers._tail as tail
 
-    monkeypatch.setattr(engine, "ROUND_BYTES", 4096)
+    monkeypatch.setattr(tail, "ROUND_BYTES", 4096)
     big, small = rank(spool, 0, 2), rank(spool, 1, 2)
     for s in range(40):
         big.log_text("val/sample", "x" * 2000, step=s)
@@ -62,10 +62,11 @@ def test_restart_rebuilds_watermarks_by_reading(
 ) -> None:
     """After a restart, steps wait until each rank's values are read again."""
     import ranklog.shippers._engine as engine
+    import ranklog.shippers._tail as tail
     from ranklog.shippers import Shipper
     from ranklog.shippers.jsonl import JsonlTarget
 
-    monkeypatch.setattr(engine, "ROUND_BYTES", 4096)
+    monkeypatch.setattr(tail, "ROUND_BYTES", 4096)
     monkeypatch.setattr(engine, "BATCH_STEPS", 5)
     big, small = rank(spool, 0, 2), rank(spool, 1, 2)
     for s in range(40):

@@ -30,8 +30,8 @@ class Progress:
         """The status text."""
         now = time.time()
         live = dead = ended = 0
-        for r in s.ranks.values():
-            if r.ended():
+        for r in s.views.values():
+            if r.ended:
                 ended += 1
             elif now - r.last_activity > s.dead_after:
                 dead += 1

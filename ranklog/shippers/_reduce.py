@@ -5,6 +5,10 @@ count, sum, sum of squares, min, max, NaN count, the last value with its
 timestamp and rank, and the values themselves when a ``median`` (or an exact
 ``std``) is asked for. Partials from several readers :meth:`merge` into the
 partial of their union, so the same code serves one shipper and a fan-in.
+A partial made to be merged (``exact=True``) also keeps its sum as Shewchuk's
+non-overlapping partial sums (usually one or two floats): merged, they give
+the same correctly rounded sum as ``math.fsum`` over all the values at once,
+so a fan-in's result is bit for bit the single shipper's.
 
 Results follow numpy's conventions: any NaN makes ``mean``, ``sum``, ``min``,
 ``max``, ``median`` and ``std`` NaN; ``std`` is the population standard
@@ -22,7 +26,7 @@ from typing import Final
 
 from ranklog.schemas import REDUCE_OPS
 
-__all__ = ["Partial", "output_names", "parse_ops"]
+__all__ = ["Partial", "exact_parts", "output_names", "parse_ops"]
 
 _NEEDS_VALUES: Final = frozenset({"median", "std"})
 _op_cache: dict[str, tuple[str, ...]] = {}
@@ -58,12 +62,22 @@ class Partial:
     last_rank: int = -1
     last: float = math.nan
     values: list[float] | None = field(default=None)
+    #: the exact sum as non-overlapping floats (finite values only), kept to be merged
+    parts: list[float] | None = field(default=None)
 
     @classmethod
     def of(
-        cls, values: Sequence[float], *, last: tuple[float, int, float], ops: tuple[str, ...]
+        cls,
+        values: Sequence[float],
+        *,
+        last: tuple[float, int, float],
+        ops: tuple[str, ...],
+        exact: bool = False,
     ) -> Partial:
-        """Summarise ``values`` for ``ops``; ``last`` is (ts, rank, value) of the latest one."""
+        """Summarise ``values`` for ``ops``; ``last`` is (ts, rank, value) of the latest one.
+
+        ``exact`` keeps the sum mergeable without a rounding step (see the module).
+        """
         keep = needs_values(ops)
         try:
             total = math.fsum(values)
@@ -81,6 +95,7 @@ class Partial:
                 last_rank=last[1],
                 last=last[2],
                 values=list(values) if keep else None,
+                parts=exact_parts(values) if exact else None,
             )
         real = [v for v in values if v == v]
         fin = [v for v in real if math.isfinite(v)]
@@ -113,9 +128,19 @@ class Partial:
         values = None
         if self.values is not None and other.values is not None:
             values = self.values + other.values
+        parts = None
+        total = math.nan
+        if self.parts is not None and other.parts is not None:
+            parts = self.parts + other.parts
+            try:
+                total = math.fsum(parts)
+            except OverflowError:  # the exact sum itself overflows
+                parts = None
+        if parts is None:
+            total = _add(self.total, other.total)
         return Partial(
             count=self.count + other.count,
-            total=_add(self.total, other.total),
+            total=total,
             sumsq=_add(self.sumsq, other.sumsq),
             lo=min(self.lo, other.lo),
             hi=max(self.hi, other.hi),
@@ -125,6 +150,7 @@ class Partial:
             last_rank=last[1],
             last=last[2],
             values=values,
+            parts=parts,
         )
 
     def result(self, op: str) -> float:
@@ -172,6 +198,30 @@ def _add(a: float, b: float) -> float:
         except OverflowError:
             return a + b
     return a + b
+
+
+def exact_parts(values: Sequence[float]) -> list[float]:
+    """Shewchuk's non-overlapping partials of the exact sum of finite ``values``.
+
+    Their exact sum is the exact sum of ``values``, so ``math.fsum`` over the
+    partials of several groups is ``math.fsum`` over all the values (the
+    algorithm of ``math.fsum`` itself, in Python; a reader's groups are small).
+    """
+    partials: list[float] = []
+    for v in values:
+        x = v
+        i = 0
+        for y in partials:
+            if abs(x) < abs(y):
+                x, y = y, x
+            hi = x + y
+            lo = y - (hi - x)
+            if lo:
+                partials[i] = lo
+                i += 1
+            x = hi
+        partials[i:] = [x]
+    return partials
 
 
 def _median(values: list[float]) -> float:

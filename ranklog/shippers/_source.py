@@ -117,8 +117,16 @@ class Source(Protocol):
 class SpoolSource:
     """Knows every segment of a spool and wakes the engine when something changed."""
 
-    def __init__(self, spool: str | os.PathLike[str], *, poll: float | None = None) -> None:
+    def __init__(
+        self,
+        spool: str | os.PathLike[str],
+        *,
+        poll: float | None = None,
+        shard: tuple[int, int] | None = None,
+    ) -> None:
         self.layout = SpoolLayout(spool)
+        #: (i, n): only ranks r with r % n == i are followed (a reader of a fan-in)
+        self.shard = shard
         self.fstype = filesystem_of(spool)
         self.network = is_network_fs(self.fstype)
         self.polling = poll is not None or self.network
@@ -206,7 +214,11 @@ class SpoolSource:
         if not self.layout.ranks_dir.is_dir():
             return new
         if not self._unchanged(str(self.layout.ranks_dir)):
-            self._rank_dirs.update(self.layout.ranks())
+            ranks = self.layout.ranks()
+            if self.shard is not None:
+                i, n = self.shard
+                ranks = [r for r in ranks if r % n == i]
+            self._rank_dirs.update(ranks)
         for rank in sorted(self._rank_dirs):
             if self._unchanged(str(self.layout.rank_dir(rank))):
                 continue

@@ -1,4 +1,14 @@
-"""Per-step accumulation across ranks, and turning a complete step into a ShippedStep."""
+"""Per-step accumulation across ranks, and turning a complete step into a ShippedStep.
+
+A step goes through two stages, so that one shipper and a fan-in of several
+readers compute the very same thing::
+
+    StepAcc (a reader's ranks) -build-> StepPartial -merge-> StepPartial -finish-> ShippedStep
+
+:class:`StepPartial` is mergeable: merging the partials of disjoint rank sets
+gives the partial of their union, and ``finish`` puts everything in rank order,
+so the result never depends on which reader held which rank, nor on timing.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +20,7 @@ from ranklog.schemas import DEFAULT_METRIC_REDUCE, Gpu, Histogram, Image, Metric
 from ranklog.shippers._reduce import Partial, output_names, parse_ops
 from ranklog.shippers._target import GpuStat, ImageItem, ShippedStep, TextItem
 
-__all__ = ["STEP_KINDS", "Contribution", "StepAcc", "reduce_step"]
+__all__ = ["STEP_KINDS", "Contribution", "StepAcc", "StepPartial", "reduce_step"]
 
 StepEvent = Metrics | Timer | Text | Histogram | Image | Gpu
 #: the event kinds that belong to a step
@@ -83,6 +93,183 @@ def _last(acc: StepAcc, order: list[int], name: str, *, timer: bool) -> tuple[fl
     return best
 
 
+@dataclass(slots=True)
+class Named:
+    """One name's values in a step: its partial, and the reduce spec of its lowest rank."""
+
+    rank: int
+    spec: str
+    part: Partial
+
+    def merge(self, other: Named) -> Named:
+        """Both together; the lower rank's spec wins (as in one reader, going in rank order)."""
+        first = self if self.rank <= other.rank else other
+        return Named(first.rank, first.spec, self.part.merge(other.part))
+
+
+@dataclass(slots=True)
+class StepPartial:
+    """What a set of ranks logged for one step, summarised and mergeable."""
+
+    step: int
+    #: ranks that logged anything for the step
+    ranks: int = 0
+    ts: float = 0.0
+    metrics: dict[str, Named] = field(default_factory=dict)
+    timers: dict[str, Named] = field(default_factory=dict)
+    #: timer name -> (longest seconds, lowest rank that took that long)
+    slowest: dict[str, tuple[float, int]] = field(default_factory=dict)
+    texts: list[TextItem] = field(default_factory=list)
+    #: name -> (rank, values) in rank order
+    histograms: dict[str, list[tuple[int, list[float]]]] = field(default_factory=dict)
+    images: list[ImageItem] = field(default_factory=list)
+    #: (host, GPU index) -> (rank, sample) in rank order
+    gpus: dict[tuple[str, int], list[tuple[int, Gpu]]] = field(default_factory=dict)
+    per_rank: dict[int, dict[str, float]] | None = None
+
+    @classmethod
+    def build(
+        cls, step: int, acc: StepAcc, *, per_rank: bool = False, exact: bool = False
+    ) -> StepPartial:
+        """Summarise ``acc`` (in rank order); ``exact`` makes it mergeable without rounding."""
+        values: dict[str, list[float]] = {}
+        specs: dict[str, tuple[int, str]] = {}
+        timers: dict[str, list[float]] = {}
+        timer_specs: dict[str, tuple[int, str]] = {}
+        out = cls(step, ranks=len(acc.ranks), per_rank={} if per_rank else None)
+        slowest = out.slowest
+        ts = 0.0
+        order = sorted(acc.ranks)
+        for rank in order:
+            events = acc.ranks[rank].events
+            for ev in events:
+                if ev.ts > ts:
+                    ts = ev.ts
+                if type(ev) is Metrics:
+                    reduce = ev.reduce
+                    for name, v in ev.values.items():
+                        lst = values.get(name)
+                        if lst is None:
+                            values[name] = lst = []
+                            specs[name] = (
+                                rank,
+                                reduce
+                                if type(reduce) is str
+                                else reduce.get(name, DEFAULT_METRIC_REDUCE),  # type: ignore[union-attr]
+                            )
+                        lst.append(v)
+                elif type(ev) is Timer:
+                    name = ev.name
+                    lst = timers.get(name)
+                    if lst is None:
+                        timers[name] = lst = []
+                        timer_specs[name] = (rank, ev.reduce)
+                    lst.append(ev.seconds)
+                    best = slowest.get(name)
+                    if best is None or ev.seconds > best[0]:
+                        slowest[name] = (ev.seconds, rank)
+                elif type(ev) is Text:
+                    out.texts.append(TextItem(rank, ev.name, ev.text))
+                elif type(ev) is Histogram:
+                    out.histograms.setdefault(ev.name, []).append((rank, list(ev.values)))
+                elif type(ev) is Image:
+                    out.images.append(ImageItem(rank, ev.name, ev.data, ev.format))
+                elif type(ev) is Gpu:
+                    out.gpus.setdefault((ev.host, ev.index), []).append((rank, ev))
+            if out.per_rank is not None:
+                own = _own(events)
+                if own:
+                    out.per_rank[rank] = own
+        out.ts = ts
+        for name, lst in values.items():
+            first, spec = specs[name]
+            ops = parse_ops(spec)
+            last = _last(acc, order, name, timer=False) if "last" in ops else _NO_LAST
+            out.metrics[name] = Named(first, spec, Partial.of(lst, last=last, ops=ops, exact=exact))
+        for name, lst in timers.items():
+            first, spec = timer_specs[name]
+            ops = parse_ops(spec)
+            last = _last(acc, order, name, timer=True) if "last" in ops else _NO_LAST
+            out.timers[name] = Named(first, spec, Partial.of(lst, last=last, ops=ops, exact=exact))
+        return out
+
+    def merge(self, other: StepPartial) -> StepPartial:
+        """The partial of both rank sets together (they must be disjoint)."""
+        out = StepPartial(
+            self.step,
+            ranks=self.ranks + other.ranks,
+            ts=max(self.ts, other.ts),
+            metrics=_merge_named(self.metrics, other.metrics),
+            timers=_merge_named(self.timers, other.timers),
+            slowest=dict(self.slowest),
+            texts=sorted(self.texts + other.texts, key=lambda t: t.rank),
+            images=sorted(self.images + other.images, key=lambda t: t.rank),
+        )
+        for name, best in other.slowest.items():
+            mine = out.slowest.get(name)
+            if mine is None or best[0] > mine[0] or (best[0] == mine[0] and best[1] < mine[1]):
+                out.slowest[name] = best
+        for name in self.histograms.keys() | other.histograms.keys():
+            both = self.histograms.get(name, []) + other.histograms.get(name, [])
+            out.histograms[name] = sorted(both, key=lambda h: h[0])
+        for key in self.gpus.keys() | other.gpus.keys():
+            both_g = self.gpus.get(key, []) + other.gpus.get(key, [])
+            out.gpus[key] = sorted(both_g, key=lambda g: g[0])
+        if self.per_rank is not None or other.per_rank is not None:
+            out.per_rank = {**(self.per_rank or {}), **(other.per_rank or {})}
+        return out
+
+    def finish(self, *, closed: int, world_size: int) -> ShippedStep:
+        """Reduce: the values each name asked for, in rank order wherever order shows.
+
+        ``closed`` is how many expected ranks closed the step; it is partial when that is
+        below ``world_size``, and then ``ranklog/ranks_reporting`` is added.
+        """
+        out: dict[str, float] = {}
+        for name, named in self.metrics.items():
+            ops = parse_ops(named.spec)
+            for out_name, op in zip(output_names(name, ops), ops, strict=True):
+                out[out_name] = named.part.result(op)
+        for name, named in self.timers.items():
+            ops = parse_ops(named.spec)
+            for out_name, op in zip(output_names(f"timing/{name}", ops), ops, strict=True):
+                out[out_name] = named.part.result(op)
+            out[f"timing/{name}/slowest_rank"] = float(self.slowest[name][1])
+        reporting = self.ranks
+        complete = closed >= world_size
+        if not complete:
+            out["ranklog/ranks_reporting"] = float(max(reporting, closed))
+        per_rank = None
+        if self.per_rank is not None:
+            per_rank = {r: self.per_rank[r] for r in sorted(self.per_rank)}
+        return ShippedStep(
+            step=self.step,
+            metrics={k: out[k] for k in sorted(out)},
+            ranks=max(reporting, closed) if not complete else closed,
+            world_size=world_size,
+            complete=complete,
+            ts=self.ts if self.ts > 0 else math.nan,
+            texts=self.texts,
+            histograms={
+                k: [v for _, vs in self.histograms[k] for v in vs] for k in sorted(self.histograms)
+            },
+            images=self.images,
+            gpu=[
+                _gpu_stat(host, index, [g for _, g in self.gpus[(host, index)]])
+                for host, index in sorted(self.gpus)
+            ],
+            per_rank=per_rank,
+        )
+
+
+def _merge_named(a: dict[str, Named], b: dict[str, Named]) -> dict[str, Named]:
+    out = dict(a)
+    for name, named in b.items():
+        mine = out.get(name)
+        out[name] = named if mine is None else mine.merge(named)
+    return out
+
+
 def reduce_step(
     step: int,
     acc: StepAcc,
@@ -96,84 +283,5 @@ def reduce_step(
     ``closed`` is how many expected ranks closed the step; it is partial when that is
     below ``world_size``, and then ``ranklog/ranks_reporting`` is added.
     """
-    values: dict[str, list[float]] = {}
-    specs: dict[str, str] = {}
-    timers: dict[str, list[float]] = {}
-    timer_specs: dict[str, str] = {}
-    slowest: dict[str, tuple[float, int]] = {}
-    texts: list[TextItem] = []
-    histograms: dict[str, list[float]] = {}
-    images: list[ImageItem] = []
-    gpus: dict[tuple[str, int], list[Gpu]] = {}
-    ts = 0.0
-    mine: dict[int, dict[str, float]] | None = {} if per_rank else None
-    order = sorted(acc.ranks)
-    for rank in order:
-        for ev in acc.ranks[rank].events:
-            if ev.ts > ts:
-                ts = ev.ts
-            if type(ev) is Metrics:
-                reduce = ev.reduce
-                for name, v in ev.values.items():
-                    lst = values.get(name)
-                    if lst is None:
-                        values[name] = lst = []
-                        specs[name] = (
-                            reduce
-                            if type(reduce) is str
-                            else reduce.get(name, DEFAULT_METRIC_REDUCE)  # type: ignore[union-attr]
-                        )
-                    lst.append(v)
-            elif type(ev) is Timer:
-                name = ev.name
-                lst = timers.get(name)
-                if lst is None:
-                    timers[name] = lst = []
-                    timer_specs[name] = ev.reduce
-                lst.append(ev.seconds)
-                best = slowest.get(name)
-                if best is None or ev.seconds > best[0]:
-                    slowest[name] = (ev.seconds, rank)
-            elif type(ev) is Text:
-                texts.append(TextItem(rank, ev.name, ev.text))
-            elif type(ev) is Histogram:
-                histograms.setdefault(ev.name, []).extend(ev.values)
-            elif type(ev) is Image:
-                images.append(ImageItem(rank, ev.name, ev.data, ev.format))
-            elif type(ev) is Gpu:
-                gpus.setdefault((ev.host, ev.index), []).append(ev)
-        if mine is not None:
-            own = _own(acc.ranks[rank].events)
-            if own:
-                mine[rank] = own
-    out: dict[str, float] = {}
-    for name, lst in values.items():
-        ops = parse_ops(specs[name])
-        last = _last(acc, order, name, timer=False) if "last" in ops else _NO_LAST
-        part = Partial.of(lst, last=last, ops=ops)
-        for out_name, op in zip(output_names(name, ops), ops, strict=True):
-            out[out_name] = part.result(op)
-    for name, lst in timers.items():
-        ops = parse_ops(timer_specs[name])
-        last = _last(acc, order, name, timer=True) if "last" in ops else _NO_LAST
-        part = Partial.of(lst, last=last, ops=ops)
-        for out_name, op in zip(output_names(f"timing/{name}", ops), ops, strict=True):
-            out[out_name] = part.result(op)
-        out[f"timing/{name}/slowest_rank"] = float(slowest[name][1])
-    reporting = len(acc.ranks)
-    complete = closed >= world_size
-    if not complete:
-        out["ranklog/ranks_reporting"] = float(max(reporting, closed))
-    return ShippedStep(
-        step=step,
-        metrics={k: out[k] for k in sorted(out)},
-        ranks=max(reporting, closed) if not complete else closed,
-        world_size=world_size,
-        complete=complete,
-        ts=ts if ts > 0 else math.nan,
-        texts=texts,
-        histograms=histograms,
-        images=images,
-        gpu=[_gpu_stat(host, index, gpus[(host, index)]) for host, index in sorted(gpus)],
-        per_rank=mine,
-    )
+    part = StepPartial.build(step, acc, per_rank=per_rank)
+    return part.finish(closed=closed, world_size=world_size)

@@ -1,0 +1,429 @@
+"""The reading half of a shipper: tail rank segments into per-step contributions.
+
+A :class:`RankTail` follows a set of ranks (all of a spool's, or one shard of
+them in a fan-in), applies their events (incarnations, watermarks, ends,
+late and re-logged values) and keeps, per step, what each of its ranks logged.
+It ships nothing: its owner (:class:`~ranklog.shippers.Shipper`) asks it for
+its ranks' state (:meth:`views`), for the mergeable partial of ready steps
+(:meth:`partials`), and, once the target accepted them, for the cursor state
+that covers them (:meth:`commit`). One shipper owns one tail in its own
+process; the Ray fan-in owns several, one per reader actor.
+
+Incarnations: a new incarnation ends the previous one at once. For each rank
+and step the values of the first incarnation that *closed* the step count;
+values re-logged by a later incarnation for such a step are counted as
+re-logged and not shipped; values of an incarnation that never closed a step
+are replaced by those of the later incarnation that logs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Final
+
+from ranklog.schemas import Event, Gpu, Params, ParamValue, RankEnd, RankStart, StepEnd
+from ranklog.shippers._cursor import Cursor, IncState, SegmentCursor
+from ranklog.shippers._source import SegState, Source
+from ranklog.shippers._steps import STEP_KINDS, Contribution, StepAcc, StepEvent, StepPartial
+from ranklog.spool import BadRange, RunInfo
+
+__all__ = ["MAX_PENDING_STEPS", "ROUND_BYTES", "RankState", "RankTail", "RankView", "TailPoll"]
+
+log = logging.getLogger("ranklog.ship")
+
+#: bytes read from one segment per round: bounds memory whatever the spool's size
+ROUND_BYTES: Final = 256 * 1024
+#: past this many steps waiting in memory, only the ranks holding them back are read
+MAX_PENDING_STEPS: Final = 1024
+_NO_STEP: Final = -1
+
+
+@dataclass(slots=True)
+class RankState:
+    """The shipper's view of one rank across its incarnations."""
+
+    incs: dict[int, IncState] = field(default_factory=dict)
+    #: latest sign of life: a segment's mtime, or when this shipper saw one grow
+    last_activity: float = 0.0
+    #: every byte this rank wrote so far has been read (nothing left but a live tail)
+    caught_up: bool = False
+
+    @property
+    def latest(self) -> int:
+        """The newest incarnation seen."""
+        return max(self.incs) if self.incs else 0
+
+    def watermark(self) -> int:
+        """Highest step this rank has closed, over all incarnations."""
+        return max((max(s.closed, s.max_step - 1) for s in self.incs.values()), default=-1)
+
+    def ended(self) -> bool:
+        """Whether the newest incarnation wrote rank_end, and not because of a signal.
+
+        A rank ended by SIGTERM (``status == "signal"``: a SLURM requeue or preemption,
+        torchrun stopping its workers) may well come back as a new incarnation: it is
+        released like a silent rank, after ``dead_after``, not at once.
+        """
+        if not self.incs:
+            return False
+        status = self.incs[self.latest].ended
+        return status is not None and status != "signal"
+
+    def closed_before(self, inc: int) -> int:
+        """Highest step closed (step_end, or a later step) by an incarnation before ``inc``."""
+        return max(
+            (max(s.closed, s.max_step - 1) for k, s in self.incs.items() if k < inc), default=-1
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class RankView:
+    """One rank as completeness needs it: how far it got and whether it is waited for."""
+
+    rank: int
+    watermark: int
+    #: ended or silent for dead_after, and fully read: no longer waited for
+    released: bool
+    ended: bool
+    last_activity: float
+    #: the largest world size any of its incarnations announced
+    world_size: int | None
+
+
+@dataclass(slots=True)
+class TailPoll:
+    """What one read round found, for the tail's owner."""
+
+    progressed: bool
+    views: list[RankView]
+    #: steps held (logged by some rank, not shipped yet)
+    steps: list[int]
+    #: hyperparameters read, in read order: (first step they apply to, rank, values)
+    params: list[tuple[int, int, dict[str, ParamValue]]]
+    late_events: int = 0
+    relogged_events: int = 0
+    bad: list[BadRange] = field(default_factory=list)
+    #: bytes written but not yet consumed (read and shipped)
+    lag_bytes: int = 0
+
+
+@dataclass(slots=True)
+class TailCommit:
+    """The cursor state of a tail's segments and ranks after a commit."""
+
+    segments: dict[str, SegmentCursor]
+    ranks: dict[str, dict[str, IncState]]
+
+
+class RankTail:
+    """Tails the segments of a set of ranks; holds their per-step contributions."""
+
+    def __init__(
+        self,
+        source: Source,
+        run: RunInfo,
+        *,
+        dead_after: float,
+        shard: tuple[int, int] | None = None,
+    ) -> None:
+        self.source = source
+        self.run = run
+        self.dead_after = dead_after
+        #: (i, n): this tail holds the ranks r with r % n == i (None: all ranks)
+        self.shard = shard
+        self._saved: dict[str, SegmentCursor] = {}
+        self.ranks: dict[int, RankState] = {}
+        self.steps: dict[int, StepAcc] = {}
+        #: steps <= this are shipped (or held by the target): set by the owner
+        self.shipped_upto = -1
+        #: (cursor step, target step): steps shipped by a process that died uncommitted
+        self.durable_gap = (-1, -1)
+        self._poll = TailPoll(False, [], [], [])
+
+    def restore(self, cursor: Cursor) -> None:
+        """Carry on from a committed cursor (only this tail's ranks are taken)."""
+        self.shipped_upto = cursor.last_step
+        for rank, incs in cursor.ranks.items():
+            if self.shard is not None and int(rank) % self.shard[1] != self.shard[0]:
+                continue
+            # Watermarks past the last shipped step are rebuilt by re-reading: the
+            # values they cover are past the committed offsets and not read yet.
+            restored = {}
+            for k, v in incs.items():
+                v.closed = min(v.closed, cursor.last_step)
+                v.max_step = min(v.max_step, cursor.last_step + 1)
+                restored[int(k)] = v
+            self.ranks[int(rank)] = RankState(restored)
+        self._saved = cursor.segments
+
+    def sync(self, shipped_upto: int, durable_gap: tuple[int, int]) -> None:
+        """Learn what the owner shipped; forget steps at or below it."""
+        self.shipped_upto = shipped_upto
+        self.durable_gap = durable_gap
+        if self.steps and min(self.steps) <= shipped_upto:
+            for step in [s for s in self.steps if s <= shipped_upto]:
+                del self.steps[step]
+
+    # -- reading --------------------------------------------------------------------------
+
+    def poll(self, floor: int | None = None) -> TailPoll:
+        """Discover and read one bounded round; report what changed."""
+        self._poll = TailPoll(False, [], [], [])
+        self._discover()
+        now = time.time()
+        self._poll.progressed = self._read_round(now, floor)
+        self._poll.views = self.views(time.time())
+        self._poll.steps = list(self.steps)
+        self._poll.lag_bytes = sum(
+            max(0, s.size - s.consumed) for s in self.source.segments.values()
+        )
+        return self._poll
+
+    def _discover(self) -> None:
+        for seg in self.source.discover():
+            saved = self._saved.get(seg.key)
+            if saved is not None:
+                seg.offset = seg.consumed = saved.offset
+                seg.seen = saved.seen
+                seg.exhausted = saved.done
+            rank = self.ranks.setdefault(seg.name.rank, RankState())
+            rank.incs.setdefault(seg.name.incarnation, IncState())
+
+    def _read_round(self, now: float, floor: int | None) -> bool:
+        """Read one bounded slice of every readable segment; True if anything was read."""
+        progressed = False
+        readable = self._readable_ranks(now, floor)
+        for rank, segs in self.source.by_rank.items():
+            state = self.ranks[rank]
+            self._probe(state, segs, now)
+            if readable is not None and rank not in readable:
+                state.caught_up = False
+                continue
+            state.caught_up = True
+            for i, seg in enumerate(segs):
+                if seg.exhausted:
+                    continue
+                later = i + 1 < len(segs)  # a later segment or incarnation: writer gone
+                if seg.size <= seg.offset and not later:
+                    break  # the live tail of this rank: nothing new
+                res = seg.reader.read(seg.offset, writer_gone=later, max_bytes=ROUND_BYTES)
+                if res.end != seg.offset or res.frames:
+                    progressed = True
+                if seg.reader.header is not None and not self._identity_ok(seg):
+                    continue
+                for frame in res.frames:
+                    max_step, holds = self._apply(rank, seg, frame.events, frame.end)
+                    seg.frames.append((frame.end, max_step, holds))
+                if res.bad:
+                    self._report_bad(res.bad, seg)
+                seg.offset = res.end
+                if res.seal is not None:
+                    seg.sealed = True
+                if res.more:
+                    state.caught_up = False
+                    break  # budget used: the rest of this rank next round
+                if seg.sealed or later:
+                    seg.exhausted = True
+                    if not seg.frames:
+                        seg.consumed = seg.offset
+                    continue
+                break  # a live tail
+        return progressed
+
+    def _probe(self, state: RankState, segs: list[SegState], now: float) -> None:
+        """Refresh sizes; a segment seen growing is a sign of life, on this machine's clock."""
+        for seg in segs:
+            if seg.exhausted:
+                continue
+            before = seg.size
+            self.source.probe(seg)
+            if before >= 0 and seg.size != before:
+                state.last_activity = max(state.last_activity, now)
+            state.last_activity = max(state.last_activity, seg.mtime)
+
+    def _readable_ranks(self, now: float, floor: int | None) -> set[int] | None:
+        """Ranks to read this round: all (None), unless too many steps wait in memory.
+
+        Past ``MAX_PENDING_STEPS`` only the ranks holding the oldest steps back are
+        read: reading the others would only add steps that cannot ship yet. ``floor``
+        is the lowest watermark of the ranks other tails hold, in a fan-in.
+        """
+        if len(self.steps) <= MAX_PENDING_STEPS:
+            return None
+        limits = {
+            r: s.watermark()
+            for r, s in self.ranks.items()
+            if not (s.caught_up and self.released(s, now))
+        }
+        if not limits:
+            return set()
+        low = min(limits.values())
+        if floor is not None and floor < low:
+            low = floor
+        return {r for r, m in limits.items() if m <= low}
+
+    def _identity_ok(self, seg: SegState) -> bool:
+        """The header, not the path, is a segment's identity: refuse a foreign file."""
+        h = seg.reader.header
+        assert h is not None
+        n = seg.name
+        if (h.run_id, h.rank, h.incarnation, h.segment) == (
+            self.run.run_id, n.rank, n.incarnation, n.segment,
+        ):  # fmt: skip
+            return True
+        if not seg.exhausted:
+            why = (
+                f"segment of run {h.run_id}, not {self.run.run_id}"
+                if h.run_id != self.run.run_id
+                else f"header says rank {h.rank} incarnation {h.incarnation} segment {h.segment}"
+            )
+            self._report_bad([BadRange(str(n.path), 0, max(seg.size, 0), why)], seg)
+            seg.exhausted = True
+            seg.offset = seg.consumed = max(seg.size, seg.offset)
+        return False
+
+    def _report_bad(self, bad: list[BadRange], seg: SegState) -> None:
+        for b in bad:
+            if b.length and b.offset + b.length <= seg.seen:
+                continue  # reported by an earlier shipper process
+            self._poll.bad.append(b)
+            log.warning("corrupt spool bytes skipped: %s", b)
+
+    def _apply(
+        self, rank: int, seg: SegState, events: list[Event], frame_end: int
+    ) -> tuple[int, bool]:
+        """Apply one frame's events; return (highest step in it, holds params)."""
+        inc_no = seg.name.incarnation
+        state = self.ranks[rank]
+        inc = state.incs.setdefault(inc_no, IncState())
+        fresh = frame_end > seg.seen  # not examined by an earlier shipper process
+        max_step = _NO_STEP
+        holds = False
+        prev_closed: int | None = None
+        shipped_upto = self.shipped_upto
+        gap = self.durable_gap
+        for ev in events:
+            if isinstance(ev, STEP_KINDS):
+                step = ev.step
+                own = inc.closed if inc.closed > inc.max_step - 1 else inc.max_step - 1
+                if step > max_step:
+                    max_step = step
+                if step > inc.max_step:
+                    inc.max_step = step
+                if prev_closed is None:
+                    prev_closed = state.closed_before(inc_no)
+                if step <= prev_closed:  # closed by an earlier incarnation: re-logged
+                    if fresh and step > gap[1]:
+                        self._poll.relogged_events += 1
+                    continue
+                if step <= own or step <= shipped_upto:
+                    # Late: this rank had closed the step already (its own watermark: the
+                    # same verdict whatever order ranks are read in), or it was shipped.
+                    if fresh and not (gap[0] < step <= gap[1]):
+                        self._poll.late_events += 1
+                    continue
+                self._contribute(step, rank, inc_no, ev)
+            elif isinstance(ev, Gpu):
+                # a sample belongs to the step this rank is in (its own stream's order)
+                step = ev.step if ev.step is not None else max(inc.closed, inc.max_step - 1) + 1
+                if step > shipped_upto:
+                    if step > max_step:
+                        max_step = step
+                    self._contribute(step, rank, inc_no, ev)
+            elif isinstance(ev, StepEnd):
+                if ev.step > inc.closed:
+                    inc.closed = ev.step
+                if ev.step > max_step:  # a frame is consumed once its step_end is shipped too
+                    max_step = ev.step
+            elif isinstance(ev, RankStart):
+                inc.world_size = ev.world_size
+                inc.host = ev.host
+                inc.started = ev.ts
+            elif isinstance(ev, RankEnd):
+                inc.ended = ev.status
+            elif isinstance(ev, Params):
+                effective = inc.max_step + 1 if inc.max_step >= 0 else 0
+                self._poll.params.append((effective, rank, dict(ev.values)))
+                # the owner decides what is new; until it shipped them, keep the frame
+                holds = holds or effective > shipped_upto
+        return max_step, holds
+
+    def _contribute(self, step: int, rank: int, inc_no: int, ev: StepEvent) -> None:
+        """Add ``ev`` to what ``rank`` logged for ``step``; a later incarnation replaces."""
+        acc = self.steps.get(step)
+        if acc is None:
+            self.steps[step] = acc = StepAcc()
+        contrib = acc.ranks.get(rank)
+        if contrib is None or contrib.incarnation < inc_no:
+            acc.ranks[rank] = contrib = Contribution(inc_no)
+        if contrib.incarnation == inc_no:
+            contrib.events.append(ev)
+
+    # -- what the owner asks ----------------------------------------------------------
+
+    def released(self, state: RankState, now: float) -> bool:
+        """Ended (rank_end) or silent for dead_after; either way, only once fully read."""
+        if not state.caught_up:
+            return False
+        return state.ended() or now - state.last_activity > self.dead_after
+
+    def views(self, now: float) -> list[RankView]:
+        """Every rank seen with an incarnation, as completeness needs it."""
+        out = []
+        for r, s in self.ranks.items():
+            if not s.incs:
+                continue
+            sizes = [i.world_size for i in s.incs.values() if i.world_size is not None]
+            out.append(
+                RankView(
+                    rank=r,
+                    watermark=s.watermark(),
+                    released=self.released(s, now),
+                    ended=s.ended(),
+                    last_activity=s.last_activity,
+                    world_size=max(sizes) if sizes else None,
+                )
+            )
+        return out
+
+    def partials(
+        self, steps: list[int], *, per_rank: bool, exact: bool
+    ) -> list[StepPartial | None]:
+        """The partial of each step in ``steps`` over this tail's ranks (None: nothing)."""
+        out: list[StepPartial | None] = []
+        for step in steps:
+            acc = self.steps.get(step)
+            out.append(
+                None
+                if acc is None
+                else StepPartial.build(step, acc, per_rank=per_rank, exact=exact)
+            )
+        return out
+
+    def commit(self, shipped_upto: int, *, params_pending: bool) -> TailCommit:
+        """Mark frames whose steps are all shipped as consumed; the cursor state to save."""
+        self.sync(shipped_upto, self.durable_gap)
+        segments = {}
+        for seg in self.source.segments.values():
+            frames = seg.frames
+            n = 0
+            for end, max_step, holds in frames:
+                if max_step > shipped_upto or (holds and params_pending):
+                    break
+                seg.consumed = end
+                n += 1
+            if n:
+                del frames[:n]
+            if seg.exhausted and not frames:
+                seg.consumed = seg.offset
+            segments[seg.key] = SegmentCursor(
+                offset=seg.consumed,
+                seen=max(seg.offset, seg.seen),
+                done=seg.exhausted and not frames,
+            )
+        ranks = {
+            str(r): {str(k): v for k, v in s.incs.items()} for r, s in sorted(self.ranks.items())
+        }
+        return TailCommit(segments, ranks)
