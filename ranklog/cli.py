@@ -96,8 +96,11 @@ def _ship(args: argparse.Namespace) -> int:
     code = 0
     for spec in targets:
         try:
-            target = make_target(spec, spool, _options(args))
             name = args.name if args.name and len(targets) == 1 else default_name(spec)
+            if args.ray is not None:
+                _ship_on_ray(args, spec, name)
+                continue
+            target = make_target(spec, spool, _options(args))
             shipper = Shipper(
                 str(spool),
                 target,
@@ -113,6 +116,28 @@ def _ship(args: argparse.Namespace) -> int:
             print(f"ranklog ship: {exc}", file=sys.stderr)
             code = 2
     return code
+
+
+def _ship_on_ray(args: argparse.Namespace, spec: str, name: str) -> None:
+    from ranklog.errors import ConfigError
+    from ranklog.shippers._fanin import FanIn, ship_on_ray
+
+    if args.readers < 1:
+        raise ConfigError(f"--readers must be at least 1, got {args.readers}")
+    ship_on_ray(
+        args.ray or None,
+        args.spool,
+        spec,
+        _options(args),
+        FanIn(readers=args.readers, reader_cpus=args.reader_cpus),
+        name=name,
+        poll=args.poll,
+        dead_after=args.dead_after,
+        start_grace=args.start_grace,
+        per_rank=args.per_rank,
+        once=args.once,
+        quiet=args.quiet,
+    )
 
 
 def _options(args: argparse.Namespace) -> TargetOptions:
@@ -146,6 +171,9 @@ def _ship_each(args: argparse.Namespace, targets: list[str]) -> int:
         flags.append("--quiet")
     if args.per_rank:
         flags.append("--per-rank")
+    if args.ray is not None:
+        flags += [f"--ray={args.ray}", "--readers", str(args.readers)]
+        flags += ["--reader-cpus", str(args.reader_cpus)]
     for key in _PASSED_ON:
         value = getattr(args, key)
         if value is not None:
@@ -288,6 +316,18 @@ def build_parser() -> argparse.ArgumentParser:
     ship.add_argument("--name", help="cursor name (default: derived from the target)")
     ship.add_argument("--quiet", action="store_true", help="no status line")
     ship.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
+    ship.add_argument(
+        "--ray", nargs="?", const="", metavar="ADDRESS",
+        help="fan in on Ray: reader actors tail shards of the ranks, a root actor ships "
+        "(ADDRESS of the cluster; default: RAY_ADDRESS, or a running local Ray, or a new one)",
+    )  # fmt: skip
+    ship.add_argument(
+        "--readers", type=int, default=2, metavar="N", help="reader actors with --ray (default 2)"
+    )
+    ship.add_argument(
+        "--reader-cpus", type=float, default=1.0, metavar="C",
+        help="logical CPUs each reader asks Ray for (default 1)",
+    )  # fmt: skip
     _target_flags(ship)
     ship.set_defaults(func=_ship)
 

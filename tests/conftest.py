@@ -11,6 +11,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+#: fixtures shared by several modules, registered once (one Ray head per session)
+pytest_plugins = ["tests.ray_cluster"]
+
 
 @pytest.fixture
 def spool(tmp_path: Path) -> Path:

@@ -7,6 +7,7 @@ import json
 import ranklog
 import ranklog.errors
 import ranklog.producer
+import ranklog.ray
 import ranklog.schemas
 import ranklog.spool
 
@@ -16,18 +17,19 @@ HEAVY = (
     "pyarrow", "wandb", "mlflow", "tensorboard", "ray", "torch", "numpy", "pandas", "watchdog",
     "ranklog.shippers",
 )  # fmt: skip
+PUBLIC = (ranklog, ranklog.errors, ranklog.producer, ranklog.ray, ranklog.schemas, ranklog.spool)
 
 
 class TestPublicAPI:
     def test_all_names_exist(self) -> None:
         """Every name in each public module's ``__all__`` is importable from it."""
-        for module in (ranklog, ranklog.errors, ranklog.producer, ranklog.schemas, ranklog.spool):
+        for module in PUBLIC:
             for name in module.__all__:
                 assert hasattr(module, name), f"{module.__name__}.{name}"
 
     def test_all_is_unique(self) -> None:
         """``__all__`` lists have no duplicates (ruff's RUF022 keeps them sorted)."""
-        for module in (ranklog, ranklog.errors, ranklog.producer, ranklog.schemas, ranklog.spool):
+        for module in PUBLIC:
             assert len(set(module.__all__)) == len(module.__all__)
 
     def test_top_level_reexports(self) -> None:
@@ -81,3 +83,10 @@ class TestImportCost:
         proc = run_python(code)
         assert proc.returncode == 0, proc.stderr
         assert json.loads(proc.stdout) == []
+
+    def test_ray_helpers_import_lazily(self) -> None:
+        """``import ranklog.ray`` imports ray only once its ``init()`` is called."""
+        code = "import sys, json, ranklog.ray; print(json.dumps('ray' in sys.modules))"
+        proc = run_python(code)
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout) is False

@@ -442,3 +442,19 @@ class TestGpu:
         acc.Reload()
         assert [e.value for e in acc.Scalars("gpu/node7/1/utilization")] == [10.0, 20.0, 30.0]
         assert "gpu/all/utilization" in acc.Tags()["scalars"]
+
+    def test_samples_after_the_last_step_make_no_step(self, spool: Path, out: Path) -> None:
+        """Samples taken between the last step_end and the end of the run ship no extra step."""
+        from ranklog.schemas import Gpu
+
+        runs = [rank(spool, r, 2) for r in range(2)]
+        for s in range(2):
+            for run in runs:
+                run.log_metrics({"loss": 1.0}, step=s)
+                run.step_end(s)
+        runs[0]._sink.append(Gpu(1.0, "node7", 0, 50.0))  # the sampler, still running
+        for run in runs:
+            run.close()
+        ship(spool, out)
+        assert [(x["step"], x["complete"]) for x in lines(out)] == [(0, True), (1, True)]
+        assert load_cursor(spool, "t").last_step >= 1  # type: ignore[union-attr]

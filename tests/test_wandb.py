@@ -22,11 +22,12 @@ from ranklog.shippers._wandb_log import (
     BLOCK,
     HEADER,
     LogReader,
+    history_row,
     history_rows,
     iter_records,
     read_payloads,
 )
-from ranklog.shippers.wandb import WandbTarget, scan_offline, wandb_run_id
+from ranklog.shippers.wandb import GPU_STEP, WandbTarget, scan_offline, wandb_run_id
 from ranklog.spool import read_run
 
 from . import test_compliance as tc
@@ -503,3 +504,183 @@ class TestMedia:
         (row,) = [r for r in _rows(_logs(work)) if r.get("_step") == 0]
         assert row["grad._type"] == "histogram"
         assert row["plot/rank00000._type"] == row["plot/rank00001._type"] == "image-file"
+
+
+#: (host, index) of the GPUs the GPU spool samples; no sample in step 0
+GPUS = (("node7", 0), ("node7", 1), ("node8", 0))
+GPU_STEPS = 10
+
+
+def _gpu_spool(spool: Path, *, steps: int = GPU_STEPS) -> None:
+    """Two ranks; rank 0 (the host's sampler) adds one sample per GPU from step 1 on."""
+    import time
+
+    from ranklog.schemas import Gpu
+
+    runs = [rank(spool, r, 2) for r in range(2)]
+    for s in range(steps):
+        for r, run in enumerate(runs):
+            run.log_metrics({"loss": s + r}, step=s)
+            if r == 0 and s > 0:
+                for host, i in GPUS:
+                    mem = (s * 37 % 11 + i + 1) * 2**20  # peaks mid-run: max != last
+                    run._sink.append(
+                        Gpu(time.time(), host, i, 10.0 * s + i, mem, 2**34, 50.0 + s % 4, 200.0)
+                    )
+            run.step_end(s)
+    for run in runs:
+        run.close()
+
+
+class _Seen:
+    """Wraps a target and keeps every step written to it."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.kind, self.spec = inner, inner.kind, inner.spec
+        self.steps: list[ShippedStep] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def write(self, steps: list[ShippedStep]) -> None:
+        self.inner.write(steps)
+        self.steps.extend(steps)
+
+
+def _kinds(path: Path) -> list[tuple[str, Any]]:
+    """(record type, record) of a .wandb file, in file order."""
+    return [(r.WhichOneof("record_type"), r) for r in iter_records(path)]
+
+
+def _summary(path: Path) -> dict[str, Any]:
+    """The run summary a .wandb file ends with: every summary update applied in order."""
+    out: dict[str, Any] = {}
+    for kind, rec in _kinds(path):
+        if kind == "summary":
+            for u in rec.summary.update:
+                out[".".join(u.nested_key) if u.nested_key else u.key] = json.loads(u.value_json)
+    return out
+
+
+def _gpu_row(row: dict[str, Any]) -> bool:
+    return any("/gpu." in k or k.startswith("gpu.all.") for k in row)
+
+
+def _check_definitions(path: Path) -> None:
+    """Each definition once, all of them before the file's first GPU row."""
+    records = _kinds(path)
+    metrics = [r.metric for k, r in records if k == "metric"]
+    first_gpu = next(
+        i for i, (k, r) in enumerate(records) if k == "history" and _gpu_row(history_row(r))
+    )
+    assert all(k != "metric" for k, _ in records[first_gpu:])
+    by = {m.name or m.glob_name: m for m in metrics}
+    assert len(by) == len(metrics), [m.name or m.glob_name for m in metrics]
+    step = by.pop(GPU_STEP)
+    assert step.options.hidden and not step.step_metric
+    globs = {n for n, m in by.items() if m.glob_name}
+    assert globs == {"node7/gpu.*", "node8/gpu.*", "gpu.all.*"}
+    assert all(m.step_metric == GPU_STEP for m in by.values())
+    summaries = {n: [f.name for f, on in m.summary.ListFields() if on] for n, m in by.items()}
+    for host, i in GPUS:
+        pre = rf"{host}/gpu\.{i}\."
+        assert summaries[pre + "gpu"] == ["mean"]
+        assert summaries[pre + "memoryAllocatedBytes"] == ["max"]
+        assert summaries[pre + "temp"] == ["max"]
+        assert summaries[pre + "powerWatts"] == ["mean"]
+    assert summaries[r"gpu\.all\.gpu"] == ["mean"]
+    assert summaries[r"gpu\.all\.memoryAllocatedBytesMax"] == ["max"]
+    assert all(summaries[g] == [] for g in globs)
+
+
+class TestGpu:
+    def test_gpu_rows_have_their_own_step_metric(self, spool: Path, work: Path) -> None:
+        """GPU rows carry gpu/runtime; the file defines it, the globs and each key's summary."""
+        _gpu_spool(spool)
+        info = read_run(spool)
+        seen = _Seen(_target(work))
+        _ship_wandb(spool, seen)
+        (path,) = _logs(work)
+        _check_definitions(path)
+        rows = list(history_rows(path))
+        assert [r["_step"] for r in rows] == list(range(GPU_STEPS))
+        assert GPU_STEP not in rows[0] and not _gpu_row(rows[0])  # no GPU sample in step 0
+        by_step = {s.step: s for s in seen.steps}
+        for row in rows[1:]:
+            s = by_step[row["_step"]]
+            assert row[GPU_STEP] == pytest.approx(s.ts - info.created, abs=1e-3)
+            assert 0 <= row[GPU_STEP] < 600
+            assert row["node7/gpu.1.gpu"] == 10.0 * row["_step"] + 1
+        assert [r[GPU_STEP] for r in rows[1:]] == sorted(r[GPU_STEP] for r in rows[1:])
+        # the summaries W&B computed from the definitions: peak memory, mean utilisation
+        summary = _summary(path)
+        mems = [r["node7/gpu.1.memoryAllocatedBytes"] for r in rows[1:]]
+        assert mems[-1] != max(mems)
+        assert summary["node7/gpu.1.memoryAllocatedBytes"] == {"max": max(mems)}
+        utils = [r["node8/gpu.0.gpu"] for r in rows[1:]]
+        assert summary["node8/gpu.0.gpu"] == {"mean": pytest.approx(sum(utils) / len(utils))}
+        assert summary["gpu.all.memoryAllocatedBytesMax"] == {
+            "max": max(r["gpu.all.memoryAllocatedBytesMax"] for r in rows[1:])
+        }
+        assert summary["loss"] == rows[-1]["loss"]  # other metrics keep W&B's default
+
+    def test_definitions_again_after_restart(
+        self, spool: Path, work: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A restarted shipper's new run file gets the definitions again: same, each once."""
+        import ranklog.shippers._engine as engine
+
+        _gpu_spool(spool)
+        monkeypatch.setattr(engine, "BATCH_STEPS", 4)
+        with pytest.raises(Killed):
+            _ship_wandb(spool, KillSwitch(_target(work), "flush", 2, after=True))
+        _ship_wandb(spool, _target(work))
+        paths = _logs(work)
+        assert len(paths) == 2
+        assert [r["_step"] for r in _rows(paths)] == list(range(GPU_STEPS))  # each step once
+        for p in paths:
+            _check_definitions(p)
+        first, second = ([r.metric for k, r in _kinds(p) if k == "metric"] for p in paths)
+        assert sorted(m.SerializeToString() for m in first) == sorted(
+            m.SerializeToString() for m in second
+        )
+        rows = list(history_rows(paths[1]))
+        assert all(GPU_STEP in r for r in rows)
+        mems = [r["node7/gpu.0.memoryAllocatedBytes"] for r in rows]
+        assert _summary(paths[1])["node7/gpu.0.memoryAllocatedBytes"] == {"max": max(mems)}
+
+    def test_per_rank_runs_get_no_gpu(self, spool: Path, work: Path) -> None:
+        """With per-rank runs, GPU series and their definitions stay in the main run."""
+        _gpu_spool(spool, steps=4)
+        _ship_wandb(spool, _target(work, per_rank=True), per_rank=True)
+        (main,) = _logs(work)
+        _check_definitions(main)
+        ranks = _logs(work, ranks=True)
+        assert len(ranks) == 2
+        for p in ranks:
+            assert all(k != "metric" for k, _ in _kinds(p))
+            rows = list(history_rows(p))
+            assert [r["_step"] for r in rows] == list(range(4))
+            assert not any(_gpu_row(r) or GPU_STEP in r for r in rows)
+
+    def test_definitions(self) -> None:
+        """Names: escaped dots for summaries, one glob per host, none with an inner '*'."""
+        from ranklog.shippers._media import gpu_metrics
+        from ranklog.shippers._target import GpuStat
+        from ranklog.shippers.wandb import MetricDef, gpu_definitions
+
+        stats = [GpuStat("n.1", 0, "", 1, 50.0, 10, 20, None, None), GpuStat("a*", 2, "", 1,
+                 1.0, None, None, None, None)]  # fmt: skip
+        step = ShippedStep(3, {}, 1, 1, True, 5.0, gpu=stats)
+        defs = gpu_definitions(step, gpu_metrics(step, "wandb"))
+        assert defs == [
+            MetricDef(GPU_STEP, hidden=True),
+            MetricDef("gpu.all.*", GPU_STEP),
+            MetricDef("n.1/gpu.*", GPU_STEP),
+            MetricDef(r"gpu\.all\.gpu", GPU_STEP, "mean"),
+            MetricDef(r"gpu\.all\.memoryAllocatedBytesMax", GPU_STEP, "max"),
+            MetricDef(r"n\.1/gpu\.0\.gpu", GPU_STEP, "mean"),
+            MetricDef(r"n\.1/gpu\.0\.memoryAllocatedBytes", GPU_STEP, "max"),
+        ]
+        assert defs[0].options() == {"hidden": True}
+        assert defs[-1].options() == {"step_metric": GPU_STEP, "summary": "max"}

@@ -4,12 +4,15 @@ Run from the repository root::
 
     .venv/bin/python tools/bench_producer.py           # full run, a few minutes
     .venv/bin/python tools/bench_producer.py --quick   # smoke run, well under a minute
+    .venv/bin/python tools/bench_producer.py --gpu     # only: GPU sampler on vs off (~2 min)
 
 It prints one Markdown table measured in this run: ``Run.log_metrics`` (10 float
 keys) at each durability level; the same 10 keys through ``wandb`` (offline),
 TensorBoard's ``EventFileWriter`` and ``mlflow`` (sqlite store); ``Run.step_end``
 alone at each durability level; and the time of ``import ranklog`` in a fresh
-interpreter. Every call is timed on its own with ``time.perf_counter_ns`` while
+interpreter. ``--gpu`` prints another table instead: ``log_metrics`` with the GPU
+sampler off and on (every 0.1 s, to exaggerate), runs interleaved, medians over runs.
+Every call is timed on its own with ``time.perf_counter_ns`` while
 the garbage collector is paused. The targets are checked at the end.
 
 This is a developer tool, not a test: numbers depend on the machine and its load.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import gc
 import importlib.metadata
 import json
@@ -26,11 +30,13 @@ import logging
 import os
 import platform
 import random
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -94,6 +100,8 @@ class Budget:
     mlflow_calls: int
     peer_warmup: int
     import_runs: int
+    gpu_rounds: int  # --gpu: runs per sampler mode, interleaved
+    gpu_seconds: float  # --gpu: length of one run
 
 
 FULL: Final = Budget(
@@ -106,6 +114,8 @@ FULL: Final = Budget(
     mlflow_calls=300,
     peer_warmup=50,
     import_runs=5,
+    gpu_rounds=5,
+    gpu_seconds=2.0,
 )
 QUICK: Final = Budget(
     log_calls=2_000,
@@ -117,6 +127,8 @@ QUICK: Final = Budget(
     mlflow_calls=30,
     peer_warmup=10,
     import_runs=3,
+    gpu_rounds=3,
+    gpu_seconds=0.5,
 )
 
 
@@ -269,6 +281,242 @@ def _measure_import(runs: int) -> ImportResult:
         heavy.update(result["heavy"])
     runs_ms = [s * 1e3 for s in seconds]
     return ImportResult(statistics.median(runs_ms), runs_ms, sorted(heavy))
+
+
+# -- the GPU sampler: log_metrics with it off and on -----------------------------------
+
+GPU_INTERVAL: Final = 0.1  # seconds: 100x the default, to exaggerate the sampler's cost
+FAKE_GPUS: Final = 8
+NVML_READINGS: Final = 6  # per GPU: handle, utilization, memory, temperature, power, name
+DRIVER_WAIT_S: Final = 20e-6  # asked of time.sleep per reading; Linux rounds up to ~70 µs
+#: the main thread between steps (every CALLS_PER_STEP calls): never lets go of the GIL
+#: ("tight": the sampler thread waits a switch interval, 5 ms, for every GIL hand-back), or
+#: sleeps 1 ms with it released, as a training loop does while it waits for the GPU
+PACES: Final = {"tight": 0.0, "paced": 1e-3}
+RAY_PROM: Final = Path(__file__).resolve().parent.parent / "tests" / "data" / "ray_metrics.prom"
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class FakeNvml:
+    """A GPU source that costs what ``NvmlSource`` (pynvml) costs on an 8-GPU host.
+
+    Per GPU, six readings, each one ctypes call that fills a struct (what a pynvml
+    call does on the Python side) and then a wait with the GIL released (the driver
+    round trip, during which ctypes releases the GIL as well); then one Gpu event.
+    """
+
+    name = "fake-nvml"
+
+    def __init__(self, host: str = "bench", gpus: int = FAKE_GPUS) -> None:
+        self.host, self.gpus = host, gpus
+        self._clock = ctypes.CDLL(None, use_errno=True).clock_gettime
+        self.calls = 0
+
+    def _reading(self) -> int:
+        ts = _Timespec()
+        if self._clock(1, ctypes.byref(ts)) != 0:  # CLOCK_MONOTONIC
+            raise OSError(ctypes.get_errno(), "clock_gettime")
+        time.sleep(DRIVER_WAIT_S)
+        return int(ts.tv_nsec)
+
+    def sample(self) -> list[Any]:
+        from ranklog.schemas import Gpu
+
+        self.calls += 1
+        now, out = time.time(), []
+        for i in range(self.gpus):
+            r = [self._reading() for _ in range(NVML_READINGS)]
+            out.append(Gpu(now, self.host, i, float(r[1] % 101), r[2] % 2**36, 2**36,
+                           float(r[3] % 90), float(r[4] % 700), None, "fake"))  # fmt: skip
+        return out
+
+    def close(self) -> None: ...
+
+
+@contextlib.contextmanager
+def _ray_endpoint(base: Path) -> Iterator[str]:
+    """``http://127.0.0.1:PORT/metrics`` serving RAY_PROM, from a separate process
+    (a Ray metrics agent is another process too)."""
+    with tempfile.TemporaryDirectory(prefix="ray-metrics-", dir=base) as tmp:
+        (Path(tmp) / "metrics").write_bytes(RAY_PROM.read_bytes())
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        server = subprocess.Popen(
+            [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
+             "--directory", tmp],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        url = f"http://127.0.0.1:{port}/metrics"
+        try:
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    with urllib.request.urlopen(url, timeout=1) as resp:
+                        resp.read()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline or server.poll() is not None:
+                        raise
+                    time.sleep(0.05)
+            yield url
+        finally:
+            server.terminate()
+            server.wait(5)
+
+
+def _ray_source(url: str) -> Any:
+    """ranklog's RaySource, reading ``url`` instead of asking Ray for its nodes."""
+    from ranklog.producer._gpu import RaySource
+
+    class LocalRay(RaySource):
+        calls = 0
+
+        def endpoints(self) -> list[tuple[str, str]]:
+            return [("127.0.0.1", url)]
+
+        def sample(self) -> list[Any]:
+            self.calls += 1
+            return super().sample()
+
+    return LocalRay()
+
+
+@dataclass(frozen=True)
+class GpuRun:
+    """One timed run of log_metrics; times in microseconds."""
+
+    calls: int
+    p50: float
+    p99: float
+    p999: float
+    max: float
+    samples: int  # GPU samples the sampler took during the run
+
+
+def _log_with_sampler(base: Path, source: Any, seconds: float, pause: float) -> GpuRun:
+    """``log_metrics`` of 10 keys for ``seconds`` (durability step), each call timed; every
+    CALLS_PER_STEP calls, untimed: ``step_end`` (so the buffer never fills up and makes a
+    call wait for the disk) and ``pause`` seconds of GIL-free sleep."""
+    import ranklog
+
+    payloads = _payloads()
+    with tempfile.TemporaryDirectory(prefix="gpu-", dir=base) as spool:
+        run = ranklog.init(spool, rank=0, world_size=1, local_rank=0, handle_signals=False,
+                           gpu="off" if source is None else source,
+                           gpu_interval=GPU_INTERVAL)  # fmt: skip
+        log, clock = run.log_metrics, time.perf_counter_ns
+        for i in range(2_000):
+            log(payloads[i % len(payloads)], step=i // CALLS_PER_STEP)
+        first = 2_000 // CALLS_PER_STEP + 1
+        before = 0 if source is None else source.calls
+        samples: list[int] = []
+        append = samples.append
+        deadline = clock() + int(seconds * 1e9)
+        with _gc_paused():
+            i = 0
+            while True:
+                t0 = clock()
+                log(payloads[i & 63], step=first + i // CALLS_PER_STEP)
+                t1 = clock()
+                append(t1 - t0)
+                i += 1
+                if t1 > deadline:
+                    break
+                if i % CALLS_PER_STEP == 0:  # a step ends: its bytes go to the OS (untimed)
+                    run.step_end(first + i // CALLS_PER_STEP - 1)
+                    if pause:
+                        time.sleep(pause)
+        taken = 0 if source is None else source.calls - before
+        run.close()
+    ordered = sorted(samples)
+    return GpuRun(len(ordered), _percentile(ordered, 0.5) / 1e3, _percentile(ordered, 0.99) / 1e3,
+                  _percentile(ordered, 0.999) / 1e3, ordered[-1] / 1e3, taken)  # fmt: skip
+
+
+def _sample_cost_us(source: Any, n: int = 30) -> float:
+    """Median wall time of one ``sample()`` with nothing else running, in microseconds."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        source.sample()
+        times.append(time.perf_counter_ns() - t0)
+    source.calls -= n
+    return statistics.median(times) / 1e3
+
+
+def _bench_gpu_sampler(base: Path, budget: Budget, quick: bool) -> list[str]:
+    """The --gpu table: off and each source, runs interleaved (rotated order), medians."""
+    with contextlib.ExitStack() as stack:
+        modes: list[tuple[str, Any, str]] = [("off", None, 'gpu="off": no sampler thread')]
+        fake = FakeNvml()
+        modes.append(("on: fake-nvml", fake, f"{FAKE_GPUS} GPUs x {NVML_READINGS} ctypes "
+                      f"calls + GIL-free sleep({DRIVER_WAIT_S * 1e6:.0f} µs) each"))  # fmt: skip
+        try:
+            ray = _ray_source(stack.enter_context(_ray_endpoint(base)))
+            modes.append(("on: ray-http", ray, f"RaySource over HTTP to a local server of "
+                          f"tests/data/ray_metrics.prom ({len(RAY_PROM.read_text().splitlines())}"
+                          " lines, 2 nodes x 2 GPUs)"))  # fmt: skip
+        except Exception as exc:  # no ray installed, no port
+            print(f"(ray-http left out: {type(exc).__name__}: {exc})", file=sys.stderr)
+        cost = {name: _sample_cost_us(src) for name, src, _ in modes if src is not None}
+        runs: dict[tuple[str, str], list[GpuRun]] = {}
+        for r in range(budget.gpu_rounds):
+            k = r % len(modes)
+            for pace, pause in PACES.items():
+                for name, src, _ in modes[k:] + modes[:k]:
+                    got = _log_with_sampler(base, src, budget.gpu_seconds, pause)
+                    runs.setdefault((pace, name), []).append(got)
+
+    def med(key: tuple[str, str], field: str) -> str:
+        values = [getattr(x, field) for x in runs[key]]
+        return f"{_fmt(statistics.median(values))} [{_fmt(min(values))}..{_fmt(max(values))}]"
+
+    expected = budget.gpu_seconds / GPU_INTERVAL
+    lines = [
+        f"# ranklog log_metrics with the GPU sampler off / on{' (--quick)' if quick else ''}",
+        "",
+        f"- machine: {platform.platform()}, {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()}; no GPU: the sources below stand in for one",
+        f"- {budget.gpu_rounds} runs per mode of {budget.gpu_seconds:g} s each, modes "
+        "interleaved (order rotated every round); 10 float keys per call, durability step, "
+        f"GC paused; sampler interval {GPU_INTERVAL:g} s (default 10 s)",
+        f"- loop: step_end (untimed) every {CALLS_PER_STEP} calls; tight = calls back to back, "
+        "the main thread never releases the GIL; paced = "
+        f"{PACES['paced'] * 1e3:g} ms GIL-free sleep (untimed) every {CALLS_PER_STEP} calls, "
+        "as while a training step waits for the GPU",
+        "- cells: median over runs [min..max over runs] of each run's percentile, µs",
+        "",
+        "| loop | sampler | calls/run | p50 µs | p99 µs | p99.9 µs | max µs "
+        f"| samples/run (of {expected:g}) | sample() alone µs | source |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for pace in PACES:
+        for name, _, what in modes:
+            key = (pace, name)
+            samples = statistics.median(x.samples for x in runs[key])
+            lines.append(
+                f"| {pace} | {name} | {statistics.median(x.calls for x in runs[key]):,.0f} "
+                f"| {med(key, 'p50')} | {med(key, 'p99')} | {med(key, 'p999')} "
+                f"| {med(key, 'max')} | {'-' if name == 'off' else f'{samples:g}'} "
+                f"| {_fmt(cost.get(name))} | {what} |"
+            )
+    lines.append("")
+    for pace in PACES:
+        off = {f: statistics.median(getattr(x, f) for x in runs[(pace, "off")])
+               for f in ("p50", "p99")}  # fmt: skip
+        for name, _, _ in modes[1:]:
+            on = {f: statistics.median(getattr(x, f) for x in runs[(pace, name)])
+                  for f in ("p50", "p99")}  # fmt: skip
+            lines.append(
+                f"- {pace}, {name} vs off: median p50 {_fmt(on['p50'])} vs {_fmt(off['p50'])} µs "
+                f"({(on['p50'] - off['p50']) * 1e3:+,.0f} ns), median p99 {_fmt(on['p99'])} vs "
+                f"{_fmt(off['p99'])} µs"
+            )
+    return lines
 
 
 # -- peers ------------------------------------------------------------------------------
@@ -585,6 +833,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--quick", action="store_true", help="few iterations: a smoke run in well under a minute"
     )
     parser.add_argument(
+        "--gpu",
+        action="store_true",
+        help="only log_metrics with the GPU sampler off vs on (a fake source, no GPU needed)",
+    )
+    parser.add_argument(
         "--tmp-dir",
         type=Path,
         default=None,
@@ -599,6 +852,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     _quiet_peers()
     base = Path(args.tmp_dir or tempfile.gettempdir()).resolve()
     base.mkdir(parents=True, exist_ok=True)
+    if args.gpu:
+        print("\n".join(_bench_gpu_sampler(base, budget, args.quick)), flush=True)
+        return 0
     lines = _header(budget, base, args.quick)
     imported = _measure_import(budget.import_runs)
     rows = [_bench_log_metrics(base, level, budget) for level in DURABILITIES]

@@ -4,6 +4,9 @@ Run from the repository root::
 
     .venv/bin/python tools/bench_shipper.py           # full run, a few minutes
     .venv/bin/python tools/bench_shipper.py --quick   # smoke run, well under a minute
+    # only the idle rows: 4,096 live rank files polled every second, measured for 30 s
+    .venv/bin/python tools/bench_shipper.py --idle-only --idle-ranks 4096 --idle-poll poll \
+        --idle-seconds 30
 
 It prints one Markdown table measured in this run:
 
@@ -20,7 +23,10 @@ It prints one Markdown table measured in this run:
   runs; the latency of step S is the time its JSONL line appeared (the file is
   polled every millisecond) minus the latest ``step_end`` return of S over the
   ranks. Once with the native observer (inotify on a local disk), once with
-  ``--poll 1``. The shipper must exit by itself once every rank closed.
+  ``--poll 1``. The shipper must exit by itself once every rank closed;
+- idle cost: a following shipper (``--poll 1``, and the native observer) over
+  ``--idle-ranks`` ranks (default 1,024) that each hold one open, unsealed segment
+  and write nothing: its CPU time over wall time (share of one core) and its RSS.
 
 The targets are checked at the end. This is a developer tool, not a test:
 numbers depend on the machine and its load.
@@ -43,7 +49,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, Final
+from typing import IO, TYPE_CHECKING, Final
+
+if TYPE_CHECKING:
+    from ranklog.spool import IncarnationWriter
 
 METRICS: Final = 20
 NAMES: Final = tuple(f"train/m{k:02d}" for k in range(METRICS))
@@ -203,8 +212,14 @@ def _short(text: str, limit: int = 100) -> str:
 # -- throughput -------------------------------------------------------------------------
 
 
-def _write_rank(spool: Path, rank: int, world_size: int, steps: int, *, end: bool = True) -> None:
-    """One rank's incarnation: rank_start, then frames of STEPS_PER_FRAME steps, rank_end."""
+def _write_rank(
+    spool: Path, rank: int, world_size: int, steps: int, *, end: bool = True
+) -> IncarnationWriter | None:
+    """One rank's incarnation: rank_start, then frames of STEPS_PER_FRAME steps, rank_end.
+
+    With ``end=False`` the rank is still running: no rank_end, no seal, and its writer is
+    returned with the segment still open (the caller closes it, unsealed, with ``abandon``).
+    """
     from ranklog import __version__
     from ranklog.schemas import Event, Metrics, RankEnd, RankStart, StepEnd, encode_events
     from ranklog.spool import IncarnationWriter, SpoolLayout, ensure_run
@@ -222,11 +237,11 @@ def _write_rank(spool: Path, rank: int, world_size: int, steps: int, *, end: boo
             events.append(Metrics(ts, step, _values(rank, step)))
             events.append(StepEnd(ts + 0.05, step))
         writer.write_events(len(events), [encode_events(events)])
-    if not end:  # a rank still running: no rank_end, no seal
-        writer.abandon()
-        return
+    if not end:  # a rank still running: no rank_end, no seal, the file open
+        return writer
     writer.write_events(1, [encode_events([RankEnd(t0 + steps * 0.1, "ok", 0)])])
     writer.close(sync=False)
+    return None
 
 
 def _write_spool(spool: Path, ranks: int, steps: int) -> None:
@@ -550,7 +565,7 @@ def _bench_latency(base: Path, budget: Budget, poll: float | None) -> Row:
 
 # -- idle cost --------------------------------------------------------------------------
 
-IDLE_RANKS: Final = 1024
+IDLE_RANKS: Final = 1024  # default of --idle-ranks
 TARGET_IDLE_CPU: Final = 0.10  # of one core
 
 
@@ -560,38 +575,66 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _bench_idle(base: Path, seconds: float, poll: float | None) -> Row:
-    """CPU a following shipper burns while 1,024 live ranks write nothing."""
+def _rss_mb(pid: int) -> tuple[float, float]:
+    """(current, peak) resident set size of a live process in MB, from /proc."""
+    fields = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
+    kib = [int(fields[k].split()[0]) for k in ("VmRSS", "VmHWM")]
+    return kib[0] / 1024, kib[1] / 1024
+
+
+def _bench_idle(base: Path, seconds: float, poll: float | None, ranks: int = IDLE_RANKS) -> Row:
+    """CPU and memory of a following shipper while ``ranks`` live ranks write nothing.
+
+    Each rank has one segment, open in this process (no seal, no rank_end): steps 0
+    and 1 closed, then silence. The shipper (``--dead-after 3600``: nobody is declared
+    dead) ships those two steps, then is measured for ``seconds``: its CPU time (user +
+    sys, /proc/PID/stat) over wall time, and its RSS (VmRSS at the end, VmHWM peak).
+    """
     from ranklog.spool import ensure_run
 
     mode = "native observer" if poll is None else f"--poll {poll:g}"
+    writers: list[IncarnationWriter] = []
     with tempfile.TemporaryDirectory(prefix="idle-", dir=base) as name:
         tmp = Path(name)
         spool, out = tmp / "spool", tmp / "out.jsonl"
-        ensure_run(spool, world_size=IDLE_RANKS)
-        for rank in range(IDLE_RANKS):
-            _write_rank(spool, rank, IDLE_RANKS, 2, end=False)
-        extra = ["--dead-after", "3600"] + ([] if poll is None else ["--poll", str(poll)])
-        proc = subprocess.Popen(_ship_cmd(spool, out, *extra), stderr=subprocess.DEVNULL)
+        ensure_run(spool, world_size=ranks)
         try:
-            deadline = time.monotonic() + 60
-            while (not out.exists() or out.stat().st_size == 0) and time.monotonic() < deadline:
-                time.sleep(0.05)  # until the first round read every rank
-            time.sleep(2.0)
-            cpu0, wall0 = _cpu_seconds(proc.pid), time.monotonic()
-            time.sleep(seconds)
-            cpu = _cpu_seconds(proc.pid) - cpu0
-            wall = time.monotonic() - wall0
-            alive = proc.poll() is None
+            for rank in range(ranks):
+                writer = _write_rank(spool, rank, ranks, 2, end=False)
+                assert writer is not None
+                writers.append(writer)
+            extra = ["--dead-after", "3600"] + ([] if poll is None else ["--poll", str(poll)])
+            t0 = time.monotonic()
+            proc = subprocess.Popen(_ship_cmd(spool, out, *extra), stderr=subprocess.DEVNULL)
+            try:
+                deadline = t0 + 60 + ranks / 20
+                while (not out.exists() or out.stat().st_size == 0) and time.monotonic() < deadline:
+                    time.sleep(0.05)  # until the first round read every rank
+                first = time.monotonic() - t0
+                time.sleep(2.0)
+                cpu0, wall0 = _cpu_seconds(proc.pid), time.monotonic()
+                time.sleep(seconds)
+                cpu = _cpu_seconds(proc.pid) - cpu0
+                wall = time.monotonic() - wall0
+                rss, peak = _rss_mb(proc.pid)
+                alive = proc.poll() is None
+            finally:
+                _kill(proc)
         finally:
-            _kill(proc)
+            for writer in writers:
+                writer.abandon()
     share = cpu / wall
     return Row(
-        f"idle shipper, {IDLE_RANKS} live rank files ({mode})",
-        f"{IDLE_RANKS} ranks, {wall:.0f} s",
+        f"idle shipper, {ranks:,} live rank files ({mode})",
+        f"{ranks:,} ranks, {wall:.0f} s",
+        wall_s=wall,
         cpu_s=cpu,
+        rss_mb=peak,
         ok=alive and share < TARGET_IDLE_CPU,
-        note=f"{share * 100:.1f} % of a core" + ("" if alive else "; FAILED: shipper exited"),
+        note=f"{share * 100:.1f} % of a core; RSS {rss:.1f} MB at the end; steps 0-1 shipped "
+        f"{first:.1f} s after start" + ("" if alive else "; FAILED: shipper exited"),
     )
 
 
@@ -696,6 +739,13 @@ def _targets(small: Row, large: Row, latency: Sequence[Row]) -> list[str]:
     return lines
 
 
+def _idle_targets(idle: Sequence[Row]) -> list[str]:
+    return [
+        f"- {_verdict(row.ok)}: {row.name} < {TARGET_IDLE_CPU * 100:g} % of a core: {row.note}"
+        for row in idle
+    ]
+
+
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument(
@@ -706,6 +756,29 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=Path,
         default=None,
         help="where the spools and JSONL files go (default: the system temp dir)",
+    )
+    parser.add_argument(
+        "--idle-ranks",
+        type=int,
+        nargs="+",
+        default=[IDLE_RANKS],
+        metavar="N",
+        help=f"live rank files of the idle-shipper rows (default: {IDLE_RANKS})",
+    )
+    parser.add_argument(
+        "--idle-seconds",
+        type=float,
+        default=None,
+        help="how long each idle shipper is measured (default: 10, --quick 4)",
+    )
+    parser.add_argument(
+        "--idle-poll",
+        choices=("both", "poll", "native"),
+        default="both",
+        help="idle rows with --poll 1, the native observer, or both (default)",
+    )
+    parser.add_argument(
+        "--idle-only", action="store_true", help="only the idle-shipper rows (and their targets)"
     )
     return parser.parse_args(argv)
 
@@ -718,7 +791,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     budget = QUICK if args.quick else FULL
     base = Path(args.tmp_dir or tempfile.gettempdir()).resolve()
     base.mkdir(parents=True, exist_ok=True)
+    idle_seconds = args.idle_seconds or (4.0 if args.quick else 10.0)
+    polls = {"both": (1.0, None), "poll": (1.0,), "native": (None,)}[args.idle_poll]
     lines = _header(budget, base, args.quick)
+    if args.idle_only:
+        idle = [_bench_idle(base, idle_seconds, p, n) for n in args.idle_ranks for p in polls]
+        what = (
+            "- idle: `ranklog ship SPOOL --to jsonl:OUT --quiet --dead-after 3600 [--poll 1]` "
+            "following N ranks, each with one open, unsealed segment (steps 0-1 closed, then "
+            "nothing); CPU = the shipper's user+sys time over wall time of the window after "
+            "those steps shipped (+2 s); RSS from /proc/PID/status (peak VmHWM in the table)"
+        )
+        lines = [*lines[:5], what, "", *_table(idle), "", "## Targets", "", *_idle_targets(idle)]
+        print("\n".join(lines), flush=True)
+        return 0
     small = _bench_throughput(base, THROUGHPUT_RANKS, budget.steps, budget.ship_timeout_s)
     large = _bench_throughput(base, THROUGHPUT_RANKS, SCALE * budget.steps, budget.ship_timeout_s)
     latency = [_bench_latency(base, budget, poll) for poll in (None, 1.0)]
@@ -726,16 +812,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         base, THROUGHPUT_RANKS, budget.steps, budget.ship_timeout_s
     )
     backends = _bench_targets(base, THROUGHPUT_RANKS, budget.steps // 4, budget.ship_timeout_s)
-    idle_seconds = 4.0 if args.quick else 10.0
-    idle = [_bench_idle(base, idle_seconds, poll) for poll in (1.0, None)]
+    idle = [_bench_idle(base, idle_seconds, p, n) for n in args.idle_ranks for p in polls]
     rows = [small, large, *archive, *backends, _startup_row(base, budget.ship_timeout_s),
             *latency, *idle]  # fmt: skip
     lines += _table(rows)
     lines += _targets(small, large, latency)
-    lines += [
-        f"- {_verdict(row.ok)}: {row.name} < {TARGET_IDLE_CPU * 100:g} % of a core: {row.note}"
-        for row in idle
-    ]
+    lines += _idle_targets(idle)
     comp, rep, live = archive
     lines += [
         f"- {_verdict((comp.values_per_s or 0) >= TARGET_VALUES_PER_S)}: compaction >= 1 M "

@@ -5,7 +5,8 @@ Sources: ``nvml`` (nvidia-ml-py; a reading a board lacks is None); ``ray`` (NeMo
 in MiB whatever the HELP line says; host memory kept as :class:`HostMemory`); ``auto`` (nvml
 if it sees a GPU, else ray if initialised, else nothing: logged once, no thread). A failing
 source is retried after 2x, 4x, ... up to 10x the interval and warned about once; nothing is
-raised into training. Steps stay None: the shipper aligns samples by stream position.
+raised into training. A source that works but sees no GPU (a GPU-less Ray node) is logged once
+and kept sampling. Steps stay None: the shipper aligns samples by stream position.
 One process per host samples: see :func:`elect_sampler`.
 """
 
@@ -283,7 +284,7 @@ class GpuSampler:
         self._source = open_source(source, self.host) if isinstance(source, str) else source
         self.source_name: str = "none" if self._source is None else self._source.name
         self.failures = self.appended = 0  # failures: consecutive ones
-        self._warned = self._started = False
+        self._warned = self._started = self._said_empty = False
         self._stop = threading.Event()
         self._lock = threading.Lock()  # held while appending: stop() waits for it
         self._thread: threading.Thread | None = None
@@ -333,6 +334,10 @@ class GpuSampler:
                     if self.failures:
                         log.info("ranklog: GPU sampling (%s) works again", self.source_name)
                     self.failures = 0
+                    if not events and not self._said_empty:  # a GPU-less Ray node, say
+                        self._said_empty = True
+                        msg = "ranklog: %s reports no GPU on %s (yet); sampling goes on"
+                        log.info(msg, self.source_name, self.host)
                 delay = backoff(self.interval, self.failures)
                 self._stop.wait(max(0.0, delay - (time.monotonic() - t0)))
         finally:

@@ -94,6 +94,7 @@ class Run:
         handle_signals: bool,
         gpu: Any = "off",
         gpu_interval: float = 10.0,
+        host: str | None = None,
     ) -> None:
         if durability not in DURABILITY_LEVELS:
             raise ConfigError(f"durability must be one of {DURABILITY_LEVELS}, got {durability!r}")
@@ -101,6 +102,8 @@ class Run:
             raise ConfigError("flush_interval and heartbeat_interval must be positive")
         if max_buffer_bytes < 1024:
             raise ConfigError(f"max_buffer_bytes={max_buffer_bytes} is too small")
+        if host is not None and (not isinstance(host, str) or not host.strip()):
+            raise ConfigError(f"host must be a non-empty str, got {host!r}")
         self.spool = Path(spool)
         self.rank = rank
         self.world_size = world_size
@@ -108,7 +111,7 @@ class Run:
         self.durability: Durability = durability
         self.layout = SpoolLayout(self.spool)
         self.info = ensure_run(self.spool, name=name, world_size=world_size)
-        self._host = socket.gethostname()
+        self._host = host or socket.gethostname()
         self._gpu: Any = None
         self._gpu_lock = False
         if gpu != "off":
@@ -484,6 +487,7 @@ def init(
     handle_signals: bool = True,
     gpu: Any = "off",
     gpu_interval: float = 10.0,
+    host: str | None = None,
 ) -> Run:
     """Start logging this rank into ``spool`` (default: ``$RANKLOG_SPOOL``).
 
@@ -494,6 +498,8 @@ def init(
     ``gpu`` (``"off"``, ``"auto"``, ``"nvml"``, ``"ray"`` or a source object) starts a
     background GPU sampler every ``gpu_interval`` seconds on one process per host (local
     rank 0, or whoever holds the host's lock in the spool when local ranks are unknown).
+    ``host`` names this machine in ``rank_start`` and GPU events and keys that election
+    (default: the hostname; :func:`ranklog.ray.init` passes the Ray node's IP).
     """
     if spool is None:
         spool = os.environ.get(SPOOL_ENV)
@@ -514,4 +520,5 @@ def init(
         handle_signals=handle_signals,
         gpu=gpu,
         gpu_interval=gpu_interval,
+        host=host,
     )

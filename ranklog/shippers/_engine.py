@@ -35,7 +35,14 @@ from ranklog.shippers._cursor import Cursor, load_cursor, save_cursor
 from ranklog.shippers._progress import Progress
 from ranklog.shippers._source import Source, SpoolSource
 from ranklog.shippers._steps import StepAcc, StepPartial
-from ranklog.shippers._tail import RankState, RankTail, RankView, TailCommit, TailPoll
+from ranklog.shippers._tail import (
+    RankState,
+    RankTail,
+    RankView,
+    TailCommit,
+    TailPoll,
+    TailRestartedError,
+)
 from ranklog.shippers._target import ShippedStep, Target, TransientTargetError
 from ranklog.spool import BadRange, RunInfo, read_run
 
@@ -351,6 +358,11 @@ class Shipper:
             closed = sum(1 for m in marks if m >= step)
             if part is None:  # logged, then found shipped (re-opened target)
                 part = StepPartial(step)
+            elif closed == 0 and part.only_gpu():
+                # GPU samples taken after the last step, until the ranks ended: no step
+                # of training, nothing to ship (the samples stay in the spool and Parquet)
+                self.pending.discard(step)
+                continue
             out.append(part.finish(closed=closed, world_size=world))
         return out
 
@@ -414,7 +426,11 @@ class Shipper:
         progressed = self._read()
         shipped = 0
         while True:
-            steps = self._ready_steps(time.time())
+            try:
+                steps = self._ready_steps(time.time())
+            except TailRestartedError as exc:
+                log.info("%s; reading again", exc)
+                return True, shipped
             if steps:
                 self._ship(steps)
                 shipped += len(steps)

@@ -193,6 +193,10 @@ class StepPartial:
             out.timers[name] = Named(first, spec, Partial.of(lst, last=last, ops=ops, exact=exact))
         return out
 
+    def only_gpu(self) -> bool:
+        """Whether GPU samples are all the step holds (no rank logged anything for it)."""
+        return not (self.metrics or self.timers or self.texts or self.histograms or self.images)
+
     def merge(self, other: StepPartial) -> StepPartial:
         """The partial of both rank sets together (they must be disjoint)."""
         out = StepPartial(

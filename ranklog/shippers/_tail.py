@@ -23,13 +23,22 @@ import time
 from dataclasses import dataclass, field
 from typing import Final
 
+from ranklog.errors import RanklogError
 from ranklog.schemas import Event, Gpu, Params, ParamValue, RankEnd, RankStart, StepEnd
 from ranklog.shippers._cursor import Cursor, IncState, SegmentCursor
 from ranklog.shippers._source import SegState, Source
 from ranklog.shippers._steps import STEP_KINDS, Contribution, StepAcc, StepEvent, StepPartial
 from ranklog.spool import BadRange, RunInfo
 
-__all__ = ["MAX_PENDING_STEPS", "ROUND_BYTES", "RankState", "RankTail", "RankView", "TailPoll"]
+__all__ = [
+    "MAX_PENDING_STEPS",
+    "ROUND_BYTES",
+    "RankState",
+    "RankTail",
+    "RankView",
+    "TailPoll",
+    "TailRestartedError",
+]
 
 log = logging.getLogger("ranklog.ship")
 
@@ -38,6 +47,10 @@ ROUND_BYTES: Final = 256 * 1024
 #: past this many steps waiting in memory, only the ranks holding them back are read
 MAX_PENDING_STEPS: Final = 1024
 _NO_STEP: Final = -1
+
+
+class TailRestartedError(RanklogError):
+    """A tail lost its memory during a round (a reader actor restarted): read again."""
 
 
 @dataclass(slots=True)

@@ -9,6 +9,23 @@ With ``--per-rank`` every rank also gets its own run (id ``<id>r<rank:05d>``,
 name ``rank00003``, same group, ``job_type="rank"``): W&B's "one run per
 process, grouped" pattern. wandb is imported only when a target is made.
 
+GPU series: a step's GPU statistics (``<host>/gpu.<i>.gpu``, ``.memoryAllocatedBytes``,
+``.temp``, ``.powerWatts``, ``gpu.all.gpu``, ``gpu.all.memoryAllocatedBytesMax``) go into
+the same row as the step's metrics, with their own X axis :data:`GPU_STEP`
+(``gpu/runtime``): the step's time (its latest event, as the ranks stamped it) in
+seconds since the ranklog run was created. W&B's own ``_runtime``/``_timestamp``
+are the shipper's clock, wrong for a shipper that lags, restarts or replays; the
+events' time is the same in every replay. Before the first row that carries a host's
+GPUs, each W&B run session gets ``define_metric`` records: ``gpu/runtime`` (hidden),
+a glob ``<host>/gpu.*`` (and ``gpu.all.*``) with ``step_metric="gpu/runtime"``, and
+per key a summary (``max`` for memory and temperature, ``mean`` for utilisation and
+power) under the key's name with its dots escaped: wandb-core splits a defined
+name at unescaped dots when it configures the summary (``runmetric.go``,
+``splitEscapedDottedMetricName``), so a glob's or a plain name's summary never
+reaches a dotted key. A run started again (offline restart, online resume) is
+given the definitions again before its first GPU row; they are identical, so
+harmless. Per-rank runs carry no GPU series and get no definitions.
+
 Modes: ``--mode offline`` writes the run directories under ``--dir`` (default:
 the spool) for a later ``wandb sync``; ``online`` talks to the server. The
 default is online only when an API key is configured (``WANDB_MODE`` is honoured).
@@ -49,7 +66,7 @@ import re
 import time
 import urllib.parse
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from ranklog.errors import ConfigError, ExtraMissingError
 from ranklog.schemas import ParamValue
@@ -58,7 +75,10 @@ from ranklog.shippers._target import ShippedStep, TransientTargetError
 from ranklog.shippers._wandb_log import LogReader
 from ranklog.spool import RunInfo
 
-__all__ = ["WandbTarget", "make", "scan_offline", "wandb_run_id"]
+__all__ = [
+    "GPU_STEP", "MetricDef", "WandbTarget", "gpu_definitions", "make", "scan_offline",
+    "wandb_run_id",
+]  # fmt: skip
 
 log = logging.getLogger("ranklog.ship")
 
@@ -73,6 +93,14 @@ _QUIET: Final = {
     "x_disable_machine_info": True, "disable_git": True, "disable_code": True,
     "save_code": False, "x_transaction_log_flush_interval": FLUSH_INTERVAL,
     "reinit": "create_new",
+}  # fmt: skip
+#: the X axis of the GPU series: seconds since the ranklog run was created (no dot in it:
+#: wandb-core splits step metric names at dots when it tracks their latest value)
+GPU_STEP: Final = "gpu/runtime"
+#: the summary of each GPU series, by the last dotted part of its W&B name
+GPU_SUMMARY: Final = {
+    "gpu": "mean", "memoryAllocatedBytes": "max", "memoryAllocatedBytesMax": "max",
+    "temp": "max", "powerWatts": "mean",
 }  # fmt: skip
 #: W&B runs of this process, by (root, id): a target that died leaves its runs here
 _LIVE: dict[tuple[str, str], Any] = {}
@@ -174,6 +202,10 @@ class _Held:
         self.logged = -1  # highest step logged through the live run (this session)
         self.seen = -1  # highest step the live run's own log shows
         self.config_wait: dict[str, Any] = {}
+        #: define_metric names already given to the live run (a new run needs them again),
+        #: and the GPU keys they cover
+        self.defined: set[str] = set()
+        self.gpu_keys: set[str] = set()
 
 
 class WandbTarget:
@@ -268,17 +300,32 @@ class WandbTarget:
                 )
             if (s.histograms or s.images) and s.step > main.sent:
                 row.update(_media(s))
+            gpu: dict[str, float] = {}
             if s.gpu:
                 from ranklog.shippers._media import gpu_metrics
 
-                row.update(gpu_metrics(s, "wandb"))
-            self._log(main, row, s.step)
+                gpu = gpu_metrics(s, "wandb")
+                row.update(gpu)
+                assert self._run is not None
+                runtime = s.ts - self._run.created
+                if gpu and math.isfinite(runtime):
+                    row[GPU_STEP] = round(runtime, 3)
+            self._log(main, row, s.step, gpu=(s, gpu) if gpu else None)
 
-    def _log(self, held: _Held, row: dict[str, Any], step: int) -> None:
+    def _log(
+        self, held: _Held, row: dict[str, Any], step: int, *,
+        gpu: tuple[ShippedStep, dict[str, float]] | None = None,
+    ) -> None:  # fmt: skip
         if step <= held.sent:
             return  # this run already holds it: W&B would drop it with a warning
         if held.run is None:
             self._start(held)
+        if gpu is not None and not held.gpu_keys.issuperset(gpu[1]):
+            for d in gpu_definitions(*gpu):  # before the row: wandb-core applies them on logging
+                if d.name not in held.defined:
+                    self._call(held.run.define_metric, d.name, **d.options())
+                    held.defined.add(d.name)
+            held.gpu_keys.update(gpu[1])
         self._call(held.run.log, row, step=step, commit=True)
         held.sent = held.logged = step
 
@@ -298,6 +345,7 @@ class WandbTarget:
             settings=wandb.Settings(**{k: v for k, v in _QUIET.items() if k in names}),
         )  # fmt: skip
         held.run = started
+        held.defined, held.gpu_keys = set(), set()  # a new run (session) knows none of them
         _LIVE[(str(self.root), held.wid)] = started
         path = Path(started.settings.sync_file)
         if (
@@ -381,6 +429,49 @@ class WandbTarget:
         if rank not in self._held:
             raise RuntimeError(f"{self.spec} is not open")
         return self._held[rank]
+
+
+class MetricDef(NamedTuple):
+    """One ``run.define_metric`` call."""
+
+    name: str
+    step_metric: str | None = None
+    summary: str | None = None
+    hidden: bool = False
+
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments of the call (only those set)."""
+        out: dict[str, Any] = {}
+        if self.step_metric:
+            out["step_metric"] = self.step_metric
+        if self.summary:
+            out["summary"] = self.summary
+        if self.hidden:
+            out["hidden"] = True
+        return out
+
+
+def escape_dots(name: str) -> str:
+    """A key as a defined name that wandb-core does not split into nested parts."""
+    return name.replace(".", "\\.")
+
+
+def gpu_definitions(step: ShippedStep, keys: dict[str, float]) -> list[MetricDef]:
+    """The definitions a run needs before a row with these GPU ``keys`` (see the module doc).
+
+    The X axis first, then one glob per host (``<host>/gpu.*``, ``gpu.all.*``), then
+    each key's summary. Names are stable, so a caller skips those it already gave.
+    """
+    out = [MetricDef(GPU_STEP, hidden=True)]
+    prefixes = {f"{g.host}/gpu." for g in step.gpu}
+    if any(k.startswith("gpu.all.") for k in keys):
+        prefixes.add("gpu.all.")
+    # W&B allows "*" only as a glob's last character: a host named with one gets no glob
+    out += [MetricDef(p + "*", GPU_STEP) for p in sorted(prefixes) if "*" not in p]
+    for key in sorted(k for k in keys if "*" not in k):
+        summary = GPU_SUMMARY.get(key.rsplit(".", 1)[-1])
+        out.append(MetricDef(escape_dots(key), GPU_STEP, summary))
+    return out
 
 
 def _own_service() -> None:

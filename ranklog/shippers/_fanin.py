@@ -1,0 +1,324 @@
+"""The fan-in on Ray: reader actors tail shards of the spool, a root actor merges and ships.
+
+For jobs too large for one shipper process (tens of thousands of rank files)::
+
+    SPOOL/ranks/00000 00002 ...  --> reader 0 --\\   partial aggregates per step
+    SPOOL/ranks/00001 00003 ...  --> reader 1 ----> root: merge, completeness, reduce,
+                                 ...         --/         ship to the target, cursor
+
+Each reader actor is a :class:`~ranklog.shippers._tail.RankTail` over the ranks
+``r % n == i``: it reads their segments and, per ready step, sends a
+:class:`~ranklog.shippers._steps.StepPartial` whose sums are exact, so the
+root's merged result is bit for bit what one shipper computes. The root actor
+runs the ordinary :class:`~ranklog.shippers.Shipper` with :class:`RayTails` in
+place of a local tail: completeness, params, the target and the cursor are
+the single-process code.
+
+Restarts: actors are created with ``max_restarts`` and retried calls. A reader
+rebuilds its state from the spool and the committed cursor (which the root
+writes after every accepted batch); the root notices a reader's new life by
+its token, drops the round and reads again, so a reader killed at any point
+changes nothing in the output. The root is pinned to the node ``ranklog ship``
+runs on (its target writes local files there); a restarted root starts new
+readers. Nothing here imports ray until a fan-in is started.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from ranklog.shippers._cursor import Cursor, load_cursor
+from ranklog.shippers._progress import Progress
+from ranklog.shippers._registry import TargetOptions, make_target
+from ranklog.shippers._source import SpoolSource
+from ranklog.shippers._steps import StepPartial
+from ranklog.shippers._tail import RankTail, TailCommit, TailPoll, TailRestartedError
+from ranklog.spool import RunInfo, read_run
+
+__all__ = ["NAMESPACE", "FanIn", "RayTails", "TailReader", "reader_name", "ship_on_ray"]
+
+log = logging.getLogger("ranklog.ship")
+
+#: the Ray namespace of ranklog's actors
+NAMESPACE: Final = "ranklog"
+
+
+def reader_name(run_id: str, name: str, index: int) -> str:
+    """The Ray actor name of reader ``index`` of shipper ``name`` for run ``run_id``."""
+    return f"ranklog:{run_id}:{name}:reader:{index}"
+
+
+@dataclass(frozen=True, slots=True)
+class FanIn:
+    """How a fan-in is laid out on the cluster."""
+
+    #: reader actors (each tails ranks r with r % readers == its index)
+    readers: int = 2
+    #: logical CPUs each reader asks Ray for
+    reader_cpus: float = 1.0
+    #: restarts of each actor before Ray gives up (-1: no limit)
+    max_restarts: int = -1
+
+
+class TailReader:
+    """A reader actor: one shard of the spool's ranks (use through ``ray.remote``)."""
+
+    def __init__(
+        self, spool: str, name: str, shard: tuple[int, int], poll: float | None, dead_after: float
+    ) -> None:
+        run = read_run(spool)
+        self.token = uuid.uuid4().hex  # a new one per life of the actor
+        self.tail = RankTail(
+            SpoolSource(spool, poll=poll, shard=shard), run, dead_after=dead_after, shard=shard
+        )
+        cursor = load_cursor(spool, name)
+        if cursor is not None and cursor.run_id in (None, run.run_id):
+            self.tail.restore(cursor)
+
+    def poll(
+        self, shipped_upto: int, gap: tuple[int, int], floor: int | None
+    ) -> tuple[str, TailPoll]:
+        """One read round of this shard."""
+        self.tail.sync(shipped_upto, gap)
+        return self.token, self.tail.poll(floor)
+
+    def partials(self, steps: list[int], per_rank: bool) -> tuple[str, list[StepPartial | None]]:
+        """Mergeable partials of ``steps`` over this shard's ranks."""
+        return self.token, self.tail.partials(steps, per_rank=per_rank, exact=True)
+
+    def commit(
+        self, shipped_upto: int, gap: tuple[int, int], params_pending: bool
+    ) -> tuple[str, TailCommit]:
+        """Consume what was shipped; the shard's cursor state."""
+        self.tail.sync(shipped_upto, gap)
+        return self.token, self.tail.commit(shipped_upto, params_pending=params_pending)
+
+    def stop(self) -> None:
+        """Release the source's watchers."""
+        self.tail.source.close()
+
+
+class RayTails:
+    """The root's side of the fan-in: the :class:`~ranklog.shippers._engine.Tails` protocol."""
+
+    def __init__(
+        self,
+        spool: str,
+        name: str,
+        layout: FanIn,
+        *,
+        poll: float | None,
+        dead_after: float,
+    ) -> None:
+        self.spool, self.name, self.layout = spool, name, layout
+        self.poll_interval = poll if poll is not None else 1.0
+        self._poll, self.dead_after = poll, dead_after
+        self.readers: list[Any] = []
+        self._tokens: list[str] = []
+
+    @property
+    def mode(self) -> str:
+        """For status lines."""
+        return f"Ray fan-in, {len(self.readers)} readers"
+
+    def open(self, run: RunInfo, cursor: Cursor | None) -> None:
+        """Start the reader actors (they read the committed cursor themselves)."""
+        import ray
+
+        remote: Any = ray.remote(TailReader)
+        n = self.layout.readers
+        for i in range(n):
+            actor_name = reader_name(run.run_id, self.name, i)
+            _kill_stale(actor_name)
+            handle = remote.options(
+                name=actor_name,
+                namespace=NAMESPACE,
+                num_cpus=self.layout.reader_cpus,
+                max_restarts=self.layout.max_restarts,
+                max_task_retries=-1,
+                scheduling_strategy="SPREAD",
+            ).remote(self.spool, self.name, (i, n), self._poll, self.dead_after)
+            self.readers.append(handle)
+        self._tokens = [""] * n
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        import ray
+
+        return list(ray.get([getattr(r, method).remote(*args) for r in self.readers]))
+
+    def poll(self, shipped_upto: int, gap: tuple[int, int], floor: int | None) -> TailPoll:
+        """Every reader reads one round at the same time; their findings together."""
+        answers = self._all("poll", shipped_upto, gap, floor)
+        self._tokens = [token for token, _ in answers]
+        out = TailPoll(False, [], [], [])
+        steps: set[int] = set()
+        for _, p in answers:
+            out.progressed = out.progressed or p.progressed
+            out.views += p.views
+            steps.update(p.steps)
+            out.params += p.params
+            out.late_events += p.late_events
+            out.relogged_events += p.relogged_events
+            out.bad += p.bad
+            out.lag_bytes += p.lag_bytes
+        out.steps = sorted(steps)
+        return out
+
+    def partials(self, steps: list[int], *, per_rank: bool) -> list[StepPartial | None]:
+        """Each reader's partials, merged step by step."""
+        answers = self._all("partials", steps, per_rank)
+        if [token for token, _ in answers] != self._tokens:
+            raise TailRestartedError("a reader actor restarted during the round")
+        out: list[StepPartial | None] = []
+        for i in range(len(steps)):
+            merged: StepPartial | None = None
+            for _, parts in answers:
+                part = parts[i]
+                if part is not None:
+                    merged = part if merged is None else merged.merge(part)
+            out.append(merged)
+        return out
+
+    def commit(
+        self, shipped_upto: int, gap: tuple[int, int], *, params_pending: bool
+    ) -> TailCommit:
+        """Every reader's segments and ranks (a restarted one reports its committed state)."""
+        answers = self._all("commit", shipped_upto, gap, params_pending)
+        out = TailCommit({}, {})
+        for _, c in answers:
+            out.segments.update(c.segments)
+            out.ranks.update(c.ranks)
+        return out
+
+    def wait(self, timeout: float) -> None:
+        """Readers poll: sleep for the poll interval."""
+        time.sleep(min(timeout, self.poll_interval))
+
+    def close(self) -> None:
+        """Stop the readers."""
+        import ray
+
+        for r in self.readers:
+            try:
+                ray.kill(r, no_restart=True)
+            except Exception as exc:  # already gone
+                log.debug("stopping a reader: %s", exc)
+        self.readers = []
+
+
+def _kill_stale(actor_name: str) -> None:
+    """A reader left by a root that died (its name would be taken): stop it."""
+    import ray
+
+    try:
+        old = ray.get_actor(actor_name, namespace=NAMESPACE)
+    except ValueError:
+        return
+    ray.kill(old, no_restart=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the name is released a little after
+        try:
+            ray.get_actor(actor_name, namespace=NAMESPACE)
+        except ValueError:
+            return
+        time.sleep(0.1)
+
+
+class ShipRoot:
+    """The root actor: the ordinary shipper over :class:`RayTails` (use through ``ray.remote``)."""
+
+    def __init__(self, cwd: str) -> None:
+        os.chdir(cwd)  # relative target paths mean what they meant where ranklog ship ran
+
+    def run(
+        self,
+        spool: str,
+        spec: str,
+        options: TargetOptions,
+        layout: FanIn,
+        shipper_kw: dict[str, Any],
+        once: bool,
+        quiet: bool,
+    ) -> dict[str, int]:
+        """Ship until done (or, with ``once``, what is ready); return the counters."""
+        from ranklog.shippers._engine import Shipper
+
+        logging.basicConfig(level=logging.INFO, format="ranklog: %(message)s", stream=sys.stderr)
+        kw = dict(shipper_kw)
+        name, poll = kw.pop("name"), kw.pop("poll")
+        tails = RayTails(spool, name, layout, poll=poll, dead_after=kw["dead_after"])
+        shipper = Shipper(
+            spool,
+            make_target(spec, spool, options),
+            name=name,
+            tails=tails,
+            progress=None if quiet else Progress(sys.stderr),
+            **kw,
+        )
+        shipper.run_forever(once=once)
+        return {
+            "steps_shipped": shipper.stats.steps_shipped,
+            "partial_steps": shipper.stats.partial_steps,
+            "late_events": shipper.stats.late_events,
+            "bad_ranges": len(shipper.stats.bad),
+        }
+
+
+def ship_on_ray(
+    address: str | None,
+    spool: str,
+    spec: str,
+    options: TargetOptions,
+    layout: FanIn,
+    *,
+    name: str,
+    poll: float | None,
+    dead_after: float,
+    start_grace: float,
+    per_rank: bool,
+    once: bool,
+    quiet: bool,
+) -> dict[str, int]:
+    """Connect to Ray (``address``; None: ``RAY_ADDRESS`` or a local instance), ship, return."""
+    try:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    except ImportError:
+        from ranklog.errors import ExtraMissingError
+
+        raise ExtraMissingError("ray", "ray") from None
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=address or None, namespace=NAMESPACE, log_to_driver=not quiet)
+    try:
+        here = ray.get_runtime_context().get_node_id()
+        remote: Any = ray.remote(ShipRoot)
+        root: Any = remote.options(
+            num_cpus=0,
+            max_restarts=layout.max_restarts,
+            max_task_retries=-1,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+        ).remote(os.getcwd())
+        kw = {
+            "name": name,
+            "poll": poll,
+            "dead_after": dead_after,
+            "start_grace": start_grace,
+            "per_rank": per_rank,
+        }
+        spool = str(Path(spool).resolve())
+        result: dict[str, int] = ray.get(
+            root.run.remote(spool, spec, options, layout, kw, once, quiet)
+        )
+        ray.kill(root, no_restart=True)
+        return result
+    finally:
+        if started:
+            ray.shutdown()

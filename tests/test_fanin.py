@@ -1,0 +1,217 @@
+"""The Ray fan-in: partials merge exactly, and ``ranklog ship --ray`` equals one shipper.
+
+The Ray tests run against a real local head (``tests/ray_cluster.py``: 127.0.0.1,
+``num_cpus=2``); the spool is written by a separate process of 16 ranks, and the
+single-process shipper's JSONL is the oracle, byte for byte.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ranklog.schemas import Gpu, Metrics, Text, Timer
+from ranklog.shippers._reduce import Partial, exact_parts
+from ranklog.shippers._steps import Contribution, StepAcc, StepPartial, reduce_step
+from ranklog.spool import read_run
+
+from .conftest import ROOT
+from .ray_cluster import RayHead, ray_env
+
+WORLD = 16
+
+floats = st.one_of(
+    st.floats(allow_nan=False, allow_infinity=False, width=64),
+    st.floats(min_value=-1e6, max_value=1e6),
+    st.sampled_from([0.1, 0.2, 0.3, 1e16, -1e16, 1.0, math.nan, math.inf]),
+)
+
+
+def write_job(spool: str, steps: int, pace: float) -> None:
+    """16 ranks on two "hosts" logging every kind of step event; ``pace`` s per step."""
+    import ranklog
+
+    class HostGpus:
+        """Two GPUs of one host; utilisation follows the sample count."""
+
+        name = "fake"
+
+        def __init__(self, host: str) -> None:
+            self.host, self.n = host, 0
+
+        def sample(self) -> list[Gpu]:
+            self.n += 1
+            return [
+                Gpu(time.time(), self.host, i, util=float((self.n * 7 + i) % 100),
+                    mem_used=(self.n % 5 + 1) << 30, mem_total=80 << 30, name="H200")
+                for i in range(2)
+            ]  # fmt: skip
+
+        def close(self) -> None: ...
+
+    rng = random.Random(11)
+    runs = [
+        ranklog.init(
+            spool, rank=r, world_size=WORLD, local_rank=r % 8, handle_signals=False,
+            gpu=HostGpus(f"node{r // 8}") if r % 8 == 0 else "off", gpu_interval=0.02,
+        )
+        for r in range(WORLD)
+    ]  # fmt: skip
+    runs[0].log_hyperparams({"lr": 3e-4, "model": {"layers": 4}})
+    for step in range(steps):
+        for r, run in enumerate(runs):
+            vals = {f"m{i}": rng.random() * 10 ** rng.randint(-8, 8) for i in range(6)}
+            vals["gnorm"] = math.nan if (r == 3 and step % 37 == 0) else rng.gauss(1.0, 0.5)
+            run.log_metrics(vals, step=step)
+            run.log_metrics(
+                {"loss": rng.random()}, step=step,
+                reduce=("mean", "median", "std", "min", "max", "last", "count", "sum"),
+            )  # fmt: skip
+            run.log_timing("fwd", rng.random(), step)
+            if step % 25 == 0:
+                run.log_text("sample", f"rank {r} at {step}", step)
+                run.log_histogram("weights", [rng.gauss(0, 1) for _ in range(8)], step)
+            run.step_end(step)
+        if step == steps // 2:
+            runs[1].log_hyperparams({"lr": 1e-4})  # a change mid-run, from another rank
+        if pace:
+            time.sleep(pace)
+    for run in runs:
+        run.close()
+
+
+def spawn_job(spool: Path, steps: int, pace: float) -> subprocess.Popen[bytes]:
+    code = f"from tests.test_fanin import write_job; write_job({str(spool)!r}, {steps}, {pace})"
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=ray_env())
+
+
+def ship(spool: Path, out: Path, *extra: str, timeout: float = 240) -> None:
+    cmd = [sys.executable, "-m", "ranklog.cli", "ship", str(spool), "--to", f"jsonl:{out}",
+           "--quiet", "--dead-after", "600", *extra]  # fmt: skip
+    res = subprocess.run(cmd, env=ray_env(), capture_output=True, text=True, timeout=timeout,
+                         check=False)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-4000:]
+
+
+class TestExactMerge:
+    @given(st.lists(floats, max_size=40), st.integers(1, 5), st.randoms(use_true_random=False))
+    @settings(max_examples=300, deadline=None)
+    def test_merged_exact_sum_is_the_one_pass_sum(
+        self, values: list[float], groups: int, rnd: random.Random
+    ) -> None:
+        """Partials of any split of the values merge into fsum's correctly rounded sum."""
+        parts = [values[i::groups] for i in range(groups)]
+        rnd.shuffle(parts)
+        ops = ("mean", "sum", "min", "max", "count")
+        merged = Partial.of(parts[0], last=(0.0, 0, 0.0), ops=ops, exact=True)
+        for p in parts[1:]:
+            merged = merged.merge(Partial.of(p, last=(0.0, 0, 0.0), ops=ops, exact=True))
+        whole = Partial.of(values, last=(0.0, 0, 0.0), ops=ops)
+        for op in ops:
+            a, b = merged.result(op), whole.result(op)
+            assert a == b or (math.isnan(a) and math.isnan(b)), (op, a, b)
+
+    def test_exact_parts_hold_what_rounding_loses(self) -> None:
+        """1e16 + 1.0 + 1.0 keeps both ones, as math.fsum does."""
+        assert math.fsum(exact_parts([1e16, 1.0, 1.0])) == math.fsum([1e16, 1.0, 1.0]) == 1e16 + 2
+        assert math.fsum(exact_parts([1e16, 1.0]) + exact_parts([1.0])) == 1e16 + 2
+
+
+class TestStepPartial:
+    @staticmethod
+    def acc(rng: random.Random, ranks: list[int]) -> StepAcc:
+        acc = StepAcc()
+        for r in ranks:
+            c = Contribution(0)
+            c.events.append(Metrics(100.0 + rng.random(), 4, {"a": rng.random() * 1e8,
+                            "b": rng.choice([0.1, 0.2, 0.3])}, "mean,median,last"))  # fmt: skip
+            c.events.append(Timer(101.0 + rng.random(), 4, "fwd", rng.choice([1.0, 2.0])))
+            c.events.append(Text(102.0, 4, "t", f"r{r}"))
+            if r % 4 == 0:
+                c.events.append(Gpu(103.0, f"h{r // 4}", 0, util=float(r), mem_used=r))
+            acc.ranks[r] = c
+        return acc
+
+    @pytest.mark.parametrize("shards", [1, 2, 3, 7])
+    def test_shards_merge_into_the_single_step(self, shards: int) -> None:
+        """Any sharding of the ranks, merged in any order, finishes into the same step."""
+        rng = random.Random(shards)
+        whole = self.acc(rng, list(range(16)))
+        expected = reduce_step(4, whole, closed=16, world_size=16, per_rank=True)
+        pieces = []
+        for i in range(shards):
+            sub = StepAcc({r: c for r, c in whole.ranks.items() if r % shards == i})
+            pieces.append(StepPartial.build(4, sub, per_rank=True, exact=True))
+        rng.shuffle(pieces)
+        merged = pieces[0]
+        for p in pieces[1:]:
+            merged = merged.merge(p)
+        assert merged.finish(closed=16, world_size=16) == expected
+
+
+@pytest.fixture
+def head(ray_head: RayHead) -> RayHead:
+    return ray_head
+
+
+class TestRayFanIn:
+    def test_sixteen_ranks_equal_the_single_shipper(self, tmp_path: Path, head: RayHead) -> None:
+        """16 ranks shipped with --ray and 2 readers: the single shipper's JSONL, byte for byte."""
+        spool = tmp_path / "spool"
+        job = spawn_job(spool, steps=120, pace=0.0)
+        assert job.wait(timeout=180) == 0
+        ship(spool, tmp_path / "one.jsonl", "--once")
+        ship(spool, tmp_path / "ray.jsonl", "--once", "--ray", head.address, "--readers", "2")
+        one = (tmp_path / "one.jsonl").read_bytes()
+        assert b'{"step": 119, ' in one and b'"gpu": [' in one and b'"lr": 0.0001' in one
+        assert b'{"step": 120, ' not in one  # GPU samples after the last step make no step
+        assert (tmp_path / "ray.jsonl").read_bytes() == one
+
+    def test_a_reader_killed_mid_run_changes_nothing(self, tmp_path: Path, head: RayHead) -> None:
+        """A reader actor killed (and restarted by Ray) while a live job ships changes no byte."""
+        import ray
+
+        spool = tmp_path / "spool"
+        out = tmp_path / "ray.jsonl"
+        job = spawn_job(spool, steps=300, pace=0.02)
+        deadline = time.monotonic() + 60
+        while not (spool / "run.json").exists():
+            assert time.monotonic() < deadline and job.poll() is None
+            time.sleep(0.05)
+        cmd = [sys.executable, "-m", "ranklog.cli", "ship", str(spool), "--to", f"jsonl:{out}",
+               "--quiet", "--dead-after", "600", "--start-grace", "600", "--ray", head.address,
+               "--readers", "2", "--name", "live"]  # fmt: skip
+        shipper = subprocess.Popen(cmd, env=ray_env(), stderr=subprocess.PIPE)
+        from ranklog.shippers._fanin import NAMESPACE, reader_name
+
+        run_id = read_run(spool).run_id
+        ray.init(address=head.address, namespace=NAMESPACE, log_to_driver=False)
+        try:
+            deadline = time.monotonic() + 120
+            while True:  # some steps shipped, many to go
+                shipped = out.read_bytes().count(b'"step": ') if out.exists() else 0
+                if shipped >= 20:
+                    break
+                assert time.monotonic() < deadline, "the fan-in shipped nothing"
+                assert shipper.poll() is None, shipper.stderr.read() if shipper.stderr else ""
+                time.sleep(0.05)
+            reader = ray.get_actor(reader_name(run_id, "live", 1), namespace=NAMESPACE)
+            ray.kill(reader, no_restart=False)
+            assert job.wait(timeout=180) == 0
+            _, err = shipper.communicate(timeout=240)
+            assert shipper.returncode == 0, err.decode()[-4000:]
+        finally:
+            ray.shutdown()
+            if shipper.poll() is None:
+                shipper.kill()
+        assert 20 <= shipped < 300, "the reader was not killed mid-run"
+        ship(spool, tmp_path / "one.jsonl", "--once")
+        assert out.read_bytes() == (tmp_path / "one.jsonl").read_bytes()
