@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+import msgspec
+
 from ranklog.shippers._cursor import Cursor, load_cursor
 from ranklog.shippers._progress import Progress
 from ranklog.shippers._registry import TargetOptions, make_target
@@ -67,6 +69,14 @@ class FanIn:
     max_restarts: int = -1
 
 
+# What crosses between actors is msgpack (bytes): an order of magnitude cheaper than
+# pickling thousands of small dataclasses per round.
+_encode = msgspec.msgpack.Encoder().encode
+_poll_decoder = msgspec.msgpack.Decoder(TailPoll)
+_partials_decoder = msgspec.msgpack.Decoder(list[StepPartial | None])
+_commit_decoder = msgspec.msgpack.Decoder(TailCommit)
+
+
 class TailReader:
     """A reader actor: one shard of the spool's ranks (use through ``ray.remote``)."""
 
@@ -82,23 +92,21 @@ class TailReader:
         if cursor is not None and cursor.run_id in (None, run.run_id):
             self.tail.restore(cursor)
 
-    def poll(
-        self, shipped_upto: int, gap: tuple[int, int], floor: int | None
-    ) -> tuple[str, TailPoll]:
-        """One read round of this shard."""
+    def poll(self, shipped_upto: int, gap: tuple[int, int], floor: int | None) -> tuple[str, bytes]:
+        """One read round of this shard (an encoded TailPoll)."""
         self.tail.sync(shipped_upto, gap)
-        return self.token, self.tail.poll(floor)
+        return self.token, _encode(self.tail.poll(floor))
 
-    def partials(self, steps: list[int], per_rank: bool) -> tuple[str, list[StepPartial | None]]:
-        """Mergeable partials of ``steps`` over this shard's ranks."""
-        return self.token, self.tail.partials(steps, per_rank=per_rank, exact=True)
+    def partials(self, steps: list[int], per_rank: bool) -> tuple[str, bytes]:
+        """Mergeable partials of ``steps`` over this shard's ranks (encoded)."""
+        return self.token, _encode(self.tail.partials(steps, per_rank=per_rank, exact=True))
 
     def commit(
         self, shipped_upto: int, gap: tuple[int, int], params_pending: bool
-    ) -> tuple[str, TailCommit]:
-        """Consume what was shipped; the shard's cursor state."""
+    ) -> tuple[str, bytes]:
+        """Consume what was shipped; the shard's cursor state (an encoded TailCommit)."""
         self.tail.sync(shipped_upto, gap)
-        return self.token, self.tail.commit(shipped_upto, params_pending=params_pending)
+        return self.token, _encode(self.tail.commit(shipped_upto, params_pending=params_pending))
 
     def stop(self) -> None:
         """Release the source's watchers."""
@@ -159,7 +167,8 @@ class RayTails:
         self._tokens = [token for token, _ in answers]
         out = TailPoll(False, [], [], [])
         steps: set[int] = set()
-        for _, p in answers:
+        for _, raw in answers:
+            p = _poll_decoder.decode(raw)
             out.progressed = out.progressed or p.progressed
             out.views += p.views
             steps.update(p.steps)
@@ -176,10 +185,11 @@ class RayTails:
         answers = self._all("partials", steps, per_rank)
         if [token for token, _ in answers] != self._tokens:
             raise TailRestartedError("a reader actor restarted during the round")
+        decoded = [_partials_decoder.decode(raw) for _, raw in answers]
         out: list[StepPartial | None] = []
         for i in range(len(steps)):
             merged: StepPartial | None = None
-            for _, parts in answers:
+            for parts in decoded:
                 part = parts[i]
                 if part is not None:
                     merged = part if merged is None else merged.merge(part)
@@ -192,7 +202,8 @@ class RayTails:
         """Every reader's segments and ranks (a restarted one reports its committed state)."""
         answers = self._all("commit", shipped_upto, gap, params_pending)
         out = TailCommit({}, {})
-        for _, c in answers:
+        for _, raw in answers:
+            c = _commit_decoder.decode(raw)
             out.segments.update(c.segments)
             out.ranks.update(c.ranks)
         return out

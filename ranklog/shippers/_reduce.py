@@ -5,10 +5,10 @@ count, sum, sum of squares, min, max, NaN count, the last value with its
 timestamp and rank, and the values themselves when a ``median`` (or an exact
 ``std``) is asked for. Partials from several readers :meth:`merge` into the
 partial of their union, so the same code serves one shipper and a fan-in.
-A partial made to be merged (``exact=True``) also keeps its sum as Shewchuk's
-non-overlapping partial sums (usually one or two floats): merged, they give
-the same correctly rounded sum as ``math.fsum`` over all the values at once,
-so a fan-in's result is bit for bit the single shipper's.
+A partial made to be merged (``exact=True``) also keeps its sum exactly, as a
+few floats (:func:`exact_parts`): merged, they give the same correctly rounded
+sum as ``math.fsum`` over all the values at once, so a fan-in's result is bit
+for bit the single shipper's.
 
 Results follow numpy's conventions: any NaN makes ``mean``, ``sum``, ``min``,
 ``max``, ``median`` and ``std`` NaN; ``std`` is the population standard
@@ -201,27 +201,22 @@ def _add(a: float, b: float) -> float:
 
 
 def exact_parts(values: Sequence[float]) -> list[float]:
-    """Shewchuk's non-overlapping partials of the exact sum of finite ``values``.
+    """Floats whose exact sum is the exact sum of the finite ``values``.
 
-    Their exact sum is the exact sum of ``values``, so ``math.fsum`` over the
-    partials of several groups is ``math.fsum`` over all the values (the
-    algorithm of ``math.fsum`` itself, in Python; a reader's groups are small).
+    ``math.fsum`` rounds the exact sum once; what the rounding lost is found with
+    another ``fsum`` over the values and the negated parts so far, until nothing is
+    left (two or three rounds in practice; every round keeps 53 more bits). So
+    ``math.fsum`` over the parts of several groups is ``math.fsum`` over all their
+    values at once, correctly rounded, whatever the grouping.
     """
-    partials: list[float] = []
-    for v in values:
-        x = v
-        i = 0
-        for y in partials:
-            if abs(x) < abs(y):
-                x, y = y, x
-            hi = x + y
-            lo = y - (hi - x)
-            if lo:
-                partials[i] = lo
-                i += 1
-            x = hi
-        partials[i:] = [x]
-    return partials
+    parts: list[float] = []
+    more = list(values)
+    while True:
+        r = math.fsum(more)  # the exact sum of values minus parts, rounded
+        if r == 0.0:  # exact: a sum of doubles is a multiple of 2**-1074, never rounded to 0
+            return parts or [0.0]
+        parts.append(r)
+        more.append(-r)
 
 
 def _median(values: list[float]) -> float:

@@ -123,8 +123,8 @@ class StepPartial:
     #: name -> (rank, values) in rank order
     histograms: dict[str, list[tuple[int, list[float]]]] = field(default_factory=dict)
     images: list[ImageItem] = field(default_factory=list)
-    #: (host, GPU index) -> (rank, sample) in rank order
-    gpus: dict[tuple[str, int], list[tuple[int, Gpu]]] = field(default_factory=dict)
+    #: (rank, sample) in rank order
+    gpus: list[tuple[int, Gpu]] = field(default_factory=list)
     per_rank: dict[int, dict[str, float]] | None = None
 
     @classmethod
@@ -175,7 +175,7 @@ class StepPartial:
                 elif type(ev) is Image:
                     out.images.append(ImageItem(rank, ev.name, ev.data, ev.format))
                 elif type(ev) is Gpu:
-                    out.gpus.setdefault((ev.host, ev.index), []).append((rank, ev))
+                    out.gpus.append((rank, ev))
             if out.per_rank is not None:
                 own = _own(events)
                 if own:
@@ -216,9 +216,7 @@ class StepPartial:
         for name in self.histograms.keys() | other.histograms.keys():
             both = self.histograms.get(name, []) + other.histograms.get(name, [])
             out.histograms[name] = sorted(both, key=lambda h: h[0])
-        for key in self.gpus.keys() | other.gpus.keys():
-            both_g = self.gpus.get(key, []) + other.gpus.get(key, [])
-            out.gpus[key] = sorted(both_g, key=lambda g: g[0])
+        out.gpus = sorted(self.gpus + other.gpus, key=lambda g: g[0])
         if self.per_rank is not None or other.per_rank is not None:
             out.per_rank = {**(self.per_rank or {}), **(other.per_rank or {})}
         return out
@@ -243,6 +241,9 @@ class StepPartial:
         complete = closed >= world_size
         if not complete:
             out["ranklog/ranks_reporting"] = float(max(reporting, closed))
+        gpus: dict[tuple[str, int], list[Gpu]] = {}
+        for _, g in self.gpus:
+            gpus.setdefault((g.host, g.index), []).append(g)
         per_rank = None
         if self.per_rank is not None:
             per_rank = {r: self.per_rank[r] for r in sorted(self.per_rank)}
@@ -259,8 +260,7 @@ class StepPartial:
             },
             images=self.images,
             gpu=[
-                _gpu_stat(host, index, [g for _, g in self.gpus[(host, index)]])
-                for host, index in sorted(self.gpus)
+                _gpu_stat(host, index, samples) for (host, index), samples in sorted(gpus.items())
             ],
             per_rank=per_rank,
         )
