@@ -21,7 +21,7 @@ from .conftest import ROOT
 sys.path.insert(0, str(ROOT / "tools"))
 from _ray_head import RayHeadProcess, ray_env
 
-__all__ = ["RayHead", "ray_env", "ray_head"]
+__all__ = ["RayHead", "ray_driver", "ray_env", "ray_head"]
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
@@ -49,3 +49,15 @@ def ray_head() -> Iterator[RayHead]:
         yield RayHead(head.address, head.metrics_port)
     finally:
         head.stop()
+
+
+@pytest.fixture(scope="module")
+def ray_driver(ray_head: RayHead) -> Iterator[RayHead]:
+    """The session's head, with this (pytest) process connected to it as a driver."""
+    import ray
+
+    ray.init(address=ray_head.address, logging_level="ERROR", log_to_driver=False)
+    try:
+        yield ray_head
+    finally:
+        ray.shutdown()

@@ -50,13 +50,9 @@ FIXTURE = Path(__file__).parent / "data" / "ray_metrics.prom"
 
 
 @pytest.fixture(scope="module")
-def head(ray_head: RayHead) -> Iterator[RayHead]:
-    """The session's Ray head, with this (pytest) process connected to it as a driver."""
-    ray.init(address=ray_head.address, logging_level="ERROR", log_to_driver=False)
-    try:
-        yield ray_head
-    finally:
-        ray.shutdown()
+def head(ray_driver: RayHead) -> RayHead:
+    """The session's Ray head, this process connected to it (``tests/ray_cluster.py``)."""
+    return ray_driver
 
 
 def mem_total() -> int:

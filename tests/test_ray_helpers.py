@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,13 +30,9 @@ STEPS = 5
 
 
 @pytest.fixture(scope="module")
-def head(ray_head: RayHead) -> Iterator[RayHead]:
-    """The session's Ray head, with this (pytest) process connected to it as a driver."""
-    ray.init(address=ray_head.address, logging_level="ERROR", log_to_driver=False)
-    try:
-        yield ray_head
-    finally:
-        ray.shutdown()
+def head(ray_driver: RayHead) -> RayHead:
+    """The session's Ray head, this process connected to it (``tests/ray_cluster.py``)."""
+    return ray_driver
 
 
 class PidGpu:
