@@ -215,3 +215,23 @@ class TestRayFanIn:
         assert 20 <= shipped < 300, "the reader was not killed mid-run"
         ship(spool, tmp_path / "one.jsonl", "--once")
         assert out.read_bytes() == (tmp_path / "one.jsonl").read_bytes()
+
+
+class TestExample:
+    def test_ray_actors_example_logs_and_ships(self, tmp_path: Path, head: RayHead) -> None:
+        """examples/ray_actors.py: 4 actors log as ranks 0-3, then --ray ships every step."""
+        from ranklog.shippers.jsonl import read_jsonl
+
+        spool = tmp_path / "spool"
+        cmd = [sys.executable, str(ROOT / "examples" / "ray_actors.py"), "--address",
+               head.address, "--spool", str(spool), "--ranks", "4", "--steps", "30",
+               "--ship"]  # fmt: skip
+        res = subprocess.run(cmd, env=ray_env(), capture_output=True, text=True, timeout=240,
+                             check=False)  # fmt: skip
+        assert res.returncode == 0, res.stderr[-4000:]
+        steps = [x for x in read_jsonl(spool / "metrics.jsonl") if "step" in x]
+        assert [x["step"] for x in steps] == list(range(30))
+        assert all(x["complete"] and x["ranks"] == 4 for x in steps)
+        assert steps[0]["metrics"]["train/tokens_per_s"] == 4006.0
+        assert steps[0]["metrics"]["train/loss"] == pytest.approx(1.0 + 0.015)
+        assert "timing/step/slowest_rank" in steps[0]["metrics"]
