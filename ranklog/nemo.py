@@ -26,6 +26,10 @@ Config keys read: ``log_dir``, ``wandb_enabled``, ``tensorboard_enabled``,
 ``run_name``, ``tracking_uri``), ``monitor_gpus``, ``gpu_monitoring``,
 ``num_val_samples_to_print``, and ranklog's own ``ranklog`` section
 (``durability``, ``owner_rank``, ``shutdown_timeout``).
+
+``monitor_gpus`` in a Ray driver (NeMo RL's single controller: ``ray.init()`` was
+called in this process) samples every node of the cluster through Ray's metrics, as
+NeMo RL's ``RayGpuMonitorLogger`` does; elsewhere this host's GPUs (``gpu="auto"``).
 """
 
 from __future__ import annotations
@@ -87,7 +91,7 @@ class Logger(LoggerInterface):
             world_size=world_size,
             durability=own.get("durability", "step"),
             name=name,
-            gpu="auto" if cfg.get("monitor_gpus") else "off",
+            gpu=_gpu_source() if cfg.get("monitor_gpus") else "off",
             gpu_interval=float(gpu_cfg.get("collection_interval") or 10.0),
         )
         self.num_val_samples_to_print = int(cfg.get("num_val_samples_to_print") or 0)
@@ -217,3 +221,13 @@ def _is_scalar_array(value: object) -> bool:
     size = getattr(value, "numel", None)
     n = size() if callable(size) else getattr(value, "size", None)
     return isinstance(n, int) and n == 1 and hasattr(value, "item")
+
+
+def _gpu_source() -> Any:
+    """Every node's GPUs from a Ray driver (as NeMo RL), else ``"auto"`` (this host's)."""
+    ray = sys.modules.get("ray")  # never imported here: only a process that uses Ray has it
+    if ray is not None and getattr(ray, "is_initialized", lambda: False)():
+        from ranklog.producer._gpu import RaySource
+
+        return RaySource(scope="cluster")
+    return "auto"

@@ -218,3 +218,22 @@ class TestProducerOnRay:
         assert [e.host for e in events if isinstance(e, RankStart)] == ["10.0.0.11"]
         gpus = [e for e in events if isinstance(e, Gpu)]
         assert gpus and {(g.host, g.index) for g in gpus} == {("10.0.0.11", 0)}
+
+
+class TestNemoOnRay:
+    def test_monitor_gpus_in_a_ray_driver_samples_the_cluster(
+        self, head: RayHead, tmp_path: Path
+    ) -> None:
+        """NeMo's ``monitor_gpus`` in a Ray driver samples every node, as RayGpuMonitorLogger."""
+        from ranklog.nemo import Logger
+
+        cfg = {"log_dir": str(tmp_path / "logs"), "monitor_gpus": True,
+               "gpu_monitoring": {"collection_interval": 0.2}}  # fmt: skip
+        logger = Logger(cfg, rank=0, world_size=1)
+        try:
+            sampler = logger.run._gpu
+            assert sampler is not None and sampler.interval == 0.2
+            assert isinstance(sampler._source, RaySource) and sampler._source.scope == "cluster"
+            assert [a for a, _ in sampler._source.endpoints()] == ["127.0.0.1"]
+        finally:
+            logger.finish()

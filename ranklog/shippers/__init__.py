@@ -3,8 +3,10 @@
 The pipeline, by role::
 
     _source.py    discovery (inotify, or polling on network filesystems) and tailing
-    _engine.py    apply events, decide completeness, ship, commit the cursor
-    _steps.py     per-step accumulation and reduction into a ShippedStep
+    _tail.py      read ranks' segments, apply events: per-step contributions, watermarks
+    _engine.py    the root: completeness, params, ship, commit the cursor
+    _fanin.py     the same root over Ray reader actors (``ranklog ship --ray``)
+    _steps.py     per-step partials (mergeable) and their reduction into a ShippedStep
     _reduce.py    mergeable partial aggregates and the reduce ops
     _cursor.py    the cursor file (tmp -> fsync -> rename)
     _target.py    the target protocol every backend adapter implements
