@@ -36,6 +36,7 @@ from typing import Any, Final
 
 import msgspec
 
+from ranklog.errors import RanklogError
 from ranklog.shippers._cursor import Cursor, load_cursor
 from ranklog.shippers._progress import Progress
 from ranklog.shippers._registry import TargetOptions, make_target
@@ -307,7 +308,10 @@ def ship_on_ray(
         raise ExtraMissingError("ray", "ray") from None
     started = not ray.is_initialized()
     if started:
-        ray.init(address=address or None, namespace=NAMESPACE, log_to_driver=not quiet)
+        try:
+            ray.init(address=address or None, namespace=NAMESPACE, log_to_driver=not quiet)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise RanklogError(f"cannot start or reach Ray at {address or 'auto'}: {exc}") from None
     try:
         here = ray.get_runtime_context().get_node_id()
         remote: Any = ray.remote(ShipRoot)

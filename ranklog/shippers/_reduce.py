@@ -214,7 +214,7 @@ def exact_parts(values: Sequence[float]) -> list[float]:
     while True:
         r = math.fsum(more)  # the exact sum of values minus parts, rounded
         if r == 0.0:  # exact: a sum of doubles is a multiple of 2**-1074, never rounded to 0
-            return parts or [0.0]
+            return parts or [r]  # a zero sum keeps fsum's sign of zero
         parts.append(r)
         more.append(-r)
 
