@@ -7,20 +7,25 @@ single-process shipper's JSONL is the oracle, byte for byte.
 
 from __future__ import annotations
 
+import json
 import math
 import random
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ranklog.schemas import Gpu, Metrics, Text, Timer
+from ranklog.shippers._fanin import FanIn, RayTails, TailReader
 from ranklog.shippers._reduce import Partial, exact_parts
 from ranklog.shippers._steps import Contribution, StepAcc, StepPartial, reduce_step
+from ranklog.shippers.jsonl import read_jsonl
 from ranklog.spool import read_run
 
 from .conftest import ROOT
@@ -157,6 +162,112 @@ class TestStepPartial:
         assert merged.finish(closed=16, world_size=16) == expected
 
 
+def write_mixed(spool: Path) -> None:
+    """4 ranks that disagree on reduce specs, a NaN timer, a late value and a requeue."""
+    from .shiphelp import rank
+
+    specs = ["mean,median,std,last", "mean", "mean,median,std,last", "mean"]
+    runs = [rank(spool, r, 4) for r in range(4)]
+    runs[0].log_hyperparams({"lr": 0.1})
+    for step in range(20):
+        for r, run in enumerate(runs):
+            run.log_metrics({"x": float(r * 3 + step)}, step=step, reduce=specs[r])
+            run.log_timing("fwd", math.nan if r == 1 else float(r % 3), step, reduce="mean")
+            run.step_end(step)
+        if step == 10:
+            with pytest.warns(UserWarning, match="reported as late"):
+                runs[2].log_metrics({"x": 99.0}, step=3)  # late: rank 2 closed step 3
+            runs[3].log_hyperparams({"lr": 0.05})
+        if step == 12:
+            runs[1].close()
+            runs[1] = rank(spool, 1, 4)  # requeued: a new incarnation, resumed at step 9
+            for again in range(9, 13):
+                runs[1].log_metrics({"x": -1.0}, step=again, reduce=specs[1])  # re-logged
+                runs[1].step_end(again)
+    for run in runs:
+        run.close()
+
+
+class InProcessTails(RayTails):
+    """The fan-in's root side over TailReader objects in this process: restarts on demand."""
+
+    def __init__(self, spool: Path, readers: int, faults: dict[tuple[str, int], int]) -> None:
+        super().__init__(str(spool), "fan", FanIn(readers=readers), poll=None, dead_after=3600)
+        self.faults = faults  # (method, nth call) -> reader that starts a new life first
+        self.calls: dict[str, int] = {}
+
+    def open(self, run: Any, cursor: Any) -> None:
+        self.cursor = cursor
+        self.readers = [self._life(i) for i in range(self.layout.readers)]
+        self._tokens = [""] * len(self.readers)
+        self._committed = [cursor.last_step] * len(self.readers)
+
+    def _life(self, i: int) -> TailReader:
+        return TailReader(self.spool, self.name, (i, self.layout.readers), None, 3600)
+
+    def _all(self, method: str, *args: Any, readers: list[Any] | None = None) -> list[Any]:
+        self.calls[method] = n = self.calls.get(method, 0) + 1
+        who = self.faults.get((method, n))
+        if who is not None:  # as Ray does: the call goes to the new life
+            old, self.readers[who] = self.readers[who], self._life(who)
+            readers = (
+                None if readers is None else [self.readers[who] if r is old else r for r in readers]
+            )
+        return [getattr(r, method)(*args) for r in (self.readers if readers is None else readers)]
+
+    def close(self) -> None:
+        self.readers = []
+
+
+def ship_in_process(spool: Path, out: Path, tails: Any = None) -> Any:
+    from ranklog.shippers import Shipper
+    from ranklog.shippers.jsonl import JsonlTarget
+
+    name = "fan" if tails is not None else "one"
+    shipper = Shipper(str(spool), JsonlTarget(out), name=name, dead_after=3600, start_grace=0,
+                      tails=tails)  # fmt: skip
+    shipper.run_forever(once=True)
+    return shipper
+
+
+class TestFanInRounds:
+    """The fan-in's rounds without Ray: readers in this process, restarted at chosen calls."""
+
+    @pytest.mark.parametrize(
+        "faults",
+        [{}, {("poll", 2): 0}, {("partials", 1): 1}, {("partials", 2): 0}, {("commit", 1): 1},
+         {("commit", 2): 0, ("poll", 4): 1}],
+        ids=["none", "poll", "partials-1", "partials-2", "commit", "commit-then-poll"],
+    )  # fmt: skip
+    def test_restarts_change_nothing(
+        self, tmp_path: Path, faults: dict[tuple[str, int], int], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Readers restarted at any call: output and counters equal the single shipper's."""
+        import ranklog.shippers._engine as engine
+
+        monkeypatch.setattr(engine, "BATCH_STEPS", 4)  # many rounds, many commits
+        spool = tmp_path / "spool"
+        write_mixed(spool)
+        one = ship_in_process(spool, tmp_path / "one.jsonl")
+        fan = ship_in_process(spool, tmp_path / "fan.jsonl", InProcessTails(spool, 2, faults))
+        assert (tmp_path / "fan.jsonl").read_bytes() == (tmp_path / "one.jsonl").read_bytes()
+        assert (fan.stats.late_events, fan.stats.relogged_events) == (
+            one.stats.late_events, one.stats.relogged_events,
+        ) == (1, 4)  # fmt: skip
+
+    def test_specs_and_nan_timers_as_one_shipper(self, tmp_path: Path) -> None:
+        """Ranks of different readers asking for other ops, and NaN timers: same values."""
+        spool = tmp_path / "spool"
+        write_mixed(spool)
+        ship_in_process(spool, tmp_path / "one.jsonl")
+        ship_in_process(spool, tmp_path / "fan.jsonl", InProcessTails(spool, 2, {}))
+        one = [x for x in read_jsonl(tmp_path / "one.jsonl") if "step" in x]
+        fan = [x for x in read_jsonl(tmp_path / "fan.jsonl") if "step" in x]
+        assert one[5]["metrics"]["x/median"] == statistics.median([5.0, 8.0, 11.0, 14.0])
+        assert one[5]["metrics"]["timing/fwd/slowest_rank"] == 2.0  # NaN never the slowest
+        assert json.dumps(fan) == json.dumps(one)
+
+
 @pytest.fixture
 def head(ray_head: RayHead) -> RayHead:
     return ray_head
@@ -220,8 +331,6 @@ class TestRayFanIn:
 class TestExample:
     def test_ray_actors_example_logs_and_ships(self, tmp_path: Path, head: RayHead) -> None:
         """examples/ray_actors.py: 4 actors log as ranks 0-3, then --ray ships every step."""
-        from ranklog.shippers.jsonl import read_jsonl
-
         spool = tmp_path / "spool"
         cmd = [sys.executable, str(ROOT / "examples" / "ray_actors.py"), "--address",
                head.address, "--spool", str(spool), "--ranks", "4", "--steps", "30",

@@ -455,6 +455,8 @@ class TestGpu:
         runs[0]._sink.append(Gpu(1.0, "node7", 0, 50.0))  # the sampler, still running
         for run in runs:
             run.close()
-        ship(spool, out)
+        shipper = ship(spool, out)
         assert [(x["step"], x["complete"]) for x in lines(out)] == [(0, True), (1, True)]
-        assert load_cursor(spool, "t").last_step >= 1  # type: ignore[union-attr]
+        cursor = load_cursor(spool, "t")
+        assert cursor is not None and cursor.last_step >= 2  # the samples' step is done
+        assert all(seg.done for seg in cursor.segments.values()) and shipper.lag() == (0, 0)

@@ -185,6 +185,8 @@ class Shipper:
         self.params_shipped: dict[str, ParamValue] = {}
         #: new or changed params, in log order: (step before which to ship, key, value)
         self.params_due: list[tuple[int, str, ParamValue]] = []
+        #: where each params event this process took in was (segment@frame end)
+        self._params_read: set[str] = set()
         self.shipped_upto = -1  # steps <= this are shipped (or held by the target)
         self._durable_gap = (-1, -1)  # (cursor step, target step): shipped by a dead process
         self.run: RunInfo | None = None
@@ -237,7 +239,7 @@ class Shipper:
             self.stats.late_events = cursor.late_events
             self.stats.relogged_events = cursor.relogged_events
         self.cursor.run_id = self.run.run_id
-        self.tails.open(self.run, cursor)
+        self.tails.open(self.run, self.cursor)  # the object _commit keeps current
         self._target_ok = False  # opened by the loop, with retries (a server may be down)
 
     def _reopen_target(self) -> None:
@@ -280,14 +282,13 @@ class Shipper:
         self.views = {v.rank: v for v in res.views}
         self.pending = {s for s in res.steps if s > self.shipped_upto}
         self.lag_bytes = res.lag_bytes
-        self.stats.late_events += res.late_events
-        self.stats.relogged_events += res.relogged_events
-        for b in res.bad:
-            self.stats.bad.append(b)
-            self.cursor.bad_ranges += 1
-            self.cursor.bad_bytes += b.length
         # in read order, rank by rank within a round (as one tail reads them)
-        for effective, _rank, values in sorted(res.params, key=lambda p: p[1]):
+        for effective, _rank, values, fresh, where in sorted(res.params, key=lambda p: p[1]):
+            if where in self._params_read:
+                continue  # read again by a tail that restarted: this process has it
+            self._params_read.add(where)
+            if not fresh and effective <= self.shipped_upto:
+                continue  # handled by an earlier shipper process: shipped with its step
             for k, v in values.items():
                 if k not in self.params or self.params[k] != v:
                     self.params[k] = v
@@ -344,11 +345,12 @@ class Shipper:
 
     # -- shipping ---------------------------------------------------------------------
 
-    def _ready_steps(self, now: float) -> list[ShippedStep]:
+    def _ready_steps(self, now: float) -> tuple[list[ShippedStep], int]:
+        """The next batch of ready steps, reduced; and the last step the batch covers."""
         upto, expected = self._ready_upto(now)
         ready = sorted(s for s in self.pending if self.shipped_upto < s <= upto)[:BATCH_STEPS]
         if not ready:
-            return []
+            return [], self.shipped_upto
         world = max(len(expected), 1)
         marks = [self.views[r].watermark for r in expected if r in self.views]
         out = []
@@ -356,18 +358,19 @@ class Shipper:
             ready, self.tails.partials(ready, per_rank=self.per_rank), strict=True
         ):
             closed = sum(1 for m in marks if m >= step)
-            if part is None:  # logged, then found shipped (re-opened target)
-                part = StepPartial(step)
-            elif closed == 0 and part.only_gpu():
+            if part is None:  # a tail lost it: read again rather than ship an empty step
+                raise TailRestartedError(f"step {step} is no longer held by a tail")
+            if closed == 0 and part.only_gpu():
                 # GPU samples taken after the last step, until the ranks ended: no step
                 # of training, nothing to ship (the samples stay in the spool and Parquet)
-                self.pending.discard(step)
                 continue
             out.append(part.finish(closed=closed, world_size=world))
-        return out
+        return out, ready[-1]
 
-    def _ship(self, steps: list[ShippedStep], *, final: bool = False) -> None:
+    def _ship(self, steps: list[ShippedStep], *, final: bool = False, through: int = -1) -> None:
         """Hand steps (and the params due before them) to the target; flush; commit.
+
+        ``through``: the last step this batch covers (steps with nothing to ship, too).
 
         Params logged while a rank was at step S are written just before the first
         shipped step >= S (or at the very end): the same place live and in replay.
@@ -398,11 +401,12 @@ class Shipper:
         done = set(map(id, due[:sent]))
         self.params_due = [d for d in self.params_due if id(d) not in done]
         for s in steps:
-            self.pending.discard(s.step)
             self.stats.steps_shipped += 1
             self.stats.partial_steps += not s.complete
-        if steps:
-            self.shipped_upto = steps[-1].step
+        top = max(through, steps[-1].step if steps else -1)
+        if top > self.shipped_upto:
+            self.shipped_upto = top
+            self.pending = {p for p in self.pending if p > top}
         self._commit()
 
     def _commit(self) -> None:
@@ -412,6 +416,12 @@ class Shipper:
         c = self.cursor
         c.segments.update(state.segments)
         c.ranks.update(state.ranks)
+        self.stats.late_events += state.late_events
+        self.stats.relogged_events += state.relogged_events
+        for b in state.bad:
+            self.stats.bad.append(b)
+            c.bad_ranges += 1
+            c.bad_bytes += b.length
         c.last_step = self.shipped_upto
         c.steps_shipped = self.stats.steps_shipped
         c.late_events = self.stats.late_events
@@ -427,12 +437,13 @@ class Shipper:
         shipped = 0
         while True:
             try:
-                steps = self._ready_steps(time.time())
+                steps, through = self._ready_steps(time.time())
             except TailRestartedError as exc:
-                log.info("%s; reading again", exc)
+                log.warning("%s; reading again", exc)
+                time.sleep(0.5)  # a reader restarting in a loop must not spin the root
                 return True, shipped
-            if steps:
-                self._ship(steps)
+            if steps or through > self.shipped_upto:
+                self._ship(steps, through=through)
                 shipped += len(steps)
                 continue
             if self.params_due and not self.pending and self.all_released(time.time()):

@@ -37,8 +37,9 @@ from typing import Any, Final
 import msgspec
 
 from ranklog.errors import RanklogError
-from ranklog.shippers._cursor import Cursor, load_cursor
+from ranklog.shippers._cursor import Cursor
 from ranklog.shippers._progress import Progress
+from ranklog.shippers._reduce import parse_ops
 from ranklog.shippers._registry import TargetOptions, make_target
 from ranklog.shippers._source import SpoolSource
 from ranklog.shippers._steps import StepPartial
@@ -76,36 +77,78 @@ _encode = msgspec.msgpack.Encoder().encode
 _poll_decoder = msgspec.msgpack.Decoder(TailPoll)
 _partials_decoder = msgspec.msgpack.Decoder(list[StepPartial | None])
 _commit_decoder = msgspec.msgpack.Decoder(TailCommit)
+_cursor_decoder = msgspec.msgpack.Decoder(Cursor)
+
+
+def _spec_votes(
+    decoded: list[list[StepPartial | None]], i: int
+) -> list[tuple[str, str, list[str]]]:
+    """For step ``i``: (``m:``/``t:`` name, spec of the lowest rank, every reader's spec)."""
+    seen: dict[str, list[tuple[int, str]]] = {}
+    for parts in decoded:
+        part = parts[i]
+        if part is None:
+            continue
+        for name, named in part.metrics.items():
+            seen.setdefault(f"m:{name}", []).append((named.rank, named.spec))
+        for name, named in part.timers.items():
+            seen.setdefault(f"t:{name}", []).append((named.rank, named.spec))
+    return [(k, min(v)[1], [spec for _, spec in v]) for k, v in seen.items() if len(v) > 1]
 
 
 class TailReader:
-    """A reader actor: one shard of the spool's ranks (use through ``ray.remote``)."""
+    """A reader actor: one shard of the spool's ranks (use through ``ray.remote``).
+
+    A new life of the actor starts empty and answers ``b""`` until the root hands it
+    the root's own cursor (:meth:`restore`): the one the root holds in memory, which a
+    restart between the root's commit and its cursor file cannot leave behind.
+    """
 
     def __init__(
         self, spool: str, name: str, shard: tuple[int, int], poll: float | None, dead_after: float
     ) -> None:
-        run = read_run(spool)
         self.token = uuid.uuid4().hex  # a new one per life of the actor
         self.tail = RankTail(
-            SpoolSource(spool, poll=poll, shard=shard), run, dead_after=dead_after, shard=shard
+            SpoolSource(spool, poll=poll, shard=shard),
+            read_run(spool),
+            dead_after=dead_after,
+            shard=shard,
         )
-        cursor = load_cursor(spool, name)
-        if cursor is not None and cursor.run_id in (None, run.run_id):
-            self.tail.restore(cursor)
+        self.restored = False
+
+    def restore(self, cursor: bytes, committed: int, shipped_upto: int) -> str:
+        """Carry on from the root's cursor (its shard's segments and ranks).
+
+        ``committed`` is the last step this shard's state in the cursor covers; the
+        root has shipped up to ``shipped_upto``: the steps between were shipped from
+        what an earlier life read, and are not late when read again.
+        """
+        if not self.restored:
+            self.tail.restore(_cursor_decoder.decode(cursor))
+            self.tail.restore_gap = (committed, shipped_upto)
+            self.restored = True
+        return self.token
 
     def poll(self, shipped_upto: int, gap: tuple[int, int], floor: int | None) -> tuple[str, bytes]:
         """One read round of this shard (an encoded TailPoll)."""
+        if not self.restored:
+            return self.token, b""
         self.tail.sync(shipped_upto, gap)
         return self.token, _encode(self.tail.poll(floor))
 
-    def partials(self, steps: list[int], per_rank: bool) -> tuple[str, bytes]:
+    def partials(
+        self, steps: list[int], per_rank: bool, specs: dict[int, dict[str, str]] | None = None
+    ) -> tuple[str, bytes]:
         """Mergeable partials of ``steps`` over this shard's ranks (encoded)."""
-        return self.token, _encode(self.tail.partials(steps, per_rank=per_rank, exact=True))
+        parts = self.tail.partials(steps, per_rank=per_rank, exact=True, specs=specs)
+        return self.token, _encode(parts)
 
     def commit(
         self, shipped_upto: int, gap: tuple[int, int], params_pending: bool
     ) -> tuple[str, bytes]:
         """Consume what was shipped; the shard's cursor state (an encoded TailCommit)."""
+        if not self.restored:
+            return self.token, b""
         self.tail.sync(shipped_upto, gap)
         return self.token, _encode(self.tail.commit(shipped_upto, params_pending=params_pending))
 
@@ -131,6 +174,9 @@ class RayTails:
         self._poll, self.dead_after = poll, dead_after
         self.readers: list[Any] = []
         self._tokens: list[str] = []
+        self.cursor: Cursor | None = None
+        #: per reader, the shipped step its last commit covered
+        self._committed: list[int] = []
 
     @property
     def mode(self) -> str:
@@ -138,9 +184,10 @@ class RayTails:
         return f"Ray fan-in, {len(self.readers)} readers"
 
     def open(self, run: RunInfo, cursor: Cursor | None) -> None:
-        """Start the reader actors (they read the committed cursor themselves)."""
+        """Start the reader actors; each starts from ``cursor`` (the root's, kept current)."""
         import ray
 
+        self.cursor = cursor if cursor is not None else Cursor(name=self.name)  # the root's
         remote: Any = ray.remote(TailReader)
         n = self.layout.readers
         for i in range(n):
@@ -156,15 +203,31 @@ class RayTails:
             ).remote(self.spool, self.name, (i, n), self._poll, self.dead_after)
             self.readers.append(handle)
         self._tokens = [""] * n
+        self._committed = [self.cursor.last_step] * n
 
-    def _all(self, method: str, *args: Any) -> list[Any]:
+    def _all(self, method: str, *args: Any, readers: list[Any] | None = None) -> list[Any]:
         import ray
 
-        return list(ray.get([getattr(r, method).remote(*args) for r in self.readers]))
+        targets = self.readers if readers is None else readers
+        return list(ray.get([getattr(r, method).remote(*args) for r in targets]))
 
     def poll(self, shipped_upto: int, gap: tuple[int, int], floor: int | None) -> TailPoll:
         """Every reader reads one round at the same time; their findings together."""
         answers = self._all("poll", shipped_upto, gap, floor)
+        while True:  # a reader in a new life first gets the root's cursor, then reads
+            empty = [i for i, (_, raw) in enumerate(answers) if not raw]
+            if not empty:
+                break
+            assert self.cursor is not None
+            log.info("reader(s) %s started (again): restoring them from the cursor", empty)
+            again = [self.readers[i] for i in empty]
+            raw_cursor = _encode(self.cursor)
+            for i in empty:
+                self._all("restore", raw_cursor, self._committed[i], shipped_upto,
+                          readers=[self.readers[i]])  # fmt: skip
+            for i, answer in zip(empty, self._all("poll", shipped_upto, gap, floor,
+                                                  readers=again), strict=True):  # fmt: skip
+                answers[i] = answer
         self._tokens = [token for token, _ in answers]
         out = TailPoll(False, [], [], [])
         steps: set[int] = set()
@@ -174,19 +237,30 @@ class RayTails:
             out.views += p.views
             steps.update(p.steps)
             out.params += p.params
-            out.late_events += p.late_events
-            out.relogged_events += p.relogged_events
-            out.bad += p.bad
             out.lag_bytes += p.lag_bytes
         out.steps = sorted(steps)
         return out
 
     def partials(self, steps: list[int], *, per_rank: bool) -> list[StepPartial | None]:
-        """Each reader's partials, merged step by step."""
-        answers = self._all("partials", steps, per_rank)
-        if [token for token, _ in answers] != self._tokens:
-            raise TailRestartedError("a reader actor restarted during the round")
-        decoded = [_partials_decoder.decode(raw) for _, raw in answers]
+        """Each reader's partials, merged step by step.
+
+        A name's reduce spec is that of the lowest rank logging it in the whole job;
+        where a reader built its partial with another spec (its own lowest rank asked
+        for other ops), that reader builds the step again with the winning spec.
+        """
+        decoded = self._partials(steps, per_rank, None)
+        specs: dict[int, dict[str, str]] = {}
+        for i, step in enumerate(steps):
+            for key, winner, others in _spec_votes(decoded, i):
+                if any(parse_ops(o) != parse_ops(winner) for o in others):
+                    specs.setdefault(step, {})[key] = winner
+        if specs:
+            again = [s for s in steps if s in specs]
+            redone = self._partials(again, per_rank, specs)
+            for j, step in enumerate(again):
+                i = steps.index(step)
+                for parts, new in zip(decoded, redone, strict=True):
+                    parts[i] = new[j]
         out: list[StepPartial | None] = []
         for i in range(len(steps)):
             merged: StepPartial | None = None
@@ -197,16 +271,30 @@ class RayTails:
             out.append(merged)
         return out
 
+    def _partials(
+        self, steps: list[int], per_rank: bool, specs: dict[int, dict[str, str]] | None
+    ) -> list[list[StepPartial | None]]:
+        answers = self._all("partials", steps, per_rank, specs)
+        if [token for token, _ in answers] != self._tokens:
+            raise TailRestartedError("a reader actor restarted during the round")
+        return [_partials_decoder.decode(raw) for _, raw in answers]
+
     def commit(
         self, shipped_upto: int, gap: tuple[int, int], *, params_pending: bool
     ) -> TailCommit:
-        """Every reader's segments and ranks (a restarted one reports its committed state)."""
+        """Every reader's segments, ranks and counters (a reader in a new life: none yet)."""
         answers = self._all("commit", shipped_upto, gap, params_pending)
         out = TailCommit({}, {})
-        for _, raw in answers:
+        for i, (_, raw) in enumerate(answers):
+            if not raw:
+                continue
+            self._committed[i] = shipped_upto
             c = _commit_decoder.decode(raw)
             out.segments.update(c.segments)
             out.ranks.update(c.ranks)
+            out.late_events += c.late_events
+            out.relogged_events += c.relogged_events
+            out.bad += c.bad
         return out
 
     def wait(self, timeout: float) -> None:

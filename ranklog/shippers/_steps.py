@@ -129,11 +129,21 @@ class StepPartial:
 
     @classmethod
     def build(
-        cls, step: int, acc: StepAcc, *, per_rank: bool = False, exact: bool = False
+        cls,
+        step: int,
+        acc: StepAcc,
+        *,
+        per_rank: bool = False,
+        exact: bool = False,
+        specs: dict[str, str] | None = None,
     ) -> StepPartial:
-        """Summarise ``acc`` (in rank order); ``exact`` makes it mergeable without rounding."""
+        """Summarise ``acc`` (in rank order); ``exact`` makes it mergeable without rounding.
+
+        ``specs`` (``m:<metric>``/``t:<timer>`` -> spec) replaces the spec of the lowest
+        rank here, for names whose job-wide lowest rank is elsewhere (a fan-in).
+        """
         values: dict[str, list[float]] = {}
-        specs: dict[str, tuple[int, str]] = {}
+        named_specs: dict[str, tuple[int, str]] = {}
         timers: dict[str, list[float]] = {}
         timer_specs: dict[str, tuple[int, str]] = {}
         out = cls(step, ranks=len(acc.ranks), per_rank={} if per_rank else None)
@@ -151,7 +161,7 @@ class StepPartial:
                         lst = values.get(name)
                         if lst is None:
                             values[name] = lst = []
-                            specs[name] = (
+                            named_specs[name] = (
                                 rank,
                                 reduce
                                 if type(reduce) is str
@@ -166,7 +176,7 @@ class StepPartial:
                         timer_specs[name] = (rank, ev.reduce)
                     lst.append(ev.seconds)
                     best = slowest.get(name)
-                    if best is None or ev.seconds > best[0]:
+                    if best is None or _slower(ev.seconds, best[0]):
                         slowest[name] = (ev.seconds, rank)
                 elif type(ev) is Text:
                     out.texts.append(TextItem(rank, ev.name, ev.text))
@@ -182,12 +192,16 @@ class StepPartial:
                     out.per_rank[rank] = own
         out.ts = ts
         for name, lst in values.items():
-            first, spec = specs[name]
+            first, spec = named_specs[name]
+            if specs is not None:
+                spec = specs.get(f"m:{name}", spec)
             ops = parse_ops(spec)
             last = _last(acc, order, name, timer=False) if "last" in ops else _NO_LAST
             out.metrics[name] = Named(first, spec, Partial.of(lst, last=last, ops=ops, exact=exact))
         for name, lst in timers.items():
             first, spec = timer_specs[name]
+            if specs is not None:
+                spec = specs.get(f"t:{name}", spec)
             ops = parse_ops(spec)
             last = _last(acc, order, name, timer=True) if "last" in ops else _NO_LAST
             out.timers[name] = Named(first, spec, Partial.of(lst, last=last, ops=ops, exact=exact))
@@ -211,7 +225,11 @@ class StepPartial:
         )
         for name, best in other.slowest.items():
             mine = out.slowest.get(name)
-            if mine is None or best[0] > mine[0] or (best[0] == mine[0] and best[1] < mine[1]):
+            if (
+                mine is None
+                or _slower(best[0], mine[0])
+                or (_same(best[0], mine[0]) and best[1] < mine[1])
+            ):
                 out.slowest[name] = best
         for name in self.histograms.keys() | other.histograms.keys():
             both = self.histograms.get(name, []) + other.histograms.get(name, [])
@@ -264,6 +282,15 @@ class StepPartial:
             ],
             per_rank=per_rank,
         )
+
+
+def _slower(a: float, b: float) -> bool:
+    """Whether time ``a`` beats ``b`` for the slowest rank: larger, and any number beats NaN."""
+    return a > b or (b != b and a == a)
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (a != a and b != b)
 
 
 def _merge_named(a: dict[str, Named], b: dict[str, Named]) -> dict[str, Named]:

@@ -113,21 +113,26 @@ class TailPoll:
     views: list[RankView]
     #: steps held (logged by some rank, not shipped yet)
     steps: list[int]
-    #: hyperparameters read, in read order: (first step they apply to, rank, values)
-    params: list[tuple[int, int, dict[str, ParamValue]]]
-    late_events: int = 0
-    relogged_events: int = 0
-    bad: list[BadRange] = field(default_factory=list)
+    #: hyperparameters read, in read order: (first step they apply to, rank, values,
+    #: fresh: not examined by an earlier shipper process, where: segment and offset)
+    params: list[tuple[int, int, dict[str, ParamValue], bool, str]]
     #: bytes written but not yet consumed (read and shipped)
     lag_bytes: int = 0
 
 
 @dataclass(slots=True)
 class TailCommit:
-    """The cursor state of a tail's segments and ranks after a commit."""
+    """The cursor state of a tail's segments and ranks after a commit.
+
+    The counters are those of the bytes read since the previous commit: they go into
+    the cursor with the ``seen`` offsets that stop them from being counted again.
+    """
 
     segments: dict[str, SegmentCursor]
     ranks: dict[str, dict[str, IncState]]
+    late_events: int = 0
+    relogged_events: int = 0
+    bad: list[BadRange] = field(default_factory=list)
 
 
 class RankTail:
@@ -153,7 +158,12 @@ class RankTail:
         self.shipped_upto = -1
         #: (cursor step, target step): steps shipped by a process that died uncommitted
         self.durable_gap = (-1, -1)
+        #: (this tail's last commit, the owner's last shipped step) when it was restored:
+        #: values re-read for those steps were shipped, not late (a reader's new life)
+        self.restore_gap = (-1, -1)
         self._poll = TailPoll(False, [], [], [])
+        self._late = self._relogged = 0
+        self._bad: list[BadRange] = []
 
     def restore(self, cursor: Cursor) -> None:
         """Carry on from a committed cursor (only this tail's ranks are taken)."""
@@ -301,7 +311,7 @@ class RankTail:
         for b in bad:
             if b.length and b.offset + b.length <= seg.seen:
                 continue  # reported by an earlier shipper process
-            self._poll.bad.append(b)
+            self._bad.append(b)
             log.warning("corrupt spool bytes skipped: %s", b)
 
     def _apply(
@@ -317,6 +327,8 @@ class RankTail:
         prev_closed: int | None = None
         shipped_upto = self.shipped_upto
         gap = self.durable_gap
+        rgap = self.restore_gap
+        nparams = 0  # params events in this frame so far
         for ev in events:
             if isinstance(ev, STEP_KINDS):
                 step = ev.step
@@ -329,13 +341,17 @@ class RankTail:
                     prev_closed = state.closed_before(inc_no)
                 if step <= prev_closed:  # closed by an earlier incarnation: re-logged
                     if fresh and step > gap[1]:
-                        self._poll.relogged_events += 1
+                        self._relogged += 1
                     continue
                 if step <= own or step <= shipped_upto:
                     # Late: this rank had closed the step already (its own watermark: the
                     # same verdict whatever order ranks are read in), or it was shipped.
-                    if fresh and not (gap[0] < step <= gap[1]):
-                        self._poll.late_events += 1
+                    if (
+                        fresh
+                        and not (gap[0] < step <= gap[1])
+                        and not (step > own and rgap[0] < step <= rgap[1])
+                    ):
+                        self._late += 1
                     continue
                 self._contribute(step, rank, inc_no, ev)
             elif isinstance(ev, Gpu):
@@ -358,7 +374,9 @@ class RankTail:
                 inc.ended = ev.status
             elif isinstance(ev, Params):
                 effective = inc.max_step + 1 if inc.max_step >= 0 else 0
-                self._poll.params.append((effective, rank, dict(ev.values)))
+                where = f"{seg.key}@{frame_end}#{nparams}"
+                nparams += 1
+                self._poll.params.append((effective, rank, dict(ev.values), fresh, where))
                 # the owner decides what is new; until it shipped them, keep the frame
                 holds = holds or effective > shipped_upto
         return max_step, holds
@@ -402,16 +420,31 @@ class RankTail:
         return out
 
     def partials(
-        self, steps: list[int], *, per_rank: bool, exact: bool
+        self,
+        steps: list[int],
+        *,
+        per_rank: bool,
+        exact: bool,
+        specs: dict[int, dict[str, str]] | None = None,
     ) -> list[StepPartial | None]:
-        """The partial of each step in ``steps`` over this tail's ranks (None: nothing)."""
+        """The partial of each step in ``steps`` over this tail's ranks (None: nothing).
+
+        ``specs`` (step -> ``m:name``/``t:name`` -> reduce spec) overrides the spec of
+        this tail's lowest rank: in a fan-in, the spec of the job's lowest rank wins.
+        """
         out: list[StepPartial | None] = []
         for step in steps:
             acc = self.steps.get(step)
             out.append(
                 None
                 if acc is None
-                else StepPartial.build(step, acc, per_rank=per_rank, exact=exact)
+                else StepPartial.build(
+                    step,
+                    acc,
+                    per_rank=per_rank,
+                    exact=exact,
+                    specs=specs.get(step) if specs else None,
+                )
             )
         return out
 
@@ -439,4 +472,7 @@ class RankTail:
         ranks = {
             str(r): {str(k): v for k, v in s.incs.items()} for r, s in sorted(self.ranks.items())
         }
-        return TailCommit(segments, ranks)
+        out = TailCommit(segments, ranks, self._late, self._relogged, self._bad)
+        self._late = self._relogged = 0
+        self._bad = []
+        return out
