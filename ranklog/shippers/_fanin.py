@@ -15,10 +15,11 @@ place of a local tail: completeness, params, the target and the cursor are
 the single-process code.
 
 Restarts: actors are created with ``max_restarts`` and retried calls. A reader
-rebuilds its state from the spool and the committed cursor (which the root
-writes after every accepted batch); the root notices a reader's new life by
-its token, drops the round and reads again, so a reader killed at any point
-changes nothing in the output. The root is pinned to the node ``ranklog ship``
+in a new life answers nothing until the root hands it the root's own cursor
+(kept current in memory after every accepted batch), then rebuilds its ranks
+from the spool; the root notices the new life by its token, drops the round
+and reads again. Counters travel with commits, params are taken once by where
+they were read: a reader killed at any point changes nothing in the output. The root is pinned to the node ``ranklog ship``
 runs on (its target writes local files there); a restarted root starts new
 readers. Nothing here imports ray until a fan-in is started.
 """
@@ -151,10 +152,6 @@ class TailReader:
             return self.token, b""
         self.tail.sync(shipped_upto, gap)
         return self.token, _encode(self.tail.commit(shipped_upto, params_pending=params_pending))
-
-    def stop(self) -> None:
-        """Release the source's watchers."""
-        self.tail.source.close()
 
 
 class RayTails:
