@@ -410,7 +410,7 @@ class TestPrometheus:
 
     def test_matches_prometheus_client(self) -> None:
         """Where prometheus_client is installed, its parser and ours agree on the fixture."""
-        pytest.importorskip("prometheus_client")
+        pytest.importorskip("prometheus_client", reason="a test extra: ./tools/test installs it")
         text = FIXTURE.read_text()
         ours = node_metrics(parse_prometheus_text(text), "x")[0]
         theirs = node_metrics(parse_prometheus(text), "x")[0]

@@ -37,7 +37,7 @@ from .conftest import python_env, run_python
 from .mlflow_server import MlflowServer, free_port, running_server
 from .shiphelp import lines, rank
 
-pytest.importorskip("mlflow")
+pytest.importorskip("mlflow", reason="installed by ./tools/test (extra ranklog[mlflow])")
 
 from mlflow.tracking import MlflowClient
 

@@ -122,7 +122,7 @@ class TestRaySource:
         assert len(ours) > 100 and any(n == "ray_node_mem_total" for n, _, _ in ours)
         gpus, memory = node_metrics(ours, "fallback")
         assert gpus == [] and [m.host for m in memory] == ["127.0.0.1"]
-        pytest.importorskip("prometheus_client")
+        pytest.importorskip("prometheus_client", reason="a test extra: ./tools/test installs it")
         assert sorted((n, sorted(lab.items())) for n, lab, _ in parse_prometheus(text)) == sorted(
             (n, sorted(lab.items())) for n, lab, _ in ours
         )

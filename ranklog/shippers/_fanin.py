@@ -19,9 +19,10 @@ in a new life answers nothing until the root hands it the root's own cursor
 (kept current in memory after every accepted batch), then rebuilds its ranks
 from the spool; the root notices the new life by its token, drops the round
 and reads again. Counters travel with commits, params are taken once by where
-they were read: a reader killed at any point changes nothing in the output. The root is pinned to the node ``ranklog ship``
-runs on (its target writes local files there); a restarted root starts new
-readers. Nothing here imports ray until a fan-in is started.
+they were read: a reader killed at any point changes nothing in the output.
+The root is pinned to the node ``ranklog ship`` runs on (its target writes
+local files there); a restarted root starts new readers. Nothing here imports
+ray until a fan-in is started.
 """
 
 from __future__ import annotations

@@ -191,20 +191,17 @@ class StepPartial:
                 if own:
                     out.per_rank[rank] = own
         out.ts = ts
-        for name, lst in values.items():
-            first, spec = named_specs[name]
-            if specs is not None:
-                spec = specs.get(f"m:{name}", spec)
-            ops = parse_ops(spec)
-            last = _last(acc, order, name, timer=False) if "last" in ops else _NO_LAST
-            out.metrics[name] = Named(first, spec, Partial.of(lst, last=last, ops=ops, exact=exact))
-        for name, lst in timers.items():
-            first, spec = timer_specs[name]
-            if specs is not None:
-                spec = specs.get(f"t:{name}", spec)
-            ops = parse_ops(spec)
-            last = _last(acc, order, name, timer=True) if "last" in ops else _NO_LAST
-            out.timers[name] = Named(first, spec, Partial.of(lst, last=last, ops=ops, exact=exact))
+        for timer, found, found_specs, into in (
+            (False, values, named_specs, out.metrics),
+            (True, timers, timer_specs, out.timers),
+        ):
+            for name, lst in found.items():
+                first, spec = found_specs[name]
+                if specs is not None:
+                    spec = specs.get(f"{'t' if timer else 'm'}:{name}", spec)
+                ops = parse_ops(spec)
+                last = _last(acc, order, name, timer=timer) if "last" in ops else _NO_LAST
+                into[name] = Named(first, spec, Partial.of(lst, last=last, ops=ops, exact=exact))
         return out
 
     def only_gpu(self) -> bool:
