@@ -9,25 +9,34 @@ MLflow, Weights & Biases or JSONL, exactly once.
 
 from ranklog._version import __version__
 from ranklog.errors import (
+    ArchiveError,
     ConfigError,
+    CursorError,
     ExtraMissingError,
     InvalidStepError,
     InvalidValueError,
+    LeaseHeldError,
     RanklogError,
     RanklogWarning,
     RunMismatchError,
     SpoolError,
     SpoolFormatError,
     SpoolWriteError,
+    TailRestartedError,
+    TargetError,
+    TransientTargetError,
 )
 from ranklog.producer import Durability, Run, init
 
 __all__ = [
+    "ArchiveError",
     "ConfigError",
+    "CursorError",
     "Durability",
     "ExtraMissingError",
     "InvalidStepError",
     "InvalidValueError",
+    "LeaseHeldError",
     "RanklogError",
     "RanklogWarning",
     "Run",
@@ -35,6 +44,9 @@ __all__ = [
     "SpoolError",
     "SpoolFormatError",
     "SpoolWriteError",
+    "TailRestartedError",
+    "TargetError",
+    "TransientTargetError",
     "__version__",
     "init",
 ]

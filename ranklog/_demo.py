@@ -91,7 +91,7 @@ def run_demo(spool: Path, *, ranks: int = 4, steps: int = 300, step_seconds: flo
     print(f"demo: ranks exited with {codes} after {time.monotonic() - t0:.1f}s", flush=True)
     shipped = shipper.wait()
     print(f"demo: shippers exited with {shipped}\n")
-    _inspect(spool)
+    _ranklog("inspect", str(spool))
     archived = _archive(spool, out)
     print("\nopen the results:")
     print(f"  reduced steps      {out / 'metrics.jsonl'}")
@@ -100,20 +100,24 @@ def run_demo(spool: Path, *, ranks: int = 4, steps: int = 300, step_seconds: flo
     return 0 if not any(codes) and shipped == 0 and archived else 1
 
 
+def _ranklog(*args: str) -> int:
+    """Run a ``ranklog`` command in its own process (as a user would); its exit code."""
+    sys.stdout.flush()
+    return subprocess.call([sys.executable, "-m", "ranklog.cli", *args])
+
+
 def _archive(spool: Path, out: Path) -> bool:
     """Compact the spool, replay it into a fresh TensorBoard directory, write the report."""
-    from ranklog.cli import main
-
     print()
-    ok = main(["compact", str(spool), "--out", str(out / "parquet")]) == 0
+    ok = _ranklog("compact", str(spool), "--out", str(out / "parquet")) == 0
     replay_to = f"tensorboard:{out / 'replayed-tensorboard'}"
-    ok = ok and main(["replay", str(out / "parquet"), "--to", replay_to]) == 0
+    ok = ok and _ranklog("replay", str(out / "parquet"), "--to", replay_to) == 0
     try:
         import matplotlib  # noqa: F401  (the report extra)
     except ImportError:
         print("report: skipped (pip install 'ranklog[report]')")
         return ok
-    return ok and main(["report", str(out / "parquet"), "--out", str(out / "report.html")]) == 0
+    return ok and _ranklog("report", str(out / "parquet"), "--out", str(out / "report.html")) == 0
 
 
 def _backends(out: Path) -> list[str]:
@@ -144,9 +148,3 @@ def _how_to_open(out: Path) -> list[str]:
     if runs:
         lines.append(f"W&B (offline)      wandb sync {runs[-1]}   (uploads it; needs an API key)")
     return lines
-
-
-def _inspect(spool: Path) -> None:
-    from ranklog.cli import main
-
-    main(["inspect", str(spool)])

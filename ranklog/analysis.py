@@ -19,13 +19,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
+from ranklog.errors import ArchiveError
+
 __all__ = ["metric_band", "per_rank", "rank_divergence", "slowest_rank"]
 
 
 def _table(dataset: str | os.PathLike[str], kind: str, name: str) -> pa.Table:
     path = Path(dataset) / kind
     if not path.is_dir():
-        raise FileNotFoundError(f"{path}: no {kind} table in this dataset")
+        raise ArchiveError(f"{path}: no {kind} table in this dataset")
     return ds.dataset(path, format="parquet").to_table(
         columns=["step", "rank", "value"], filter=ds.field("name") == name
     )

@@ -3,13 +3,19 @@
 ::
 
     ranklog ship SPOOL --to TARGET [--to TARGET ...] [--once] [--poll S] [--dead-after S]
-                 [--name N] [--samples N]
+                 [--name N] [--per-rank] [--ray [ADDRESS]] [target options]
     ranklog compact SPOOL --out DIR [--delete]
     ranklog replay DIR --to TARGET [--to TARGET ...] [--steps A:B] [--names GLOB]
-                   [--relogged first|last]
+                   [--relogged first|last] [target options]
     ranklog inspect SPOOL [--json]
     ranklog report DIR --out report.html
     ranklog demo [--out DIR] [--ranks N] [--steps N]
+
+Target options (``--run-name``, ``--experiment``, ``--entity`` ...) come from the
+targets' own declarations (:class:`ranklog.shippers.TargetKind`). An error a
+user can cause (a bad path, option or target, an unreachable backend) is one
+line on stderr and the exit code of its :class:`~ranklog.errors.RanklogError`
+class, never a traceback.
 """
 
 from __future__ import annotations
@@ -23,15 +29,18 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ranklog._version import __version__
+from ranklog.errors import ConfigError, RanklogError
 
 if TYPE_CHECKING:
-    from ranklog.shippers import TargetOptions
     from ranklog.spool._inspect import SpoolSummary
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
+
+#: where parsed target option values go in the namespace (``opt_run_name`` ...)
+_OPT = "opt_"
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -39,8 +48,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
     spool = Path(args.spool)
     if not spool.is_dir():
-        print(f"ranklog inspect: {spool} is not a directory", file=sys.stderr)
-        return 2
+        raise ConfigError(f"{spool}: no such spool directory")
     summary = summarize(spool)
     _add_shippers(summary)
     if args.json:
@@ -82,48 +90,40 @@ def _add_shippers(summary: SpoolSummary) -> None:
 
 
 def _ship(args: argparse.Namespace) -> int:
-    from ranklog.errors import RanklogError
     from ranklog.shippers import Progress, Shipper, default_name, make_target
+    from ranklog.spool import require_run
 
     targets: list[str] = args.to
+    require_run(args.spool)
     if len(targets) > 1 and not args.in_process:
         return _ship_each(args, targets)
     logging.basicConfig(level=logging.INFO, format="ranklog: %(message)s", stream=sys.stderr)
-    spool = Path(args.spool)
-    if not (spool / "run.json").is_file():
-        print(f"ranklog ship: {spool} is not a spool (no run.json)", file=sys.stderr)
-        return 2
+    if args.ray is not None and args.readers < 1:
+        raise ConfigError(f"--readers must be at least 1, got {args.readers}")
     code = 0
     for spec in targets:
-        try:
-            name = args.name if args.name and len(targets) == 1 else default_name(spec)
-            if args.ray is not None:
-                _ship_on_ray(args, spec, name)
-                continue
-            target = make_target(spec, spool, _options(args))
-            shipper = Shipper(
-                str(spool),
-                target,
-                name=name,
-                poll=args.poll,
-                dead_after=args.dead_after,
-                start_grace=args.start_grace,
-                per_rank=args.per_rank,
-                progress=None if args.quiet else Progress(),
-            )
-            code = max(code, shipper.run_forever(once=args.once))
-        except RanklogError as exc:
-            print(f"ranklog ship: {exc}", file=sys.stderr)
-            code = 2
+        name = args.name if args.name and len(targets) == 1 else default_name(spec)
+        if args.ray is not None:
+            _ship_on_ray(args, spec, name)
+            continue
+        target = make_target(spec, args.spool, _options(args), per_rank=args.per_rank)
+        shipper = Shipper(
+            args.spool,
+            target,
+            name=name,
+            poll=args.poll,
+            dead_after=args.dead_after,
+            start_grace=args.start_grace,
+            per_rank=args.per_rank,
+            progress=None if args.quiet else Progress(),
+        )
+        code = max(code, shipper.run_forever(once=args.once))
     return code
 
 
 def _ship_on_ray(args: argparse.Namespace, spec: str, name: str) -> None:
-    from ranklog.errors import ConfigError
     from ranklog.shippers._fanin import FanIn, ship_on_ray
 
-    if args.readers < 1:
-        raise ConfigError(f"--readers must be at least 1, got {args.readers}")
     ship_on_ray(
         args.ray or None,
         args.spool,
@@ -140,44 +140,31 @@ def _ship_on_ray(args: argparse.Namespace, spec: str, name: str) -> None:
     )
 
 
-def _options(args: argparse.Namespace) -> TargetOptions:
-    from ranklog.shippers import TargetOptions
-
-    return TargetOptions(
-        samples=args.samples,
-        per_rank=args.per_rank,
-        run_name=args.run_name,
-        experiment=args.experiment,
-        entity=args.entity,
-        group=args.group,
-        mode=args.mode,
-        dir=args.dir,
-    )
-
-
-_PASSED_ON = ("run_name", "experiment", "entity", "group", "mode", "dir")
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    """The target options given on the command line (unset ones left out)."""
+    return {
+        key[len(_OPT) :]: value
+        for key, value in vars(args).items()
+        if key.startswith(_OPT) and value is not None and value is not False
+    }
 
 
 def _ship_each(args: argparse.Namespace, targets: list[str]) -> int:
     """One process per target: a slow or broken target never holds another back."""
-    base = [sys.executable, "-m", "ranklog.cli", "ship", args.spool]
+    from ranklog.shippers import all_options
+
     flags = ["--dead-after", str(args.dead_after), "--start-grace", str(args.start_grace)]
-    flags += ["--samples", str(args.samples)]
-    if args.once:
-        flags.append("--once")
+    flags += ["--once"] * args.once + ["--quiet"] * args.quiet + ["--per-rank"] * args.per_rank
     if args.poll is not None:
         flags += ["--poll", str(args.poll)]
-    if args.quiet:
-        flags.append("--quiet")
-    if args.per_rank:
-        flags.append("--per-rank")
     if args.ray is not None:
         flags += [f"--ray={args.ray}", "--readers", str(args.readers)]
         flags += ["--reader-cpus", str(args.reader_cpus)]
-    for key in _PASSED_ON:
-        value = getattr(args, key)
-        if value is not None:
-            flags += [f"--{key.replace('_', '-')}", str(value)]
+    declared = all_options()
+    for key, value in _options(args).items():
+        opt = declared[key][0]
+        flags += [opt.flag] if value is True else [opt.flag, str(value)]
+    base = [sys.executable, "-m", "ranklog.cli", "ship", args.spool]
     procs = []
     for spec in targets:
         name = f"{args.name}-{spec.partition(':')[0]}" if args.name else None
@@ -192,13 +179,9 @@ def _ship_each(args: argparse.Namespace, targets: list[str]) -> int:
 
 
 def _compact(args: argparse.Namespace) -> int:
-    from ranklog.spool.parquet import compact
+    from ranklog.archive import compact
 
-    spool = Path(args.spool)
-    if not (spool / "run.json").is_file():
-        print(f"ranklog compact: {spool} is not a spool (no run.json)", file=sys.stderr)
-        return 2
-    res = compact(spool, args.out, delete=args.delete)
+    res = compact(args.spool, args.out, delete=args.delete)
     rows = ", ".join(f"{t} {n:,}" for t, n in sorted(res.rows.items())) or "nothing new"
     print(f"compacted {res.files} files into {args.out}: {rows}")
     for b in res.bad:
@@ -210,48 +193,39 @@ def _compact(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parse_steps(text: str | None) -> tuple[int | None, int | None] | None:
-    if not text:
-        return None
+def _steps(text: str) -> tuple[int | None, int | None]:
+    """``A:B`` (either may be empty) as an argparse type."""
     lo, sep, hi = text.partition(":")
-    if not sep:
-        raise SystemExit(f"ranklog replay: --steps {text!r}: expected A:B (either may be empty)")
-    return (int(lo) if lo else None, int(hi) if hi else None)
+    try:
+        if not sep:
+            raise ValueError(text)
+        return (int(lo) if lo else None, int(hi) if hi else None)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected A:B (steps A <= step < B; either may be empty)"
+        ) from None
 
 
 def _replay(args: argparse.Namespace) -> int:
+    from ranklog.archive import replay, require_manifest
     from ranklog.shippers import make_target
-    from ranklog.spool.replay import replay
 
-    dataset = Path(args.dataset)
-    if not (dataset / "_manifest.json").is_file():
-        print(f"ranklog replay: {dataset} is not a compacted dataset", file=sys.stderr)
-        return 2
-    steps = _parse_steps(args.steps)
+    require_manifest(args.dataset)
     code = 0
     for spec in args.to:
-        target = make_target(spec, dataset, _options(args))
-        code = max(code, replay(dataset, target, steps=steps, names=args.names,
+        target = make_target(spec, args.dataset, _options(args), per_rank=args.per_rank)
+        code = max(code, replay(args.dataset, target, steps=args.steps, names=args.names,
                                 per_rank=args.per_rank, relogged=args.relogged))  # fmt: skip
-        print(f"replayed {dataset} into {spec}")
+        print(f"replayed {args.dataset} into {spec}")
     return code
 
 
 def _report(args: argparse.Namespace) -> int:
-    from ranklog.errors import ConfigError, ExtraMissingError
+    from ranklog.archive import require_manifest
+    from ranklog.report import write_report
 
-    dataset = Path(args.dataset)
-    if not (dataset / "_manifest.json").is_file():
-        print(f"ranklog report: {dataset} is not a compacted dataset", file=sys.stderr)
-        return 2
-    try:
-        from ranklog.report import write_report
-
-        path = write_report(dataset, Path(args.out))
-    except (ExtraMissingError, ConfigError) as exc:
-        print(f"ranklog report: {exc}", file=sys.stderr)
-        return 2
-    print(f"report: {path}")
+    require_manifest(args.dataset)
+    print(f"report: {write_report(Path(args.dataset), Path(args.out))}")
     return 0
 
 
@@ -265,22 +239,37 @@ def _demo(args: argparse.Namespace) -> int:
     return code
 
 
+def _to_help() -> str:
+    from ranklog.shippers import target_kinds
+
+    kinds = "; ".join(f"{k.usage}: {k.help}" for k in target_kinds().values())
+    return f"where to ship, repeatable (one process per target): {kinds}"
+
+
 def _target_flags(p: argparse.ArgumentParser) -> None:
-    """Options every target understands (each uses what applies to it)."""
-    p.add_argument(
-        "--samples", type=int, default=2, help="validation samples printed per step (console)"
-    )
+    """``--to``, ``--per-rank`` and every option the targets declare."""
+    from ranklog.shippers import all_options
+
+    p.add_argument("--to", action="append", required=True, metavar="TARGET", help=_to_help())
     p.add_argument(
         "--per-rank", action="store_true",
         help="also log each rank's own values (TensorBoard rankNNNNN/ sub-runs, MLflow child "
         "runs, one W&B run per rank grouped by run name)",
     )  # fmt: skip
-    p.add_argument("--run-name", help="the backend run's name (default: the spool's run name)")
-    p.add_argument("--experiment", help="MLflow experiment (default: the run name)")
-    p.add_argument("--entity", help="W&B entity")
-    p.add_argument("--group", help="W&B group (default: the run name)")
-    p.add_argument("--mode", choices=["online", "offline"], help="W&B mode")
-    p.add_argument("--dir", help="local directory for backend files (W&B; default: SPOOL)")
+    group = p.add_argument_group("target options (each target uses those it declares)")
+    for name, (opt, kinds) in all_options().items():
+        text = f"{opt.help} [{', '.join(kinds)}]"
+        try:
+            if opt.type is bool:
+                group.add_argument(opt.flag, dest=_OPT + name, action="store_true", help=text)
+            else:
+                group.add_argument(
+                    opt.flag, dest=_OPT + name, type=opt.parse, help=text,
+                    metavar=opt.metavar or (" | ".join(opt.choices) if opt.choices else None)
+                    or name.upper(),
+                )  # fmt: skip
+        except argparse.ArgumentError as exc:  # a plug-in's option shadowing a ranklog flag
+            logging.getLogger("ranklog").warning("target option %s ignored: %s", opt.flag, exc)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -293,13 +282,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     ship = sub.add_parser("ship", help="reduce each step across ranks and forward it")
     ship.add_argument("spool")
-    ship.add_argument(
-        "--to",
-        action="append",
-        required=True,
-        metavar="TARGET",
-        help="jsonl:PATH | console[:N] (every N-th step); repeatable: one process per target",
-    )
     ship.add_argument("--once", action="store_true", help="ship what is ready, then exit 0")
     ship.add_argument(
         "--poll", type=float, metavar="S", help="poll every S seconds (default: inotify, "
@@ -342,8 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     rep = sub.add_parser("replay", help="ship a compacted dataset into any target")
     rep.add_argument("dataset")
-    rep.add_argument("--to", action="append", required=True, metavar="TARGET")
-    rep.add_argument("--steps", metavar="A:B", help="only steps A <= step < B")
+    rep.add_argument("--steps", type=_steps, metavar="A:B", help="only steps A <= step < B")
     rep.add_argument("--names", metavar="GLOB", help="only metrics, timers and text matching")
     rep.add_argument(
         "--relogged", choices=["first", "last"], default="first",
@@ -373,9 +354,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``ranklog`` console script."""
+    """Entry point of the ``ranklog`` console script: an exit code, never a traceback."""
     args = build_parser().parse_args(argv)
-    code: int = args.func(args)
+    try:
+        code: int = args.func(args)
+    except RanklogError as exc:
+        print(f"ranklog {args.command}: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except OSError as exc:  # a file or directory the system refused: say which
+        print(f"ranklog {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
     return code
 
 

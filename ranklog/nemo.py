@@ -22,7 +22,7 @@ never waits on a backend; a crash loses nothing that was closed
 
 Config keys read: ``log_dir``, ``wandb_enabled``, ``tensorboard_enabled``,
 ``mlflow_enabled``, ``wandb`` (``project``, ``name``, ``entity``, ``group``,
-``mode``), ``tensorboard`` (``log_dir``), ``mlflow`` (``experiment_name``,
+``mode``), ``mlflow`` (``experiment_name``,
 ``run_name``, ``tracking_uri``), ``monitor_gpus``, ``gpu_monitoring``,
 ``num_val_samples_to_print``, and ranklog's own ``ranklog`` section
 (``durability``, ``owner_rank``, ``shutdown_timeout``).
@@ -34,6 +34,7 @@ NeMo RL's ``RayGpuMonitorLogger`` does; elsewhere this host's GPUs (``gpu="auto"
 
 from __future__ import annotations
 
+import abc
 import json
 import logging
 import numbers
@@ -50,9 +51,10 @@ __all__ = ["Logger", "LoggerInterface"]
 log = logging.getLogger("ranklog.nemo")
 
 
-class LoggerInterface:
+class LoggerInterface(abc.ABC):
     """NeMo RL's logger interface, as the methods this facade implements."""
 
+    @abc.abstractmethod
     def log_metrics(
         self,
         metrics: Mapping[str, Any],
@@ -62,11 +64,10 @@ class LoggerInterface:
         step_finished: bool = False,
     ) -> None:
         """Log a dictionary of metrics."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         """Log hyperparameters."""
-        raise NotImplementedError
 
 
 class Logger(LoggerInterface):
@@ -104,26 +105,19 @@ class Logger(LoggerInterface):
     # -- shippers ---------------------------------------------------------------------------
 
     def shipper_commands(self) -> list[list[str]]:
-        """The ``ranklog ship`` command line of each enabled backend."""
-        cfg, base = self.cfg, [sys.executable, "-m", "ranklog.cli", "ship", str(self.spool)]
-        base += ["--quiet"]
+        """The ``ranklog ship`` command line of each enabled backend.
+
+        Each target declares its NeMo config section and keys (``TargetKind.nemo_*``,
+        ``Option.nemo``): the commands follow from those declarations.
+        """
+        from ranklog.shippers import target_kinds
+
+        base = [sys.executable, "-m", "ranklog.cli", "ship", str(self.spool), "--quiet"]
         cmds: list[list[str]] = []
-        if cfg.get("tensorboard_enabled"):
-            sub = Path((cfg.get("tensorboard") or {}).get("log_dir") or "tensorboard")
-            tb_dir = sub if sub.is_absolute() else self.log_dir / sub
-            cmds.append([*base, "--to", f"tensorboard:{tb_dir}"])
-        if cfg.get("mlflow_enabled"):
-            ml = cfg.get("mlflow") or {}
-            uri = ml.get("tracking_uri") or f"sqlite:///{(self.log_dir / 'mlflow.db').resolve()}"
-            cmd = [*base, "--to", f"mlflow:{uri}"]
-            cmd += _flag("--experiment", ml.get("experiment_name"))
-            cmds.append(cmd + _flag("--run-name", ml.get("run_name")))
-        if cfg.get("wandb_enabled"):
-            wb = cfg.get("wandb") or {}
-            cmd = [*base, "--to", f"wandb:{wb.get('project') or 'nemo-rl'}"]
-            cmd += _flag("--run-name", wb.get("name")) + _flag("--entity", wb.get("entity"))
-            cmd += _flag("--group", wb.get("group")) + _flag("--mode", wb.get("mode"))
-            cmds.append([*cmd, "--dir", str(self.log_dir)])
+        for kind in target_kinds().values():
+            flags = kind.nemo_command(self.cfg, self.log_dir)
+            if flags is not None:
+                cmds.append([*base, *flags])
         if self.num_val_samples_to_print > 0:
             # every step with text (validation samples) and every partial step is printed
             cmds.append([*base, "--to", f"console:{10**9}", "--samples",
@@ -211,10 +205,6 @@ def _first(cfg: Mapping[str, Any], *paths: tuple[str, str]) -> str | None:
         if value:
             return str(value)
     return None
-
-
-def _flag(name: str, value: object) -> list[str]:
-    return [] if value in (None, "") else [name, str(value)]
 
 
 def _is_scalar_array(value: object) -> bool:

@@ -22,8 +22,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
+from ranklog.archive import MANIFEST, SCHEMAS, TABLES, load_manifest
 from ranklog.errors import ConfigError, ExtraMissingError
-from ranklog.spool.parquet import MANIFEST, SCHEMAS, TABLES, load_manifest
 
 try:
     import numpy as np

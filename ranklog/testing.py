@@ -1,17 +1,32 @@
-"""Helpers for tests, yours and ours: read back what ranks wrote to a spool.
+"""Helpers for tests, yours and ours: read back what ranks wrote, and crash a rank.
 
 >>> events = read_events(spool)                 # every event of every rank, in write order
 >>> by_rank = events_by_incarnation(spool)      # {(rank, incarnation): [events]}
+>>> crash(run)                                  # as if the process were SIGKILLed now
 """
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from ranklog.schemas import Event
 from ranklog.spool import BadRange, SpoolLayout, read_segment
 
-__all__ = ["bad_ranges", "events_by_incarnation", "read_events"]
+if TYPE_CHECKING:
+    from ranklog.producer import Run
+
+__all__ = ["bad_ranges", "crash", "events_by_incarnation", "read_events"]
+
+
+def crash(run: Run) -> None:
+    """Stop ``run`` as a SIGKILL would: what its writer had handed to the OS stays, the rest
+    of its buffer is lost, no ``rank_end`` or seal is written and nothing runs at exit.
+
+    The spool is left as a killed rank leaves it, for tests of what survives a crash
+    (a restarted rank then starts a new incarnation, as after a requeue).
+    """
+    run._crash()
 
 
 def events_by_incarnation(

@@ -2,15 +2,18 @@
 
 A target is described by a :class:`Backend`: how to build a fresh target object
 over the same storage (a restarted shipper process builds a new one), and how
-to read back what the backend durably holds. Add new backends to
+to read back what the backend durably holds. :func:`check` compares every step,
+name and value read back with the oracle (:func:`expected`, the reduction of
+:func:`make_spool`'s values worked out in closed form). Add new backends to
 ``tests/test_compliance.py``.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +23,13 @@ from ranklog.schemas import ParamValue
 from ranklog.shippers import ShippedStep, Shipper, Target
 from ranklog.spool import RunInfo
 
-from .shiphelp import log_steps, rank
+from .shiphelp import rank
 
 RANKS = 3
 STEPS = 60
+PARAMS = {"lr": 0.1, "nested": {"depth": 3}}
+#: PARAMS as every target receives them (flattened with ".")
+FLAT_PARAMS: dict[str, ParamValue] = {"lr": 0.1, "nested.depth": 3}
 
 
 @dataclass
@@ -33,8 +39,62 @@ class Backend:
     name: str
     #: build a target over the backend storage that lives in the given directory
     make: Callable[[Path], Target]
-    #: (step, metrics) the backend durably holds, in the order it holds them
+    #: (step, {name: value}) the backend durably holds, in the order it holds them
     read_back: Callable[[Path], list[tuple[int, dict[str, float]]]]
+    #: the backend's name for a ranklog metric name (MLflow sanitizes some)
+    key: Callable[[str], str] = field(default=lambda name: name)
+    #: relative tolerance of stored values (TensorBoard stores float32); 0: exact
+    rel: float = 0.0
+    #: the hyperparameters the backend holds, when it keeps them
+    read_params: Callable[[Path], dict[str, Any]] | None = None
+    #: how the backend stores a parameter's value (MLflow: as text)
+    param: Callable[[ParamValue], Any] = field(default=lambda value: value)
+
+
+def make_spool(spool: Path) -> None:
+    """RANKS ranks x STEPS steps: a mean, a sum and max, a max timer, params, a text."""
+    for r in range(RANKS):
+        run = rank(spool, r, RANKS)
+        run.log_hyperparams(PARAMS)
+        for s in range(STEPS):
+            run.log_metrics({"loss": r + s / 1000}, step=s)
+            run.log_metrics({"tokens": 100.0 + r + s}, step=s, reduce=("sum", "max"))
+            run.log_timing("step_time", 0.01 * (r + 1) + s / 1e4, step=s)
+            if s == STEPS - 1:
+                run.log_text("val/sample_0", "prompt -> answer", step=s)
+            run.step_end(s)
+        run.close()
+
+
+def expected(step: int) -> dict[str, float]:
+    """The reduced values of ``step`` of :func:`make_spool`'s spool, worked out independently."""
+    losses = [r + step / 1000 for r in range(RANKS)]
+    tokens = [100.0 + r + step for r in range(RANKS)]
+    times = [0.01 * (r + 1) + step / 1e4 for r in range(RANKS)]
+    return {
+        "loss": math.fsum(losses) / RANKS,
+        "tokens/sum": math.fsum(tokens),
+        "tokens/max": max(tokens),
+        "timing/step_time": max(times),
+        "timing/step_time/slowest_rank": float(times.index(max(times))),
+    }
+
+
+def expected_loss(step: int) -> float:
+    return expected(step)["loss"]
+
+
+def check(backend: Backend, work: Path) -> None:
+    """Each step exactly once, in order, with exactly the oracle's names and values."""
+    held = backend.read_back(work)
+    assert [s for s, _ in held] == list(range(STEPS)), [s for s, _ in held]
+    for step, metrics in held:
+        want = {backend.key(k): v for k, v in expected(step).items()}
+        assert sorted(metrics) == sorted(want), f"step {step}: names {sorted(metrics)}"
+        for name, value in want.items():
+            assert metrics[name] == pytest.approx(value, rel=backend.rel, abs=0), (step, name)
+    if backend.read_params is not None:
+        assert backend.read_params(work) == {k: backend.param(v) for k, v in FLAT_PARAMS.items()}
 
 
 class Killed(BaseException):
@@ -114,29 +174,6 @@ class KillSwitch:
     def close(self) -> None:
         if not self.dead:
             self.inner.close()
-
-
-def make_spool(spool: Path) -> None:
-    """RANKS ranks x STEPS steps of ``loss = rank + step/1000``, with params and text."""
-    for r in range(RANKS):
-        run = rank(spool, r, RANKS)
-        run.log_hyperparams({"lr": 0.1, "nested": {"depth": 3}})
-        log_steps(run, range(STEPS - 1))
-        run.log_text("val/sample_0", "prompt -> answer", step=STEPS - 1)
-        log_steps(run, range(STEPS - 1, STEPS))
-        run.close()
-
-
-def expected_loss(step: int) -> float:
-    return sum(r + step / 1000 for r in range(RANKS)) / RANKS
-
-
-def check(backend: Backend, work: Path) -> None:
-    """Each step exactly once, in order, with the right value."""
-    held = backend.read_back(work)
-    assert [s for s, _ in held] == list(range(STEPS)), [s for s, _ in held]
-    for step, metrics in held:
-        assert metrics["loss"] == pytest.approx(expected_loss(step))
 
 
 def shipper(spool: Path, target: Target) -> Shipper:

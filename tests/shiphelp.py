@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import ranklog
-from ranklog.shippers import Shipper
-from ranklog.shippers.jsonl import JsonlTarget, read_jsonl
+from ranklog.shippers import ShippedStep, Shipper, Target, make_target
+from ranklog.shippers._steps import StepAcc, StepPartial
+from ranklog.shippers.targets.jsonl import JsonlTarget, read_jsonl
 
 
 def rank(spool: Path, r: int, world: int | None, **kw: Any) -> ranklog.Run:
@@ -46,3 +47,18 @@ def age(spool: Path, rank_: int, seconds: float) -> None:
     t = time.time() - seconds
     for p in (spool / "ranks" / f"{rank_:05d}").iterdir():
         os.utime(p, (t, t))
+
+
+def build_target(kind: str, arg: str, spool: Path, opts: dict[str, Any] | None = None) -> Target:
+    """The target of spec ``kind:arg`` with option values (``per_rank`` among them)."""
+    values = dict(opts or {})
+    per_rank = bool(values.pop("per_rank", False))
+    return make_target(f"{kind}:{arg}", spool, values, per_rank=per_rank)
+
+
+def reduce_step(
+    step: int, acc: StepAcc, *, closed: int, world_size: int, per_rank: bool = False
+) -> ShippedStep:
+    """One step reduced across the ranks of ``acc``, as one shipper does it."""
+    part = StepPartial.build(step, acc, per_rank=per_rank)
+    return part.finish(closed=closed, world_size=world_size)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ranklog.schemas import Event, Metrics, StepEnd, encode_event
+from ranklog.schemas import Event, Metrics, StepEnd, encoder
 from ranklog.spool import IncarnationWriter, SpoolLayout, ensure_run
 from ranklog.spool._format import msgpack_array_header
 
 
 def write_frame(writer: IncarnationWriter, events: list[Event]) -> None:
     """Append one frame holding ``events``."""
-    body = b"".join(encode_event(e) for e in events)
+    body = b"".join(encoder.encode(e) for e in events)
     writer.write_events(len(events), [msgpack_array_header(len(events)), body])
 
 

@@ -1,15 +1,20 @@
-"""The ``ranklog`` command: inspect and demo."""
+"""The ``ranklog`` command: what each subcommand prints, writes, and how it fails."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import ranklog
 from ranklog.cli import main
+from ranklog.spool import read_segment
+from ranklog.testing import crash
 
+from .conftest import python_env
 from .spoolgen import write_segment
 
 
@@ -24,8 +29,28 @@ def _job(spool: Path) -> None:
     run = ranklog.init(spool, rank=2, world_size=3, handle_signals=False)
     run.log_metrics({"loss": 1.0}, step=0)
     run.step_end(0)
-    run._sink.flush()
-    run._sink.abandon()  # as if SIGKILLed
+    crash(run)  # as if SIGKILLed
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``ranklog ARGS`` in its own process, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "ranklog.cli", *args],
+        env=python_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def _small_spool(spool: Path, steps: int = 4) -> None:
+    with ranklog.init(spool, rank=0, world_size=1, handle_signals=False) as run:
+        run.log_hyperparams({"lr": 0.5})
+        for step in range(steps):
+            run.log_metrics({"loss": float(step)}, step=step)
+            run.log_text("val/sample_0", f"answer {step}", step=step)
+            run.step_end(step)
 
 
 class TestInspect:
@@ -39,7 +64,9 @@ class TestInspect:
         assert out["world_size"] == 3 and sorted(incs) == [0, 1, 2]
         assert incs[0]["first_step"] == 0 and incs[0]["last_step"] == 4
         assert incs[0]["end_status"] == "ok" and incs[0]["state"] == "ended (ok)"
+        assert incs[0]["late_events"] == 1 and incs[1]["late_events"] == 1
         assert incs[2]["end_status"] is None and incs[2]["state"] == "open"
+        assert incs[2]["last_step"] == 0 and incs[2]["closed_step"] == 0
         assert out["bad"] == []
 
     def test_table_reports_damage_with_path_and_offset(
@@ -48,24 +75,21 @@ class TestInspect:
         """The table names each damaged file and offset."""
         write_segment(spool, 5)
         seg = next((spool / "ranks" / "00000").iterdir())
+        frame = next(f for f in read_segment(seg).frames if f.offset <= 200 < f.end)
         data = bytearray(seg.read_bytes())
         data[200] ^= 0xFF
         seg.write_bytes(bytes(data))
         assert main(["inspect", str(spool)]) == 0
         out = capsys.readouterr().out
-        assert "damage  1 bad ranges" in out and f"{seg}: " in out and "at offset" in out
-
-    def test_missing_spool(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-        """A path that is not a directory exits 2 with a message."""
-        assert main(["inspect", str(tmp_path / "nope")]) == 2
-        assert "not a directory" in capsys.readouterr().err
+        assert "damage  1 bad ranges" in out
+        assert f"{seg}: {frame.end - frame.offset} bytes skipped at offset {frame.offset}" in out
 
 
-class TestShipAndInspect:
+class TestShip:
     def test_ship_once_then_inspect_shows_the_cursor(
         self, spool: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
     ) -> None:
-        """`ranklog ship --once` drains what is ready; inspect shows last step and lag."""
+        """`ranklog ship --once` drains what is ready; inspect shows last step and exact lag."""
         a = ranklog.init(spool, rank=0, world_size=2, handle_signals=False)
         b = ranklog.init(spool, rank=1, world_size=2, handle_signals=False)
         for step in range(6):
@@ -76,41 +100,169 @@ class TestShipAndInspect:
             b.step_end(step)
         out = tmp_path / "o.jsonl"
         assert main(["ship", str(spool), "--to", f"jsonl:{out}", "--once", "--quiet"]) == 0
-        assert len(out.read_text().splitlines()) == 3
+        got = [json.loads(line) for line in out.read_text().splitlines()]
+        assert got == [
+            {"step": s, "metrics": {"loss": 2.0}, "ranks": 2, "world_size": 2, "complete": True}
+            for s in range(3)
+        ]
         capsys.readouterr()
         assert main(["inspect", str(spool), "--json"]) == 0
         (sh,) = json.loads(capsys.readouterr().out)["shippers"]
+        # what is left to ship: rank 0's frames from its step 3 on
+        (seg,) = (spool / "ranks" / "00000").iterdir()
+        frames = read_segment(seg, writer_gone=False).frames
+        first_unshipped = next(
+            f.offset for f in frames if any(getattr(e, "step", -1) == 3 for e in f.events)
+        )
         assert sh["target"] == f"jsonl:{out}" and sh["last_step"] == 2
-        assert sh["lag_steps"] == 3 and sh["lag_bytes"] > 0
+        assert sh["lag_steps"] == 3
+        assert sh["lag_bytes"] == seg.stat().st_size - first_unshipped
         a.close(), b.close()
 
     def test_several_targets_one_process_each(self, spool: Path, tmp_path: Path) -> None:
         """Two --to targets ship independently, each with its own cursor."""
-        with ranklog.init(spool, rank=0, world_size=1, handle_signals=False) as run:
-            for step in range(4):
-                run.log_metrics({"loss": 1.0}, step=step)
-                run.step_end(step)
+        _small_spool(spool)
         a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
         argv = ["ship", str(spool), "--to", f"jsonl:{a}", "--to", f"jsonl:{b}", "--once"]
         assert main([*argv, "--quiet"]) == 0
-        assert a.read_text() == b.read_text() and len(a.read_text().splitlines()) == 4
-        assert len(list((spool / "cursors").glob("*.json"))) == 2
+        assert a.read_text() == b.read_text()
+        lines = [json.loads(x) for x in a.read_text().splitlines()]
+        assert lines[0] == {"params": {"lr": 0.5}}
+        assert [x["step"] for x in lines[1:]] == [0, 1, 2, 3]
+        assert sorted(p.name for p in (spool / "cursors").glob("*.json")) == sorted(
+            f"jsonl-{h}.json" for h in _hashes(a, b)
+        )
 
-    def test_unknown_target(self, spool: Path, capsys: pytest.CaptureFixture[str]) -> None:
-        """An unknown target kind exits 2 naming the kinds there are."""
-        ranklog.init(spool, rank=0, handle_signals=False).close()
-        assert main(["ship", str(spool), "--to", "carrier-pigeon:x", "--once"]) == 2
-        assert "jsonl:" in capsys.readouterr().err
+    def test_target_options_reach_each_process(self, spool: Path, tmp_path: Path) -> None:
+        """A target option given once (--samples) is passed on to the target's own process."""
+        _small_spool(spool)
+        proc = cli("ship", str(spool), "--to", f"jsonl:{tmp_path / 'a.jsonl'}", "--to",
+                   "console", "--samples", "0", "--once", "--quiet")  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert "answer" not in proc.stdout  # no sample box: --samples 0 reached the console
+        assert proc.stdout.count("step ") == 4 and "4 more samples" not in proc.stdout
+        proc = cli("ship", str(spool), "--to", "console", "--samples", "1", "--once", "--quiet",
+                   "--name", "again")  # fmt: skip
+        assert proc.stdout.count("│ answer") == 4
+
+    def test_help_lists_every_target_and_option(self) -> None:
+        """--help names each target kind with its argument, and the options it declares."""
+        proc = cli("ship", "--help")
+        assert proc.returncode == 0
+        text = " ".join(proc.stdout.split())
+        for usage in ("jsonl:PATH", "console[:N]", "tensorboard:DIR", "mlflow[:URI]",
+                      "wandb:PROJECT"):  # fmt: skip
+            assert usage in text
+        assert "--experiment EXPERIMENT MLflow experiment (default: the run name) [mlflow]" in text
+        assert "--run-name RUN_NAME" in text and "[mlflow, tensorboard, wandb]" in text
+
+
+def _hashes(*paths: Path) -> list[str]:
+    from ranklog.shippers import default_name
+
+    return [default_name(f"jsonl:{p}").partition("-")[2] for p in paths]
+
+
+class TestErrors:
+    """Each subcommand, given a bad path or option: one line on stderr, the tree's exit code."""
+
+    @pytest.mark.parametrize(
+        "argv",
+        [
+            ["ship", "{missing}", "--to", "jsonl:x.jsonl", "--once"],
+            ["compact", "{missing}", "--out", "{tmp}/pq"],
+            ["replay", "{missing}", "--to", "jsonl:x.jsonl"],
+            ["inspect", "{missing}"],
+            ["report", "{missing}", "--out", "{tmp}/r.html"],
+        ],
+        ids=lambda a: a[0],
+    )
+    def test_missing_path(self, argv: list[str], tmp_path: Path) -> None:
+        """A path that does not exist: exit 2 (bad input), naming the path, no traceback."""
+        missing = tmp_path / "nope"
+        proc = cli(*(a.format(missing=missing, tmp=tmp_path) for a in argv))
+        assert proc.returncode == 2
+        assert proc.stderr == f"ranklog {argv[0]}: {missing}: no such " + (
+            "spool directory\n" if argv[0] in ("ship", "compact", "inspect") else
+            "dataset directory\n"
+        )  # fmt: skip
+
+    @pytest.mark.parametrize(
+        ("argv", "code", "says"),
+        [
+            (["ship", "{empty}", "--to", "jsonl:x", "--once"], 3, "is not a spool (no run.json)"),
+            (["compact", "{empty}", "--out", "{tmp}/pq"], 3, "is not a spool (no run.json)"),
+            (["replay", "{empty}", "--to", "jsonl:x"], 4, "is not a compacted ranklog dataset"),
+            (["report", "{empty}"], 4, "is not a compacted ranklog dataset"),
+        ],
+        ids=lambda a: a[0] if isinstance(a, list) else None,
+    )
+    def test_wrong_kind_of_directory(
+        self, argv: list[str], code: int, says: str, tmp_path: Path
+    ) -> None:
+        """A directory that is not a spool (exit 3) or not a dataset (exit 4): one line."""
+        empty = tmp_path / "empty"
+        empty.mkdir()
+        proc = cli(*(a.format(empty=empty, tmp=tmp_path) for a in argv))
+        assert proc.returncode == code, proc.stderr
+        assert proc.stderr.startswith(f"ranklog {argv[0]}: {empty}") and says in proc.stderr
+        assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+    @pytest.mark.parametrize(
+        ("extra", "says"),
+        [
+            (["--to", "carrier-pigeon:x"], "unknown target 'carrier-pigeon:x': expected one of"),
+            (["--to", "jsonl:"], "jsonl target needs PATH: jsonl:PATH"),
+            (["--to", "console:often"], "console:often: expected console or console:N"),
+            (["--to", "wandb:"], "wandb target needs PROJECT: wandb:PROJECT"),
+        ],
+    )
+    def test_bad_target(self, spool: Path, extra: list[str], says: str) -> None:
+        """A bad --to spec: exit 2 and what is wrong with it (ship and replay alike)."""
+        _small_spool(spool)
+        proc = cli("ship", str(spool), *extra, "--once", "--quiet")
+        assert proc.returncode == 2 and proc.stderr.startswith("ranklog ship: "), proc.stderr
+        assert says in proc.stderr and "Traceback" not in proc.stderr
+
+    @pytest.mark.parametrize(
+        "argv",
+        [
+            ["ship", "{spool}", "--to", "wandb:p", "--mode", "shared"],
+            ["ship", "{spool}", "--to", "console", "--samples", "many"],
+            ["replay", "{spool}", "--to", "jsonl:x", "--steps", "ten"],
+            ["compact", "{spool}"],
+            ["inspect"],
+        ],
+        ids=["mode", "samples", "steps", "no-out", "no-spool"],
+    )
+    def test_bad_option(self, argv: list[str], spool: Path) -> None:
+        """A bad or missing option: argparse's usage error (exit 2), the option named."""
+        _small_spool(spool)
+        proc = cli(*(a.format(spool=spool) for a in argv))
+        assert proc.returncode == 2 and "usage: ranklog" in proc.stderr
+        assert "Traceback" not in proc.stderr
+        named = {"mode": "--mode", "samples": "--samples", "steps": "--steps"}
+        for word in named.values():
+            if word in argv:
+                assert word in proc.stderr.splitlines()[-1]
 
 
 class TestDemo:
-    def test_small_demo(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-        """The demo runs its ranks to completion and prints the inspect table."""
+    def test_small_demo(self, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+        """The demo runs its ranks to completion, ships, compacts, replays, reports."""
         assert main(["demo", "--out", str(tmp_path), "--ranks", "2", "--steps", "20"]) == 0
-        out = capsys.readouterr().out
-        assert "2 seen, 2 ended" in out and "0..19" in out
-        assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 21  # params + 20
-        assert (tmp_path / "report.html").stat().st_size > 10_000
+        out = capfd.readouterr().out
+        lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        assert "params" in lines[0] and lines[0]["params"]["wandb.api_key"] == "<redacted>"
+        steps = lines[1:]
+        assert [s["step"] for s in steps] == list(range(20))
+        assert all(s["complete"] and s["ranks"] == 2 for s in steps)
+        assert {"train/loss", "train/tokens/sum", "timing/step_time"} <= set(steps[-1]["metrics"])
+        assert steps[-1]["metrics"]["train/tokens/sum"] == 2 * 4096.0
+        html = (tmp_path / "report.html").read_text()
+        assert "<h2>Metrics" in html and "<h2>Step time" in html
+        assert html.count("data:image/png;base64,") >= 2  # metric bands, step-time heatmap
         assert (tmp_path / "parquet" / "_manifest.json").is_file()
+        assert any((tmp_path / "replayed-tensorboard").glob("events.out.tfevents.*"))
         for opener in ("tensorboard --logdir", "mlflow ui --backend-store-uri", "wandb sync"):
             assert opener in out

@@ -3,21 +3,48 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from ranklog.shippers.jsonl import JsonlTarget, read_jsonl
+from ranklog.shippers.targets.jsonl import JsonlTarget, read_jsonl
 
 from .compliance import Backend, Flaky, chaos, check, kill_and_restart, make_spool, run_once
+from .example_target.csv_target import CsvTarget
 
 
 def _jsonl_back(work: Path) -> list[tuple[int, dict[str, float]]]:
     return [(x["step"], x["metrics"]) for x in read_jsonl(work / "out.jsonl") if "step" in x]
 
 
+def _jsonl_params(work: Path) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for x in read_jsonl(work / "out.jsonl"):
+        merged.update(x.get("params", {}))
+    return merged
+
+
+def _csv_back(work: Path) -> list[tuple[int, dict[str, float]]]:
+    """Steps as the CSV holds them: rows up to each step's closing row (``step,,``)."""
+    out: list[tuple[int, dict[str, float]]] = []
+    values: dict[str, float] = {}
+    for row in (work / "out.csv").read_text().splitlines():
+        step, name, value = row.split(";", 2)
+        if name:
+            values[name] = float(value)
+        else:
+            out.append((int(step), values))
+            values = {}
+    assert not values, "rows after the last complete step"
+    return out
+
+
 BACKENDS = [
-    Backend("jsonl", lambda work: JsonlTarget(work / "out.jsonl"), _jsonl_back),
-]
+    Backend("jsonl", lambda work: JsonlTarget(work / "out.jsonl"), _jsonl_back,
+            read_params=_jsonl_params),
+    # the example of docs/targets.md: a plug-in passes the same suite
+    Backend("csv-example", lambda work: CsvTarget(work / "out.csv", ";"), _csv_back),
+]  # fmt: skip
 
 
 @pytest.fixture(params=BACKENDS, ids=lambda b: b.name)

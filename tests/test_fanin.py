@@ -24,12 +24,13 @@ from hypothesis import strategies as st
 from ranklog.schemas import Gpu, Metrics, Text, Timer
 from ranklog.shippers._fanin import FanIn, RayTails, TailReader
 from ranklog.shippers._reduce import Partial, exact_parts
-from ranklog.shippers._steps import Contribution, StepAcc, StepPartial, reduce_step
-from ranklog.shippers.jsonl import read_jsonl
+from ranklog.shippers._steps import Contribution, StepAcc, StepPartial
+from ranklog.shippers.targets.jsonl import read_jsonl
 from ranklog.spool import read_run
 
 from .conftest import ROOT
 from .ray_cluster import RayHead, ray_env
+from .shiphelp import reduce_step
 
 WORLD = 16
 
@@ -221,7 +222,7 @@ class InProcessTails(RayTails):
 
 def ship_in_process(spool: Path, out: Path, tails: Any = None) -> Any:
     from ranklog.shippers import Shipper
-    from ranklog.shippers.jsonl import JsonlTarget
+    from ranklog.shippers.targets.jsonl import JsonlTarget
 
     name = "fan" if tails is not None else "one"
     shipper = Shipper(str(spool), JsonlTarget(out), name=name, dead_after=3600, start_grace=0,

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from ranklog.shippers import Shipper
-from ranklog.shippers._source import filesystem_of
-from ranklog.shippers.jsonl import JsonlTarget
+from ranklog.shippers._source import SpoolSource, filesystem_of
+from ranklog.shippers.targets.jsonl import JsonlTarget
 
 from .shiphelp import lines, rank
 
@@ -78,8 +78,9 @@ def test_polling_ships_within_poll_plus_one_second(
     out = tmp_path / "out.jsonl"
     runs = [rank(spool_under, r, 2, durability="step") for r in range(2)]
     assert filesystem_of(spool_mnt).startswith("fuse")
-    shipper = Shipper(str(spool_mnt), JsonlTarget(out), name="fuse", dead_after=60)
-    assert shipper.source.polling and shipper.source.poll_interval == 1.0
+    source = SpoolSource(spool_mnt)
+    shipper = Shipper(str(spool_mnt), JsonlTarget(out), name="fuse", dead_after=60, source=source)
+    assert source.polling and source.poll_interval == 1.0
     thread = threading.Thread(target=shipper.run_forever)
     thread.start()
     closed_at: dict[int, float] = {}
@@ -102,4 +103,4 @@ def test_polling_ships_within_poll_plus_one_second(
     assert not thread.is_alive()
     assert [x["step"] for x in lines(out)] == list(range(8))
     latency = {s: seen_at[s] - closed_at[s] for s in closed_at}
-    assert max(latency.values()) <= shipper.source.poll_interval + 1.0, latency
+    assert max(latency.values()) <= source.poll_interval + 1.0, latency

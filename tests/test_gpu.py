@@ -524,7 +524,7 @@ class TestRayDiscovery:
     ) -> None:
         """Ray asked for but not initialised: sample() raises, the sampler warns and retries."""
         monkeypatch.setitem(sys.modules, "ray", fake_ray([], initialized=False))
-        with pytest.raises(RuntimeError, match="not initialized"):
+        with pytest.raises(ConfigError, match=r"needs ray\.init"):
             RaySource().sample()
         sampler = GpuSampler(lambda e: None, source="ray", interval=0.01)
         with warnings.catch_warnings(record=True) as caught:
@@ -533,7 +533,8 @@ class TestRayDiscovery:
             wait_for(lambda: sampler.failures >= 2)
             sampler.stop()
         assert [str(w.message) for w in caught if w.category is RanklogWarning] == [
-            "ranklog: GPU sampling (ray) failed: RuntimeError('ray is not initialized'); will retry"
+            "ranklog: GPU sampling (ray) failed: ConfigError('the Ray GPU source needs ray.init() "
+            "in this process'); will retry"
         ]
 
     def test_sampler_over_http(

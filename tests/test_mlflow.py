@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
-from ranklog.errors import ExtraMissingError, RanklogError
-from ranklog.shippers import Shipper, TargetOptions, make_target
-from ranklog.shippers._target import ShippedStep, TextItem, TransientTargetError
-from ranklog.shippers.jsonl import JsonlTarget
+from ranklog.errors import ExtraMissingError, RanklogError, TransientTargetError
+from ranklog.shippers import Shipper, make_target
+from ranklog.shippers._target import ShippedStep, TextItem
+from ranklog.shippers.targets.jsonl import JsonlTarget
 from ranklog.spool import RunInfo, read_run
 
 from . import test_compliance as tc
@@ -35,15 +35,26 @@ from .compliance import (
 )
 from .conftest import python_env, run_python
 from .mlflow_server import MlflowServer, free_port, running_server
-from .shiphelp import lines, rank
+from .shiphelp import build_target, lines, rank
 
 pytest.importorskip("mlflow", reason="installed by ./tools/test (extra ranklog[mlflow])")
 
 from mlflow.tracking import MlflowClient
 
-from ranklog.shippers.mlflow import KEY_MAP, MARKER, MlflowTarget, _text_files, make, sanitize_key
+from ranklog.shippers.targets.mlflow import (
+    KEY_MAP,
+    MARKER,
+    MlflowTarget,
+    _text_files,
+    sanitize_key,
+)
 
 _TEMPLATE: dict[str, Path] = {}
+
+
+def make(arg: str, spool: Path, opts: dict[str, Any] | None = None) -> Any:
+    """The mlflow target of ``mlflow:arg`` (with option values)."""
+    return build_target("mlflow", arg, spool, opts)
 
 
 @pytest.fixture(autouse=True)
@@ -106,9 +117,15 @@ def read_back(uri: str) -> list[tuple[int, dict[str, float]]]:
 
 def _sqlite_backend() -> Backend:
     def target(work: Path) -> MlflowTarget:
-        return make(sqlite_uri(work), work, TargetOptions())
+        return make(sqlite_uri(work), work, dict())
 
-    return Backend("mlflow-sqlite", target, lambda work: read_back(sqlite_uri(work)))
+    def params(work: Path) -> dict[str, str]:
+        return dict(main_run(MlflowClient(tracking_uri=sqlite_uri(work))).data.params)
+
+    return Backend(
+        "mlflow-sqlite", target, lambda work: read_back(sqlite_uri(work)), read_params=params,
+        param=str,
+    )  # fmt: skip
 
 
 @pytest.fixture
@@ -201,9 +218,9 @@ class TestTornWrites:
         assert marked <= stored
         if n == (6 if per_rank else 3):  # died after the metrics, before the markers
             assert stored - marked, "the write was not torn"
-        last = make(uri, made, TargetOptions()).open(read_run(made))
+        last = make(uri, made, dict()).open(read_run(made))
         assert last == (max(marked) if marked else None)
-        ship(make(uri, made, TargetOptions(per_rank=per_rank)))
+        ship(make(uri, made, dict(per_rank=per_rank)))
         held = read_back(uri)
         assert [s for s, _ in held] == list(range(60))
         for s, metrics in held:
@@ -230,7 +247,7 @@ class Amnesiac(MlflowTarget):
 
 def resend_everything(spool: Path, uri: str) -> None:
     """Ship, then ship it all again as exact repeats (no cursor, no marker read)."""
-    run_once(spool, make(uri, spool, TargetOptions()))
+    run_once(spool, make(uri, spool, dict()))
     (spool / "cursors" / "compliance.json").unlink()
     run_once(spool, Amnesiac(uri))
 
@@ -298,7 +315,7 @@ class TestServer:
     ) -> None:
         """Each value equals the JSONL target's, once per (key, step); params, tags, texts there."""
         rich_spool(spool)
-        opts = TargetOptions(experiment="server-test", run_name="rich")
+        opts = dict(experiment="server-test", run_name="rich")
         target = make_target(f"mlflow:{server.uri}", spool, opts)
         Shipper(str(spool), target, name="m", dead_after=3600, start_grace=0).run_forever(once=True)
         client = MlflowClient(tracking_uri=server.uri)
@@ -461,12 +478,12 @@ class TestNames:
             run.log_metrics({"bad key!/with..dots": s + 0.5, "fine": 1.0}, step=s)
             run.step_end(s)
         run.flush()
-        run_once(spool, make(uri, work, TargetOptions()))
+        run_once(spool, make(uri, work, dict()))
         for s in range(3, 5):
             run.log_metrics({"bad key!/with..dots": s + 0.5, "new one?": 2.0}, step=s)
             run.step_end(s)
         run.close()
-        run_once(spool, make(uri, work, TargetOptions()))
+        run_once(spool, make(uri, work, dict()))
         client = MlflowClient(tracking_uri=uri)
         main = main_run(client)
         key, new = sanitize_key("bad key!/with..dots"), sanitize_key("new one?")
@@ -490,7 +507,7 @@ class TestNames:
             run.step_end(s)
         run.close()
         uri = sqlite_uri(work)
-        run_once(spool, make(uri, work, TargetOptions()))
+        run_once(spool, make(uri, work, dict()))
         client = MlflowClient(tracking_uri=uri)
         main = main_run(client)
         assert main.data.metrics[MARKER] == 2.0
@@ -512,14 +529,14 @@ class TestParams:
             run.log_metrics({"loss": float(s)}, step=s)
             run.step_end(s)
         run.flush()
-        run_once(spool, make(uri, work, TargetOptions()))
+        run_once(spool, make(uri, work, dict()))
         run.log_hyperparams({"lr": 0.2, "wd": 0.01})
         for s in range(3, 6):
             run.log_metrics({"loss": float(s)}, step=s)
             run.step_end(s)
         run.close()
         with caplog.at_level(logging.WARNING, logger="ranklog.ship"):
-            run_once(spool, make(uri, work, TargetOptions()))
+            run_once(spool, make(uri, work, dict()))
         assert "'lr' changed from '0.1' to '0.2'" in caplog.text
         main = main_run(MlflowClient(tracking_uri=uri))
         assert main.data.params == {"lr": "0.1", "bs": "32", "wd": "0.01"}
@@ -533,8 +550,8 @@ class TestParams:
         run.log_metrics({"loss": 1.0}, step=0)
         run.step_end(0)
         run.flush()
-        run_once(spool, make(uri, work, TargetOptions()))
-        target = make(uri, work, TargetOptions())
+        run_once(spool, make(uri, work, dict()))
+        target = make(uri, work, dict())
         target.open(read_run(spool))
         MlflowClient(tracking_uri=uri).log_param(target.run_id, "lr", "9")
         target.write_params({"lr": 0.5, "bs": 8})
@@ -551,7 +568,7 @@ class TestPerRank:
     ) -> None:
         """Each child run holds its rank's loss once per step; a restart reuses the children."""
         uri = sqlite_uri(work)
-        opts = TargetOptions(per_rank=True, run_name="pr")
+        opts = dict(per_rank=True, run_name="pr")
 
         def ship_once() -> None:
             target = make(uri, made, opts)
@@ -585,7 +602,7 @@ class TestWiring:
         """``mlflow:`` alone ships to sqlite in the spool, texts beside it; names from options."""
         rich_spool(spool)
         shutil.copyfile(template_db, spool / "mlflow.db")
-        opts = TargetOptions(experiment="exp-x", run_name="run-y")
+        opts = dict(experiment="exp-x", run_name="run-y")
         target = make_target("mlflow:", spool, opts)
         assert target.spec == "mlflow:"
         run_once(spool, target)
@@ -601,7 +618,7 @@ class TestWiring:
     def test_down_server_is_transient_and_quick(self, spool: Path) -> None:
         """Nothing listening: open() raises TransientTargetError within seconds."""
         make_spool(spool)
-        target = make(f"http://127.0.0.1:{free_port()}", spool, TargetOptions())
+        target = make(f"http://127.0.0.1:{free_port()}", spool, dict())
         t0 = time.monotonic()
         with pytest.raises(TransientTargetError):
             target.open(read_run(spool))
@@ -634,7 +651,7 @@ class TestWiring:
         thread = threading.Thread(target=httpd.serve_forever, daemon=True)
         thread.start()
         try:
-            target = make(f"http://127.0.0.1:{httpd.server_port}", spool, TargetOptions())
+            target = make(f"http://127.0.0.1:{httpd.server_port}", spool, dict())
             t0 = time.monotonic()
             with pytest.raises(TransientTargetError if transient else RanklogError):
                 target.open(read_run(spool))
@@ -648,7 +665,7 @@ class TestWiring:
         """Without mlflow installed the error names ``pip install 'ranklog[mlflow]'``."""
         monkeypatch.setitem(sys.modules, "mlflow", None)
         with pytest.raises(ExtraMissingError, match=r"ranklog\[mlflow\]"):
-            make("", spool, TargetOptions())
+            make("", spool, dict())
 
     def test_import_ranklog_does_not_import_mlflow(self) -> None:
         """``import ranklog`` and the shippers package leave mlflow unimported."""
@@ -669,8 +686,6 @@ class TestMedia:
         from mlflow.tracking import MlflowClient
 
         from ranklog.shippers import Shipper
-        from ranklog.shippers._registry import TargetOptions
-        from ranklog.shippers.mlflow import make as make_mlflow
 
         from .shiphelp import rank
 
@@ -682,7 +697,7 @@ class TestMedia:
             run.step_end(0)
             run.close()
         uri = f"sqlite:///{tmp_path / 'm.db'}"
-        target = make_mlflow(uri, spool, TargetOptions())
+        target = build_target("mlflow", uri, spool, dict())
         Shipper(str(spool), target, name="m").run_forever(once=True)
         client = MlflowClient(tracking_uri=uri)
         (found,) = client.search_runs([e.experiment_id for e in client.search_experiments()])

@@ -77,14 +77,18 @@ def test_spool_holds_everything(trained: Path) -> None:
 
 
 def test_tensorboard_has_every_step(trained: Path) -> None:
-    """TensorBoard's own reader sees each step of train/loss once, with its value."""
+    """TensorBoard's reader sees each step of train/loss once, under log_dir/tensorboard.
+
+    NeMo RL writes there whatever ``tensorboard.log_dir`` says; so does the drop-in.
+    """
     from tensorboard.backend.event_processing.event_accumulator import (
         SCALARS,
         TENSORS,
         EventAccumulator,
     )
 
-    acc = EventAccumulator(str(trained / "tb_logs"), size_guidance={SCALARS: 0, TENSORS: 0})
+    assert not (trained / "tb_logs").exists()
+    acc = EventAccumulator(str(trained / "tensorboard"), size_guidance={SCALARS: 0, TENSORS: 0})
     acc.Reload()
     events = acc.Scalars("train/loss")
     assert [e.step for e in events] == list(range(STEPS))
@@ -108,7 +112,7 @@ def test_mlflow_has_every_step(trained: Path) -> None:
 
 def test_wandb_has_every_step(trained: Path) -> None:
     """The offline W&B run holds each step once with its value, and the config."""
-    from ranklog.shippers._wandb_log import history_rows
+    from ranklog.shippers.targets._wandb_log import history_rows
 
     files = sorted((trained / "wandb").glob("offline-run-*/run-*.wandb"))
     assert files

@@ -9,10 +9,10 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pytest
 
+from ranklog.archive import SCHEMAS, TABLES, compact, load_manifest
 from ranklog.schemas import Metrics, Params, Text, Timer
 from ranklog.spool import SpoolLayout
-from ranklog.spool.parquet import SCHEMAS, TABLES, compact, load_manifest
-from ranklog.testing import events_by_incarnation
+from ranklog.testing import crash, events_by_incarnation
 
 from .shiphelp import log_steps, rank
 
@@ -31,7 +31,7 @@ def _job(spool: Path, *, close_last: bool = True) -> None:
                 run.log_image("plot", b"png%d" % s, step=s)
             run.step_end(s)
         if r == 1:
-            run._sink.abandon()  # killed
+            crash(run)  # killed
             run = rank(spool, r, 3, max_segment_bytes=4096)  # requeued
             log_steps(run, range(55, 70))
         if close_last or r != 2:
@@ -151,13 +151,13 @@ class TestIncremental:
         self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """Killed between its files and its manifest, then rerun: equal to an uninterrupted run."""
-        import ranklog.spool.parquet as parquet
+        import ranklog.archive._compact as parquet
 
         _job(spool)
         whole = tmp_path / "whole"
         compact(spool, whole)
         out = tmp_path / "pq"
-        real = parquet._save_manifest
+        real = parquet.save_manifest
         calls = {"n": 0}
 
         def dying(*args: object) -> None:
@@ -166,10 +166,10 @@ class TestIncremental:
                 raise KeyboardInterrupt("killed")
             real(*args)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(parquet, "_save_manifest", dying)
+        monkeypatch.setattr(parquet, "save_manifest", dying)
         with pytest.raises(KeyboardInterrupt):
             compact(spool, out)
-        monkeypatch.setattr(parquet, "_save_manifest", real)
+        monkeypatch.setattr(parquet, "save_manifest", real)
         compact(spool, out)
         assert _dataset(out) == _dataset(whole)
 

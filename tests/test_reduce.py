@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 from ranklog.schemas import Metrics, Text, Timer
 from ranklog.shippers import Partial
 from ranklog.shippers._reduce import output_names, parse_ops
-from ranklog.shippers._steps import Contribution, StepAcc, reduce_step
+from ranklog.shippers._steps import Contribution, StepAcc
+
+from .shiphelp import reduce_step
 
 OPS = ("mean", "sum", "min", "max", "median", "std", "count", "last")
 FLOATS = st.one_of(

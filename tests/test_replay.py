@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from ranklog.archive import compact, replay
 from ranklog.cli import main
-from ranklog.shippers.jsonl import JsonlTarget
-from ranklog.spool.parquet import compact
-from ranklog.spool.replay import replay
+from ranklog.shippers.targets.jsonl import JsonlTarget
+from ranklog.testing import crash
 
-from .shiphelp import lines, log_steps, rank, ship
+from .shiphelp import build_target, lines, log_steps, rank, ship
 
 
 def _job(spool: Path) -> None:
@@ -34,7 +34,7 @@ def _job(spool: Path) -> None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 run.log_metrics({"loss": 1e9}, step=3)  # late
-            run._sink.abandon()  # killed, then requeued from a checkpoint at step 35
+            crash(run)  # killed, then requeued from a checkpoint at step 35
             run = rank(spool, r, 4, max_segment_bytes=8192)
             for s in range(35, 45):
                 run.log_metrics({"loss": 50.0 + s}, step=s)
@@ -121,7 +121,7 @@ class TestBackends:
     def test_tensorboard_values(self, spool: Path, tmp_path: Path) -> None:
         """Live shipping and replay give TensorBoard the same scalars at the same steps."""
         from ranklog.shippers import Shipper
-        from ranklog.shippers.tensorboard import TensorBoardTarget
+        from ranklog.shippers.targets.tensorboard import TensorBoardTarget
 
         _job(spool)
         Shipper(
@@ -138,15 +138,13 @@ class TestBackends:
         from mlflow.tracking import MlflowClient
 
         from ranklog.shippers import Shipper
-        from ranklog.shippers._registry import TargetOptions
-        from ranklog.shippers.mlflow import make as make_mlflow
 
         _job(spool)
         compact(spool, tmp_path / "pq")
         got = {}
         for label in ("live", "again"):
             uri = f"sqlite:///{tmp_path / label}.db"
-            target = make_mlflow(uri, spool, TargetOptions())
+            target = build_target("mlflow", uri, spool, dict())
             if label == "live":
                 Shipper(str(spool), target, name="ml", start_grace=0).run_forever(once=True)
             else:
@@ -176,7 +174,7 @@ class TestRelogged:
         for s in range(10):
             first.log_metrics({"loss": float(s)}, step=s)
             first.step_end(s)
-        first._sink.abandon()  # killed after step 9; requeued from a checkpoint at step 6
+        crash(first)  # killed after step 9; requeued from a checkpoint at step 6
         second = rank(spool, 0, 2)
         for s in range(6, 12):
             second.log_metrics({"loss": 100.0 + s}, step=s)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import ranklog
+from ranklog.archive import compact
 from ranklog.report import (
     MAX_LINES,
     gpu_series,
@@ -27,7 +28,7 @@ from ranklog.report import (
 )
 from ranklog.schemas import Event, Gpu, Metrics, Params, RankEnd, RankStart, StepEnd, Timer
 from ranklog.spool import IncarnationWriter, SpoolLayout, ensure_run
-from ranklog.spool.parquet import compact
+from ranklog.testing import crash
 
 from .conftest import run_python
 from .shiphelp import log_steps, rank
@@ -93,7 +94,7 @@ def _produced(spool: Path) -> None:
             run.step_end(s)
         run.flush()
         if r == 1:
-            run._sink.abandon()  # killed
+            crash(run)  # killed
             run = rank(spool, r, 3)  # requeued
             log_steps(run, range(15, 25))
         run.close()

@@ -24,7 +24,7 @@ from ranklog.schemas import (
     Text,
     Timer,
     decode_events,
-    encode_events,
+    encoder,
 )
 
 EXAMPLES: list[Event] = [
@@ -47,7 +47,7 @@ class TestRoundTrip:
     @pytest.mark.parametrize("event", EXAMPLES, ids=lambda e: type(e).__name__)
     def test_every_kind(self, event: Event) -> None:
         """Every kind decodes to an equal event (NaN compared by identity of kind)."""
-        (back,) = decode_events(encode_events([event]))
+        (back,) = decode_events(encoder.encode([event]))
         assert type(back) is type(event)
         if isinstance(event, Metrics):
             assert isinstance(back, Metrics)
@@ -83,7 +83,7 @@ class TestPinnedTags:
 
     def test_wire_form_is_tagged_array(self) -> None:
         """An event is ``[tag, ts, fields...]`` on the wire."""
-        raw = msgspec.msgpack.decode(encode_events([StepEnd(1.0, 7)]))
+        raw = msgspec.msgpack.decode(encoder.encode([StepEnd(1.0, 7)]))
         assert raw == [["step_end", 1.0, 7]]
 
 

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from ranklog.shippers import ShippedStep, Shipper, load_cursor
-from ranklog.shippers.console import ConsoleTarget
-from ranklog.shippers.jsonl import JsonlTarget, read_jsonl
-from ranklog.testing import read_events
+from ranklog.shippers._engine import LocalTails
+from ranklog.shippers.targets.console import ConsoleTarget
+from ranklog.shippers.targets.jsonl import JsonlTarget, read_jsonl
+from ranklog.testing import crash, read_events
 
 from .shiphelp import age, lines, log_steps, rank, ship
 
@@ -145,9 +146,10 @@ class TestMemory:
         fast, slow = rank(spool, 0, 2), rank(spool, 1, 2)
         log_steps(fast, range(500))
         log_steps(slow, range(5))
-        shipper = ship(spool, out)
-        assert len(shipper.steps) <= 20 + 40
-        (fast_seg,) = [s for s in shipper.source.segments.values() if s.name.rank == 0]
+        tails = ship(spool, out).tails
+        assert isinstance(tails, LocalTails) and tails.tail is not None
+        assert len(tails.tail.steps) <= 20 + 40
+        (fast_seg,) = [s for s in tails.source.segments.values() if s.name.rank == 0]
         assert fast_seg.offset < fast_seg.size  # not read to the end
         log_steps(slow, range(5, 500))
         fast.close(), slow.close()
@@ -162,7 +164,7 @@ class TestIncarnations:
         first = rank(spool, 0, 2)
         log_steps(first, range(10))  # closes 0..9
         log_steps(first, range(10, 12), close=False)  # logs 10, 11 but never closes them
-        first._sink.abandon()  # killed
+        crash(first)  # killed
         second = rank(spool, 0, 2)  # requeued, resumes from a checkpoint at step 8
         assert second.incarnation == 2
         for s in range(8, 15):
@@ -184,7 +186,7 @@ class TestIncarnations:
         """The killed incarnation's open tail does not hold steps once a new one exists."""
         first = rank(spool, 0, 1)
         log_steps(first, range(3))
-        first._sink.abandon()
+        crash(first)
         second = rank(spool, 0, 1)
         log_steps(second, range(3, 6))
         ship(spool, out)
@@ -359,7 +361,9 @@ class TestHistogramsAndImages:
         assert step.histograms == {"grad": [0.0, 10.0, 1.0, 11.0]}  # type: ignore[attr-defined]
         assert [(i.rank, i.data) for i in step.images] == [(0, b"img0"), (1, b"img1")]  # type: ignore[attr-defined]
         (line,) = lines(out)
-        assert line["histograms"] == {"grad": {"count": 4.0, "min": 0.0, "max": 11.0, "mean": 5.5}}
+        assert line["histograms"] == {
+            "grad": {"count": 4.0, "min": 0.0, "max": 11.0, "mean": 5.5, "std": 25.25**0.5}
+        }
         assert line["images"][1] == {"rank": 1, "name": "plot", "format": "png", "bytes": 4}
 
 
@@ -378,7 +382,7 @@ class TestMediaInBackends:
             EventAccumulator,
         )
 
-        from ranklog.shippers.tensorboard import TensorBoardTarget
+        from ranklog.shippers.targets.tensorboard import TensorBoardTarget
 
         fig, ax = plt.subplots(figsize=(2, 1))
         ax.plot([0, 1])
@@ -412,8 +416,8 @@ class TestGpu:
         )
 
         from ranklog.schemas import Gpu
-        from ranklog.shippers._media import gpu_metrics
-        from ranklog.shippers.tensorboard import TensorBoardTarget
+        from ranklog.shippers.targets._media import gpu_metrics
+        from ranklog.shippers.targets.tensorboard import TensorBoardTarget
 
         runs = [rank(spool, r, 2) for r in range(2)]
         for s in range(3):

@@ -64,7 +64,7 @@ def test_restart_rebuilds_watermarks_by_reading(
     import ranklog.shippers._engine as engine
     import ranklog.shippers._tail as tail
     from ranklog.shippers import Shipper
-    from ranklog.shippers.jsonl import JsonlTarget
+    from ranklog.shippers.targets.jsonl import JsonlTarget
 
     monkeypatch.setattr(tail, "ROUND_BYTES", 4096)
     monkeypatch.setattr(engine, "BATCH_STEPS", 5)
@@ -132,7 +132,7 @@ def test_late_is_judged_by_the_ranks_own_watermark(spool: Path, out: Path) -> No
 
 def test_params_land_before_the_step_they_were_logged_at(spool: Path, out: Path) -> None:
     """Params logged during step 3 are written right before step 3, however reads are chunked."""
-    from ranklog.shippers.jsonl import read_jsonl
+    from ranklog.shippers.targets.jsonl import read_jsonl
 
     run = rank(spool, 0, 1)
     run.log_hyperparams({"lr": 0.1})

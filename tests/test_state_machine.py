@@ -84,9 +84,9 @@ class SpoolMachine(RuleBasedStateMachine):
     def crash_mid_frame(self, events: list[Event], keep: float) -> None:
         """The process dies while writing a frame: a prefix of it reaches the file."""
         assert self.writer is not None
-        from ranklog.schemas import encode_event
+        from ranklog.schemas import encoder
 
-        body = msgpack_array_header(len(events)) + b"".join(encode_event(e) for e in events)
+        body = msgpack_array_header(len(events)) + b"".join(encoder.encode(e) for e in events)
         frame = frame_header(FRAME_EVENTS, 1, len(body), self.writer.seq) + body
         frame += crc_trailer(body)
         with open(self.writer.path, "ab") as f:

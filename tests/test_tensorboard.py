@@ -30,15 +30,30 @@ from tensorboard.plugins.hparams import metadata as hp_meta
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 from tensorboard.util import tensor_util
 
-from ranklog.errors import ConfigError
-from ranklog.shippers import ShippedStep, Shipper, TargetOptions, TextItem
-from ranklog.shippers.tensorboard import HPARAMS_FILE, TensorBoardTarget, crc32c, make
+from ranklog.errors import ConfigError, TargetError
+from ranklog.shippers import ShippedStep, Shipper, TextItem
+from ranklog.shippers.targets.tensorboard import HPARAMS_FILE, TensorBoardTarget, crc32c
 from ranklog.spool import RunInfo, read_run
 
 from . import test_compliance as tc
-from .compliance import RANKS, STEPS, Backend, Killed, KillSwitch, make_spool, run_once
+from .compliance import (
+    RANKS,
+    STEPS,
+    Backend,
+    Killed,
+    KillSwitch,
+    expected,
+    make_spool,
+    run_once,
+)
 from .conftest import python_env, run_python
-from .shiphelp import lines, rank, ship
+from .shiphelp import build_target, lines, rank, ship
+
+
+def make(arg: str, spool: Path, opts: dict[str, Any] | None = None) -> Any:
+    """The tensorboard target of ``tensorboard:arg`` (with option values)."""
+    return build_target("tensorboard", arg, spool, opts)
+
 
 SIZE = {ea.SCALARS: 0, ea.TENSORS: 0, ea.HISTOGRAMS: 0, ea.IMAGES: 0, ea.AUDIO: 0}
 RUN = RunInfo(run_id="ab" * 16, created=1_700_000_000.0, name="exp")
@@ -96,10 +111,18 @@ def same(a: float, b: float) -> bool:
 
 
 def _make(work: Path) -> Any:
-    return make(str(work / "tb"), work, TargetOptions())
+    return make(str(work / "tb"), work, dict())
 
 
-TB = Backend("tensorboard", make=_make, read_back=lambda work: tb_back(work / "tb"))
+def _tb_params(work: Path) -> dict[str, Any]:
+    ssi, _ = _hparams(work / "tb")
+    return {k: v.number_value for k, v in ssi.hparams.items()}
+
+
+TB = Backend(
+    "tensorboard", make=_make, read_back=lambda work: tb_back(work / "tb"), rel=1e-7,
+    read_params=_tb_params,
+)  # fmt: skip
 
 
 @pytest.fixture
@@ -174,7 +197,7 @@ class TestValues:
         _rich_spool(spool)
         ship(spool, tmp_path / "out.jsonl", name="j")
         want = lines(tmp_path / "out.jsonl")
-        target = make(str(tmp_path / "tb"), spool, TargetOptions())
+        target = make(str(tmp_path / "tb"), spool, dict())
         Shipper(str(spool), target, name="t", dead_after=3600, start_grace=0).run_forever(once=True)
         got = tb_back(tmp_path / "tb")
         assert [s for s, _ in got] == [x["step"] for x in want] == list(range(25))
@@ -208,7 +231,7 @@ class TestText:
     def test_text_of_several_ranks_shows_each_rank(self, spool: Path, tmp_path: Path) -> None:
         """Three ranks' sample of one name is one text tag with a markdown block per rank."""
         _rich_spool(spool)
-        target = make(str(tmp_path / "tb"), spool, TargetOptions())
+        target = make(str(tmp_path / "tb"), spool, dict())
         Shipper(str(spool), target, name="t", dead_after=3600, start_grace=0).run_forever(once=True)
         acc = accumulator(tmp_path / "tb")
         assert set(acc.PluginTagToContent("text")) == {"val/sample_0"}
@@ -246,7 +269,9 @@ class TestHparams:
         assert ssi.group_name == read_run(made).name
         assert ssi.start_time_secs == read_run(made).created
         assert sorted(h.name for h in exp.hparam_infos) == ["lr", "nested.depth"]
-        assert [(m.name.tag, m.name.group) for m in exp.metric_infos] == [("loss", "")]
+        assert [(m.name.tag, m.name.group) for m in exp.metric_infos] == [
+            (name, "") for name in sorted(expected(0))
+        ]
 
     def test_types_and_domains(self, tmp_path: Path) -> None:
         """Strings, bools, numbers and None become typed hparams with their one value."""
@@ -364,7 +389,7 @@ class TestResume:
         """A directory holding another ranklog run's event files is refused, not mixed."""
         _session(tmp_path, [_step(0)])
         other = RunInfo(run_id="cd" * 16, created=RUN.created, name="other")
-        with pytest.raises(ConfigError, match="another directory"):
+        with pytest.raises(TargetError, match="another directory"):
             TensorBoardTarget(tmp_path).open(other)
 
     def test_other_writers_files_are_left_alone(self, tmp_path: Path) -> None:
@@ -395,7 +420,7 @@ class TestResume:
 
 
 def _per_rank_target(path: Path) -> Any:
-    return make(str(path), path, TargetOptions(per_rank=True))
+    return make(str(path), path, dict(per_rank=True))
 
 
 def _per_rank_shipper(spool: Path, target: Any) -> Shipper:
@@ -531,7 +556,7 @@ class TestWiring:
     def test_import_ranklog_does_not_import_tensorboard(self) -> None:
         """Importing ranklog, its shippers and this module loads no tensorboard."""
         code = (
-            "import sys, ranklog, ranklog.shippers, ranklog.shippers.tensorboard\n"
+            "import sys, ranklog, ranklog.shippers, ranklog.shippers.targets.tensorboard\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'tensorboard'))"
         )
         res = run_python(code)
@@ -552,7 +577,7 @@ class TestWiring:
     def test_directory_required(self, tmp_path: Path) -> None:
         """``tensorboard:`` without a directory is a configuration error."""
         with pytest.raises(ConfigError, match="tensorboard:DIR"):
-            make("", tmp_path, TargetOptions())
+            make("", tmp_path, dict())
 
     def test_crc32c_matches_tensorboard(self) -> None:
         """The table-driven CRC-32C equals TensorBoard's reference implementation."""
@@ -564,6 +589,6 @@ class TestWiring:
 
     def test_write_before_open_fails(self, tmp_path: Path) -> None:
         """Writing to a target that is not open is an error, not a silent drop."""
-        with pytest.raises(RuntimeError, match="not open"):
+        with pytest.raises(TargetError, match="not open"):
             TensorBoardTarget(tmp_path).write([_step(0)])
         assert os.listdir(tmp_path) == []

@@ -16,9 +16,9 @@ import pytest
 pytest.importorskip("wandb")
 
 from ranklog.errors import ConfigError
-from ranklog.shippers import ShippedStep, Shipper, TargetOptions, make_target
-from ranklog.shippers import wandb as wandb_target
-from ranklog.shippers._wandb_log import (
+from ranklog.shippers import ShippedStep, Shipper, make_target
+from ranklog.shippers.targets import wandb as wandb_target
+from ranklog.shippers.targets._wandb_log import (
     BLOCK,
     HEADER,
     LogReader,
@@ -27,7 +27,7 @@ from ranklog.shippers._wandb_log import (
     iter_records,
     read_payloads,
 )
-from ranklog.shippers.wandb import GPU_STEP, WandbTarget, scan_offline, wandb_run_id
+from ranklog.shippers.targets.wandb import GPU_STEP, WandbTarget, scan_offline, wandb_run_id
 from ranklog.spool import read_run
 
 from . import test_compliance as tc
@@ -105,7 +105,13 @@ def _run_records(work: Path, *, ranks: bool) -> list[Any]:
     ]
 
 
-WANDB = Backend("wandb-offline", lambda work: _target(work), _back)
+def _params(work: Path) -> dict[str, Any]:
+    """The config of the run the main .wandb files belong to."""
+    wid = _logs(work)[-1].stem.removeprefix("run-")
+    return scan_offline(work, wid)[1]
+
+
+WANDB = Backend("wandb-offline", lambda work: _target(work), _back, read_params=_params)
 
 
 def _same(a: float, b: float) -> bool:
@@ -326,7 +332,7 @@ import sys
 from pathlib import Path
 import ranklog.shippers._engine as engine
 from ranklog.shippers import Shipper
-from ranklog.shippers.wandb import WandbTarget
+from ranklog.shippers.targets.wandb import WandbTarget
 from tests.compliance import KillSwitch, Killed
 spool, work = sys.argv[1], sys.argv[2]
 def ship(target):
@@ -399,7 +405,7 @@ class TestDurability:
         code = f"""
 import os, signal, sys
 from ranklog.shippers import ShippedStep
-from ranklog.shippers.wandb import WandbTarget
+from ranklog.shippers.targets.wandb import WandbTarget
 from ranklog.spool import read_run
 t = WandbTarget({PROJECT!r}, sys.argv[2], mode="offline")
 t.open(read_run(sys.argv[1]))
@@ -434,18 +440,18 @@ os.kill(os.getpid(), signal.SIGKILL)
 class TestMake:
     def test_registry_and_options(self, spool: Path, tmp_path: Path) -> None:
         """``wandb:PROJECT`` builds the target with the CLI options; offline without a key."""
-        opts = TargetOptions(per_rank=True, run_name="n", group="g", entity="e")
-        t = make_target("wandb:proj", spool, opts)
+        opts = dict(run_name="n", group="g", entity="e")
+        t = make_target("wandb:proj", spool, opts, per_rank=True)
         assert isinstance(t, WandbTarget)
         assert (t.spec, t.project, t.root, t.mode) == ("wandb:proj", "proj", spool, "offline")
         assert (t.run_name, t.group, t.entity, t.per_rank) == ("n", "g", "e", True)
-        t = make_target("wandb:p", spool, TargetOptions(mode="online", dir=str(tmp_path)))
+        t = make_target("wandb:p", spool, dict(mode="online", dir=str(tmp_path)))
         assert isinstance(t, WandbTarget)
         assert (t.mode, t.root) == ("online", tmp_path)
         with pytest.raises(ConfigError):
             make_target("wandb:", spool)
         with pytest.raises(ConfigError):
-            make_target("wandb:p", spool, TargetOptions(mode="shared"))
+            make_target("wandb:p", spool, dict(mode="shared"))
 
     def test_default_mode(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         """Online only when WANDB_MODE says so or an API key is in the environment or netrc."""
@@ -467,7 +473,7 @@ class TestMake:
     def test_import_is_lazy(self) -> None:
         """Importing ranklog, its shippers and the W&B reader does not import wandb."""
         proc = run_python(
-            "import sys, ranklog, ranklog.shippers, ranklog.shippers._wandb_log;"
+            "import sys, ranklog, ranklog.shippers, ranklog.shippers.targets._wandb_log;"
             "print('wandb' in sys.modules)"
         )
         assert proc.stdout.strip() == "False", proc.stderr
@@ -665,9 +671,9 @@ class TestGpu:
 
     def test_definitions(self) -> None:
         """Names: escaped dots for summaries, one glob per host, none with an inner '*'."""
-        from ranklog.shippers._media import gpu_metrics
         from ranklog.shippers._target import GpuStat
-        from ranklog.shippers.wandb import MetricDef, gpu_definitions
+        from ranklog.shippers.targets._media import gpu_metrics
+        from ranklog.shippers.targets.wandb import MetricDef, gpu_definitions
 
         stats = [GpuStat("n.1", 0, "", 1, 50.0, 10, 20, None, None), GpuStat("a*", 2, "", 1,
                  1.0, None, None, None, None)]  # fmt: skip

@@ -266,7 +266,7 @@ class MlflowServer:
 
 def read_jsonl(path: Path, world: int) -> Series:
     """The JSONL target; ``complete`` is 1.0 for a step that every rank of ``world`` made."""
-    from ranklog.shippers.jsonl import read_jsonl as read
+    from ranklog.shippers.targets.jsonl import read_jsonl as read
 
     out: Series = {key: [] for key in (*KEYS, "complete")}
     for line in read(path) if path.exists() else []:

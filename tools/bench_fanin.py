@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench import METRICS, check_jsonl, write_spool
 from _ray_head import RayHeadProcess, ray_env
-from bench_shipper import METRICS, _check_jsonl, _write_spool
 
 MODES = [("one process", []), ("--ray, 1 reader", ["1"]), ("--ray, 2 readers", ["2"])]
 
@@ -62,8 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="fanin-") as tmp:
             spool, tiny = Path(tmp) / "spool", Path(tmp) / "tiny"
-            _write_spool(spool, args.ranks, args.steps)
-            _write_spool(tiny, args.ranks, 1)
+            write_spool(spool, args.ranks, args.steps)
+            write_spool(tiny, args.ranks, 1)
             reference = b""
             for round_ in range(args.repeat):
                 order = MODES[round_ % len(MODES) :] + MODES[: round_ % len(MODES)]
@@ -73,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     walls[label].append(_ship(spool, out, mode, head.address, tag))
                     fixed[label].append(_ship(tiny, Path(tmp) / f"t{tag}.jsonl", mode,
                                               head.address, tag))  # fmt: skip
-                    problem = _check_jsonl(out, args.ranks, args.steps)
+                    problem = check_jsonl(out, args.ranks, args.steps)
                     data = out.read_bytes()
                     if not reference and not mode:
                         reference = data

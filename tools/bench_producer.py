@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import gc
-import importlib.metadata
 import json
 import logging
 import os
@@ -42,6 +40,17 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench import (
+    clock_overhead_ns,
+    fmt,
+    gc_paused,
+    percentile,
+    time_calls,
+    verdict,
+    version,
+)
 
 if TYPE_CHECKING:
     from ranklog import Durability
@@ -150,8 +159,8 @@ class Row:
         return cls(
             name,
             len(ordered),
-            _percentile(ordered, 0.50) / 1e3,
-            _percentile(ordered, 0.99) / 1e3,
+            percentile(ordered, 0.50) / 1e3,
+            percentile(ordered, 0.99) / 1e3,
             statistics.fmean(ordered) / 1e3,
             note,
         )
@@ -166,49 +175,10 @@ class ImportResult:
     heavy: list[str]
 
 
-def _percentile(ordered: Sequence[int], q: float) -> float:
-    """Nearest-rank percentile of an already sorted sequence."""
-    return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
 def _payloads(count: int = 64, seed: int = 0) -> list[dict[str, float]]:
     """Distinct 10-key dicts of floats, cycled through by every benchmark."""
     rng = random.Random(seed)
     return [{key: rng.uniform(0.0, 10.0) for key in KEYS} for _ in range(count)]
-
-
-def _time_calls(call: Callable[[int], object], calls: int, warmup: int) -> list[int]:
-    """Time ``call(i)`` once per i, after ``warmup`` untimed calls; nanoseconds."""
-    for i in range(warmup):
-        call(i)
-    clock = time.perf_counter_ns
-    samples = [0] * calls
-    with _gc_paused():
-        for i in range(warmup, warmup + calls):
-            t0 = clock()
-            call(i)
-            samples[i - warmup] = clock() - t0
-    return samples
-
-
-def _clock_overhead_ns(calls: int = 10_000) -> float:
-    """Median cost of the two back-to-back clock reads around every timed call."""
-    clock = time.perf_counter_ns
-    samples = [0] * calls
-    for i in range(calls):
-        t0 = clock()
-        samples[i] = clock() - t0
-    return statistics.median(samples)
 
 
 # -- ranklog ----------------------------------------------------------------------------
@@ -227,7 +197,7 @@ def _bench_log_metrics(base: Path, durability: Durability, budget: Budget) -> Ro
             log(payloads[i % len(payloads)], step=i // CALLS_PER_STEP)
         first_step = budget.log_warmup // CALLS_PER_STEP + 1
         samples = [0] * budget.log_calls
-        with _gc_paused():
+        with gc_paused():
             for i in range(budget.log_calls):
                 metrics = payloads[i % len(payloads)]
                 step = first_step + i // CALLS_PER_STEP
@@ -252,7 +222,7 @@ def _bench_step_end(base: Path, durability: Durability, budget: Budget) -> Row:
             step_end(step)
         samples: list[int] = []
         deadline = time.monotonic() + budget.step_end_seconds
-        with _gc_paused():
+        with gc_paused():
             for step in range(warmup, warmup + budget.step_end_calls):
                 log({"train/loss": float(step)}, step=step)
                 t0 = clock()
@@ -416,7 +386,7 @@ def _log_with_sampler(base: Path, source: Any, seconds: float, pause: float) -> 
         samples: list[int] = []
         append = samples.append
         deadline = clock() + int(seconds * 1e9)
-        with _gc_paused():
+        with gc_paused():
             i = 0
             while True:
                 t0 = clock()
@@ -433,8 +403,8 @@ def _log_with_sampler(base: Path, source: Any, seconds: float, pause: float) -> 
         taken = 0 if source is None else source.calls - before
         run.close()
     ordered = sorted(samples)
-    return GpuRun(len(ordered), _percentile(ordered, 0.5) / 1e3, _percentile(ordered, 0.99) / 1e3,
-                  _percentile(ordered, 0.999) / 1e3, ordered[-1] / 1e3, taken)  # fmt: skip
+    return GpuRun(len(ordered), percentile(ordered, 0.5) / 1e3, percentile(ordered, 0.99) / 1e3,
+                  percentile(ordered, 0.999) / 1e3, ordered[-1] / 1e3, taken)  # fmt: skip
 
 
 def _sample_cost_us(source: Any, n: int = 30) -> float:
@@ -473,7 +443,7 @@ def _bench_gpu_sampler(base: Path, budget: Budget, quick: bool) -> list[str]:
 
     def med(key: tuple[str, str], field: str) -> str:
         values = [getattr(x, field) for x in runs[key]]
-        return f"{_fmt(statistics.median(values))} [{_fmt(min(values))}..{_fmt(max(values))}]"
+        return f"{fmt(statistics.median(values))} [{fmt(min(values))}..{fmt(max(values))}]"
 
     expected = budget.gpu_seconds / GPU_INTERVAL
     lines = [
@@ -502,7 +472,7 @@ def _bench_gpu_sampler(base: Path, budget: Budget, quick: bool) -> list[str]:
                 f"| {pace} | {name} | {statistics.median(x.calls for x in runs[key]):,.0f} "
                 f"| {med(key, 'p50')} | {med(key, 'p99')} | {med(key, 'p999')} "
                 f"| {med(key, 'max')} | {'-' if name == 'off' else f'{samples:g}'} "
-                f"| {_fmt(cost.get(name))} | {what} |"
+                f"| {fmt(cost.get(name))} | {what} |"
             )
     lines.append("")
     for pace in PACES:
@@ -512,9 +482,9 @@ def _bench_gpu_sampler(base: Path, budget: Budget, quick: bool) -> list[str]:
             on = {f: statistics.median(getattr(x, f) for x in runs[(pace, name)])
                   for f in ("p50", "p99")}  # fmt: skip
             lines.append(
-                f"- {pace}, {name} vs off: median p50 {_fmt(on['p50'])} vs {_fmt(off['p50'])} µs "
-                f"({(on['p50'] - off['p50']) * 1e3:+,.0f} ns), median p99 {_fmt(on['p99'])} vs "
-                f"{_fmt(off['p99'])} µs"
+                f"- {pace}, {name} vs off: median p50 {fmt(on['p50'])} vs {fmt(off['p50'])} µs "
+                f"({(on['p50'] - off['p50']) * 1e3:+,.0f} ns), median p99 {fmt(on['p99'])} vs "
+                f"{fmt(off['p99'])} µs"
             )
     return lines
 
@@ -545,7 +515,7 @@ def _bench_wandb(base: Path, budget: Budget) -> list[Row]:
     with tempfile.TemporaryDirectory(prefix="wandb-", dir=base) as tmp:
         run = wandb.init(mode="offline", dir=tmp, project="bench", settings=settings)
         try:
-            samples = _time_calls(
+            samples = time_calls(
                 lambda i: run.log(payloads[i % len(payloads)], step=i),
                 budget.wandb_calls,
                 budget.peer_warmup,
@@ -575,13 +545,13 @@ def _bench_tensorboard(base: Path, budget: Budget) -> list[Row]:
     with tempfile.TemporaryDirectory(prefix="tb-", dir=base) as tmp:
         writer = EventFileWriter(tmp)
         try:
-            samples = _time_calls(
+            samples = time_calls(
                 lambda i: writer.add_event(prebuilt[i % len(prebuilt)]),
                 budget.tensorboard_calls,
                 budget.peer_warmup,
             )
             rows.append(Row.from_ns(names[0], samples, "serialize + enqueue only"))
-            samples = _time_calls(
+            samples = time_calls(
                 lambda i: writer.add_event(build(i, payloads[i % len(payloads)])),
                 budget.tensorboard_calls,
                 budget.peer_warmup,
@@ -607,7 +577,7 @@ def _bench_mlflow(base: Path, budget: Budget) -> list[Row]:
         mlflow.set_experiment("bench")
         try:
             with mlflow.start_run():
-                samples = _time_calls(
+                samples = time_calls(
                     lambda i: mlflow.log_metrics(payloads[i % len(payloads)], step=i),
                     budget.mlflow_calls,
                     budget.peer_warmup,
@@ -635,7 +605,7 @@ def _bench_nemo(base: Path, budget: Budget) -> list[Row]:
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="nemo-", dir=base) as tmp:
         logger = Logger({"log_dir": tmp}, rank=0, world_size=1)
-        samples = _time_calls(
+        samples = time_calls(
             lambda i: logger.log_metrics(payloads[i % len(payloads)], i, "train", None, True),
             calls * 10,
             budget.peer_warmup,
@@ -681,7 +651,7 @@ def _bench_nemo_direct(base: Path, budget: Budget) -> Row:
 
         try:
             with mlflow.start_run():
-                samples = _time_calls(log, budget.mlflow_calls, budget.peer_warmup)
+                samples = time_calls(log, budget.mlflow_calls, budget.peer_warmup)
         finally:
             writer.close()
             run.finish()
@@ -719,15 +689,8 @@ def _silence_loggers() -> None:
         logging.getLogger(logger).setLevel(logging.ERROR)
 
 
-def _version(package: str) -> str:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
 def _header(budget: Budget, base: Path, quick: bool) -> list[str]:
-    versions = ", ".join(f"{name} {_version(name)}" for name in PEER_VERSIONS)
+    versions = ", ".join(f"{name} {version(name)}" for name in PEER_VERSIONS)
     return [
         f"# ranklog producer benchmark{' (--quick)' if quick else ''}",
         "",
@@ -735,18 +698,12 @@ def _header(budget: Budget, base: Path, quick: bool) -> list[str]:
         f"{os.cpu_count()} CPUs, Python {platform.python_version()}",
         f"- versions: {versions}",
         f"- temp dir: {base}; 10 float keys per call; GC paused while timing; "
-        f"clock overhead ~{_clock_overhead_ns():.0f} ns per call (not subtracted)",
+        f"clock overhead ~{clock_overhead_ns():.0f} ns per call (not subtracted)",
         f"- calls: log_metrics {budget.log_calls} (step advances every {CALLS_PER_STEP}), "
         f"step_end {budget.step_end_calls}, wandb {budget.wandb_calls}, "
         f"tensorboard {budget.tensorboard_calls}, mlflow {budget.mlflow_calls}",
         "",
     ]
-
-
-def _fmt(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"{value:,.2f}" if value < 100 else f"{value:,.0f}"
 
 
 def _table(rows: Sequence[Row], reference_p50: float | None) -> list[str]:
@@ -759,18 +716,14 @@ def _table(rows: Sequence[Row], reference_p50: float | None) -> list[str]:
         if row.comparable and row.p50_us is not None and reference_p50:
             ratio = f"{row.p50_us / reference_p50:,.1f}x"
         lines.append(
-            f"| {row.name} | {row.calls or '-'} | {_fmt(row.p50_us)} | {_fmt(row.p99_us)} "
-            f"| {_fmt(row.mean_us)} | {ratio} | {row.note} |"
+            f"| {row.name} | {row.calls or '-'} | {fmt(row.p50_us)} | {fmt(row.p99_us)} "
+            f"| {fmt(row.mean_us)} | {ratio} | {row.note} |"
         )
     return lines
 
 
 def _p50(rows: Sequence[Row], name: str) -> float | None:
     return next((row.p50_us for row in rows if row.name == name), None)
-
-
-def _verdict(ok: bool | None) -> str:
-    return "n/a" if ok is None else ("PASS" if ok else "FAIL")
 
 
 def _targets(rows: Sequence[Row], imported: ImportResult) -> list[str]:
@@ -781,7 +734,7 @@ def _targets(rows: Sequence[Row], imported: ImportResult) -> list[str]:
     checks = [
         (
             f"log_metrics p50 <= {TARGET_LOG_P50_US:g} µs per 10-key call (durability=step)",
-            f"{_fmt(log_p50)} µs",
+            f"{fmt(log_p50)} µs",
             None if log_p50 is None else log_p50 <= TARGET_LOG_P50_US,
         ),
         (
@@ -791,7 +744,7 @@ def _targets(rows: Sequence[Row], imported: ImportResult) -> list[str]:
         ),
         (
             f"step_end p50 <= {TARGET_STEP_END_P50_US:g} µs (durability=step)",
-            f"{_fmt(step_p50)} µs",
+            f"{fmt(step_p50)} µs",
             None if step_p50 is None else step_p50 <= TARGET_STEP_END_P50_US,
         ),
         (
@@ -806,11 +759,11 @@ def _targets(rows: Sequence[Row], imported: ImportResult) -> list[str]:
         ),
     ]
     lines = ["", "## Targets", ""]
-    lines += [f"- {_verdict(ok)}: {what}: {got}" for what, got, ok in checks]
+    lines += [f"- {verdict(ok)}: {what}: {got}" for what, got, ok in checks]
     if ratio is not None:
         lines.append(
             f"\nwandb run.log p50 / ranklog log_metrics(step) p50 = {ratio:,.1f}x "
-            f"({_fmt(wandb_p50)} µs / {_fmt(log_p50)} µs)"
+            f"({fmt(wandb_p50)} µs / {fmt(log_p50)} µs)"
         )
     return lines
 

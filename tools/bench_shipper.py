@@ -35,13 +35,9 @@ numbers depend on the machine and its load.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib.metadata
 import json
-import math
 import os
 import platform
-import signal
 import subprocess
 import sys
 import tempfile
@@ -49,14 +45,32 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench import (
+    METRICS,
+    STEPS_PER_FRAME,
+    check_jsonl,
+    collect,
+    dir_mb,
+    fmt,
+    kill,
+    launch,
+    percentile,
+    rate,
+    run_measured,
+    short,
+    values,
+    verdict,
+    version,
+    write_rank,
+    write_spool,
+)
 
 if TYPE_CHECKING:
     from ranklog.spool import IncarnationWriter
 
-METRICS: Final = 20
-NAMES: Final = tuple(f"train/m{k:02d}" for k in range(METRICS))
-STEPS_PER_FRAME: Final = 50
 THROUGHPUT_RANKS: Final = 64
 SCALE: Final = 4
 LATENCY_RANKS: Final = 4
@@ -64,20 +78,6 @@ TAIL_POLL_S: Final = 0.001
 PRODUCE_ARG: Final = "--_produce"  # internal: run as one producer rank (latency benchmark)
 VERSIONS: Final = ("ranklog", "msgspec", "watchdog")
 
-#: Runs a command as its child and writes "exit wall_s cpu_s maxrss_kib" to argv[1].
-#: ru_maxrss survives exec (Linux keeps the old image's peak), so a child spawned by
-#: this benchmark would report at least the benchmark's own peak RSS; spawned by this
-#: small launcher (python -I -S, about 9 MB), the floor is the launcher's instead.
-_LAUNCHER: Final = (
-    "import os, sys, time\n"
-    "t = time.perf_counter()\n"
-    "pid = os.posix_spawn(sys.argv[2], sys.argv[2:], os.environ)\n"
-    "_, status, ru = os.wait4(pid, 0)\n"
-    "wall = time.perf_counter() - t\n"
-    "code = os.waitstatus_to_exitcode(status)\n"
-    "with open(sys.argv[1], 'w') as f:\n"
-    "    f.write(f'{code} {wall!r} {ru.ru_utime + ru.ru_stime!r} {ru.ru_maxrss}')\n"
-)
 
 TARGET_VALUES_PER_S: Final = 1_000_000
 TARGET_RSS_MB: Final = 300.0
@@ -98,17 +98,6 @@ FULL: Final = Budget(steps=2_000, latency_seconds=10.0, step_interval_s=0.05, sh
 # 1,000 steps: each rank's segment (~430 KB) is larger than what the shipper reads from
 # a segment per round (256 KB), so memory at 1x is already the bounded steady state.
 QUICK: Final = Budget(steps=1_000, latency_seconds=2.0, step_interval_s=0.05, ship_timeout_s=60)
-
-
-@dataclass(frozen=True)
-class ChildRun:
-    """A finished child process: its own wall time, CPU time and peak RSS."""
-
-    returncode: int
-    wall_s: float
-    cpu_s: float
-    maxrss_mb: float
-    stderr: str
 
 
 @dataclass(frozen=True)
@@ -143,136 +132,12 @@ class ProducerSpec:
 # -- helpers ----------------------------------------------------------------------------
 
 
-def _percentile(ordered: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile of an already sorted sequence."""
-    return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
-
-
-def _values(rank: int, step: int) -> dict[str, float]:
-    """The 20 values a rank logs for a step: their mean over ranks is predictable."""
-    base = rank + step * 1e-3
-    return {name: base + k * 0.25 for k, name in enumerate(NAMES)}
-
-
-def _expected_mean(ranks: int, step: int, k: int) -> float:
-    return (ranks - 1) / 2 + step * 1e-3 + k * 0.25
-
-
 def _ship_cmd(spool: Path, out: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "ranklog.cli", "ship", str(spool), "--to", f"jsonl:{out}",
             "--quiet", *extra]  # fmt: skip
 
 
-def _launch(cmd: list[str], result: Path, stderr: IO[bytes]) -> subprocess.Popen[bytes]:
-    """Start ``cmd`` under the launcher, in its own session (so a kill takes both)."""
-    launcher = [sys.executable, "-I", "-S", "-c", _LAUNCHER, str(result), *cmd]
-    return subprocess.Popen(
-        launcher, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True
-    )
-
-
-def _kill(proc: subprocess.Popen[bytes]) -> None:
-    """Kill ``proc`` and, when it leads its own session (the launcher), its child too."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        if os.getpgid(proc.pid) == proc.pid:
-            os.killpg(proc.pid, signal.SIGKILL)
-        else:
-            proc.kill()
-    proc.wait()
-
-
-def _collect(proc: subprocess.Popen[bytes], result: Path, stderr: IO[bytes]) -> ChildRun:
-    """What the launcher measured (NaNs when it was killed before it could say)."""
-    stderr.seek(0)
-    text = stderr.read().decode(errors="replace")
-    try:
-        code, wall, cpu, maxrss_kib = result.read_text().split()
-    except (FileNotFoundError, ValueError):
-        return ChildRun(proc.returncode or -9, math.nan, math.nan, math.nan, text)
-    return ChildRun(int(code), float(wall), float(cpu), int(maxrss_kib) / 1024, text)
-
-
-def _run_measured(cmd: list[str], scratch: Path, timeout: float) -> ChildRun:
-    """Run ``cmd`` to completion (killed after ``timeout``); stdout discarded."""
-    result = scratch / "rusage.txt"
-    with tempfile.TemporaryFile() as stderr:
-        proc = _launch(cmd, result, stderr)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            _kill(proc)
-        return _collect(proc, result, stderr)
-
-
-def _short(text: str, limit: int = 100) -> str:
-    line = " ".join(text.split())
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
 # -- throughput -------------------------------------------------------------------------
-
-
-def _write_rank(
-    spool: Path, rank: int, world_size: int, steps: int, *, end: bool = True
-) -> IncarnationWriter | None:
-    """One rank's incarnation: rank_start, then frames of STEPS_PER_FRAME steps, rank_end.
-
-    With ``end=False`` the rank is still running: no rank_end, no seal, and its writer is
-    returned with the segment still open (the caller closes it, unsealed, with ``abandon``).
-    """
-    from ranklog import __version__
-    from ranklog.schemas import Event, Metrics, RankEnd, RankStart, StepEnd, encode_events
-    from ranklog.spool import IncarnationWriter, SpoolLayout, ensure_run
-
-    info = ensure_run(spool, world_size=world_size)
-    writer = IncarnationWriter.create(SpoolLayout(spool), info, rank, world_size=world_size)
-    t0 = info.created
-    start = RankStart(t0, info.run_id, rank, world_size, rank % 8, platform.node(), os.getpid(),
-                      writer.incarnation, __version__)  # fmt: skip
-    writer.write_events(1, [encode_events([start])])
-    for first in range(0, steps, STEPS_PER_FRAME):
-        events: list[Event] = []
-        for step in range(first, min(first + STEPS_PER_FRAME, steps)):
-            ts = t0 + step * 0.1
-            events.append(Metrics(ts, step, _values(rank, step)))
-            events.append(StepEnd(ts + 0.05, step))
-        writer.write_events(len(events), [encode_events(events)])
-    if not end:  # a rank still running: no rank_end, no seal, the file open
-        return writer
-    writer.write_events(1, [encode_events([RankEnd(t0 + steps * 0.1, "ok", 0)])])
-    writer.close(sync=False)
-    return None
-
-
-def _write_spool(spool: Path, ranks: int, steps: int) -> None:
-    from ranklog.spool import ensure_run
-
-    ensure_run(spool, world_size=ranks)
-    for rank in range(ranks):
-        _write_rank(spool, rank, ranks, steps)
-    os.sync()  # the shipper should read from a settled page cache, not compete with writeback
-
-
-def _dir_mb(path: Path) -> float:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 1e6
-
-
-def _check_jsonl(path: Path, ranks: int, steps: int) -> str:
-    """Why the shipped JSONL is wrong, or '' when every step is there, complete and correct."""
-    lines = [json.loads(raw) for raw in path.read_bytes().splitlines()]
-    got = [obj for obj in lines if "step" in obj]
-    if len(got) != steps:
-        return f"{len(got)} step lines, expected {steps}"
-    for i, obj in enumerate(got):
-        if obj["step"] != i or not obj["complete"] or obj["ranks"] != ranks:
-            return f"line {i}: step {obj['step']} complete={obj['complete']} ranks={obj['ranks']}"
-        metrics = obj["metrics"]
-        if len(metrics) != METRICS:
-            return f"step {i}: {len(metrics)} metrics, expected {METRICS}"
-        for k, name in enumerate(NAMES):
-            if abs(metrics[name] - _expected_mean(ranks, i, k)) > 1e-9:
-                return f"step {i}: {name}={metrics[name]}, expected {_expected_mean(ranks, i, k)}"
-    return ""
 
 
 def _bench_throughput(base: Path, ranks: int, steps: int, timeout: float) -> Row:
@@ -282,12 +147,12 @@ def _bench_throughput(base: Path, ranks: int, steps: int, timeout: float) -> Row
     with tempfile.TemporaryDirectory(prefix="ship-", dir=base) as tmp:
         spool, out = Path(tmp) / "spool", Path(tmp) / "out.jsonl"
         t0 = time.perf_counter()
-        _write_spool(spool, ranks, steps)
+        write_spool(spool, ranks, steps)
         generated = time.perf_counter() - t0
-        spool_mb = _dir_mb(spool)
-        run = _run_measured(_ship_cmd(spool, out, "--once"), Path(tmp), timeout)
-        problem = f"exit {run.returncode}: {_short(run.stderr)}" if run.returncode else ""
-        problem = problem or _check_jsonl(out, ranks, steps)
+        spool_mb = dir_mb(spool)
+        run = run_measured(_ship_cmd(spool, out, "--once"), Path(tmp), timeout)
+        problem = f"exit {run.returncode}: {short(run.stderr)}" if run.returncode else ""
+        problem = problem or check_jsonl(out, ranks, steps)
     note = f"spool {spool_mb:,.0f} MB (written in {generated:.1f} s, not timed)"
     return Row(
         "ship --once (jsonl)",
@@ -312,16 +177,16 @@ def _bench_archive(base: Path, ranks: int, steps: int, timeout: float) -> tuple[
     with tempfile.TemporaryDirectory(prefix="archive-", dir=base) as name:
         tmp = Path(name)
         spool, pq, live, again = tmp / "spool", tmp / "pq", tmp / "live.jsonl", tmp / "replay.jsonl"
-        _write_spool(spool, ranks, steps)
-        ship = _run_measured(_ship_cmd(spool, live, "--once"), tmp, timeout)
-        comp = _run_measured(
+        write_spool(spool, ranks, steps)
+        ship = run_measured(_ship_cmd(spool, live, "--once"), tmp, timeout)
+        comp = run_measured(
             [sys.executable, "-m", "ranklog.cli", "compact", str(spool), "--out", str(pq)],
             tmp,
             timeout,
         )
         metrics_bytes = sum(p.stat().st_size for p in (pq / "metrics").glob("*.parquet"))
         total_bytes = sum(p.stat().st_size for p in pq.rglob("*.parquet"))
-        rep = _run_measured(
+        rep = run_measured(
             [sys.executable, "-m", "ranklog.cli", "replay", str(pq), "--to", f"jsonl:{again}"],
             tmp,
             timeout,
@@ -336,7 +201,7 @@ def _bench_archive(base: Path, ranks: int, steps: int, timeout: float) -> tuple[
          "JSONL byte-identical to live shipping" if same else "FAILED: JSONL differs from live"),
         ("ship --once (jsonl), same spool", ship, "live shipping, for comparison"),
     ):  # fmt: skip
-        problem = f"exit {run.returncode}: {_short(run.stderr)}" if run.returncode else ""
+        problem = f"exit {run.returncode}: {short(run.stderr)}" if run.returncode else ""
         rows.append(
             Row(
                 label,
@@ -368,13 +233,13 @@ def _bench_targets(base: Path, ranks: int, steps: int, timeout: float) -> list[R
     rows = []
     with tempfile.TemporaryDirectory(prefix="targets-", dir=base) as tmp:
         spool = Path(tmp) / "spool"
-        _write_spool(spool, ranks, steps)
+        write_spool(spool, ranks, steps)
         for kind, spec in BACKENDS.items():
             cmd = _ship_cmd(spool, Path(tmp) / "unused.jsonl", "--once")
             cmd[cmd.index("--to") + 1] = spec.format(tmp=tmp)
             cmd += ["--mode", "offline", "--dir", tmp, "--name", kind]
-            run = _run_measured(cmd, Path(tmp), timeout)
-            problem = f"exit {run.returncode}: {_short(run.stderr)}" if run.returncode else ""
+            run = run_measured(cmd, Path(tmp), timeout)
+            problem = f"exit {run.returncode}: {short(run.stderr)}" if run.returncode else ""
             rows.append(
                 Row(
                     f"ship --once ({kind})",
@@ -397,7 +262,7 @@ def _startup_row(base: Path, timeout: float) -> Row:
     """The fixed cost inside every wall time above: a child interpreter running the CLI."""
     with tempfile.TemporaryDirectory(prefix="startup-", dir=base) as tmp:
         cmd = [sys.executable, "-m", "ranklog.cli", "--version"]
-        run = _run_measured(cmd, Path(tmp), timeout)
+        run = run_measured(cmd, Path(tmp), timeout)
     return Row(
         "python -m ranklog.cli --version",
         "-",
@@ -407,7 +272,7 @@ def _startup_row(base: Path, timeout: float) -> Row:
         ok=run.returncode == 0,
         note="interpreter start + CLI import: the fixed part of each wall time"
         if run.returncode == 0
-        else f"FAILED: exit {run.returncode}: {_short(run.stderr)}",
+        else f"FAILED: exit {run.returncode}: {short(run.stderr)}",
     )
 
 
@@ -426,7 +291,7 @@ def _produce(spec: ProducerSpec) -> int:
         delay = start + step * spec.interval_s - time.time()
         if delay > 0:
             time.sleep(delay)
-        run.log_metrics(_values(spec.rank, step), step=step)
+        run.log_metrics(values(spec.rank, step), step=step)
         run.step_end(step)
         done.append(time.time())
     run.close()
@@ -527,7 +392,7 @@ def _bench_latency(base: Path, budget: Budget, poll: float | None) -> Row:
         ensure_run(spool, world_size=LATENCY_RANKS)
         extra = [] if poll is None else ["--poll", str(poll)]
         with tempfile.TemporaryFile() as stderr:
-            shipper = _launch(_ship_cmd(spool, out, *extra), tmp / "rusage.txt", stderr)
+            shipper = launch(_ship_cmd(spool, out, *extra), tmp / "rusage.txt", stderr)
             tail = _Tail(out)
             try:
                 _wait_for(out, shipper, timeout=30)
@@ -538,14 +403,14 @@ def _bench_latency(base: Path, budget: Budget, poll: float | None) -> Row:
                 tail.close()
                 for proc in [shipper, *producers]:
                     if proc.poll() is None:
-                        _kill(proc)
-            run = _collect(shipper, tmp / "rusage.txt", stderr)
+                        kill(proc)
+            run = collect(shipper, tmp / "rusage.txt", stderr)
         lat, missing = _latencies(tmp, tail.seen) if not any(codes) else ([], -1)
     problems = []
     if not exited:
         problems.append("shipper did not exit by itself; killed")
     elif run.returncode:
-        problems.append(f"shipper exit {run.returncode}: {_short(run.stderr)}")
+        problems.append(f"shipper exit {run.returncode}: {short(run.stderr)}")
     if any(codes):
         problems.append(f"producer exit codes {codes}")
     elif missing:
@@ -556,8 +421,8 @@ def _bench_latency(base: Path, budget: Budget, poll: float | None) -> Row:
         size,
         cpu_s=run.cpu_s if exited else None,
         rss_mb=run.maxrss_mb if exited else None,
-        p50_ms=_percentile(lat, 0.50) if lat else None,
-        p99_ms=_percentile(lat, 0.99) if lat else None,
+        p50_ms=percentile(lat, 0.50) if lat else None,
+        p99_ms=percentile(lat, 0.99) if lat else None,
         ok=not problems,
         note=f"FAILED: {', '.join(problems)}; {note}" if problems else note,
     )
@@ -602,7 +467,7 @@ def _bench_idle(base: Path, seconds: float, poll: float | None, ranks: int = IDL
         ensure_run(spool, world_size=ranks)
         try:
             for rank in range(ranks):
-                writer = _write_rank(spool, rank, ranks, 2, end=False)
+                writer = write_rank(spool, rank, ranks, 2, end=False)
                 assert writer is not None
                 writers.append(writer)
             extra = ["--dead-after", "3600"] + ([] if poll is None else ["--poll", str(poll)])
@@ -621,7 +486,7 @@ def _bench_idle(base: Path, seconds: float, poll: float | None, ranks: int = IDL
                 rss, peak = _rss_mb(proc.pid)
                 alive = proc.poll() is None
             finally:
-                _kill(proc)
+                kill(proc)
         finally:
             for writer in writers:
                 writer.abandon()
@@ -641,17 +506,10 @@ def _bench_idle(base: Path, seconds: float, poll: float | None, ranks: int = IDL
 # -- output -----------------------------------------------------------------------------
 
 
-def _version(package: str) -> str:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
 def _header(budget: Budget, base: Path, quick: bool) -> list[str]:
     from ranklog.shippers._source import filesystem_of
 
-    versions = ", ".join(f"{name} {_version(name)}" for name in VERSIONS)
+    versions = ", ".join(f"{name} {version(name)}" for name in VERSIONS)
     steps = round(budget.latency_seconds / budget.step_interval_s)
     return [
         f"# ranklog shipper benchmark{' (--quick)' if quick else ''}",
@@ -663,21 +521,11 @@ def _header(budget: Budget, base: Path, quick: bool) -> list[str]:
         f"{STEPS_PER_FRAME} steps per frame in generated spools",
         "- throughput: `ranklog ship SPOOL --to jsonl:OUT --once --quiet` in a child; "
         "wall time includes interpreter start; CPU (user+sys) and peak RSS: the child's own "
-        "rusage (os.wait4 in a small launcher process, see _LAUNCHER)",
+        "rusage (os.wait4 in a small launcher process, see LAUNCHER)",
         f"- latency: {LATENCY_RANKS} producer processes (durability=step), {steps} steps each; "
         f"JSONL polled every {TAIL_POLL_S * 1e3:g} ms; latency = line seen - last step_end return",
         "",
     ]
-
-
-def _fmt(value: float | None, digits: int = 2) -> str:
-    if value is None:
-        return "-"
-    return f"{value:,.{digits}f}" if value < 100 else f"{value:,.0f}"
-
-
-def _rate(value: float | None) -> str:
-    return "-" if value is None else f"{value / 1e6:,.2f} M"
 
 
 def _table(rows: Sequence[Row]) -> list[str]:
@@ -688,15 +536,11 @@ def _table(rows: Sequence[Row]) -> list[str]:
     ]
     for row in rows:
         lines.append(
-            f"| {row.name} | {row.size} | {_fmt(row.wall_s)} | {_rate(row.values_per_s)} "
-            f"| {_rate(row.values_per_cpu_s)} | {_fmt(row.cpu_s)} | {_fmt(row.rss_mb, 1)} "
-            f"| {_fmt(row.p50_ms, 1)} | {_fmt(row.p99_ms, 1)} | {row.note} |"
+            f"| {row.name} | {row.size} | {fmt(row.wall_s)} | {rate(row.values_per_s)} "
+            f"| {rate(row.values_per_cpu_s)} | {fmt(row.cpu_s)} | {fmt(row.rss_mb, 1)} "
+            f"| {fmt(row.p50_ms, 1)} | {fmt(row.p99_ms, 1)} | {row.note} |"
         )
     return lines
-
-
-def _verdict(ok: bool | None) -> str:
-    return "n/a" if ok is None else ("PASS" if ok else "FAIL")
 
 
 def _targets(small: Row, large: Row, latency: Sequence[Row]) -> list[str]:
@@ -709,16 +553,16 @@ def _targets(small: Row, large: Row, latency: Sequence[Row]) -> list[str]:
         ),
     ]
     for row in (small, large):
-        rate = row.values_per_s or 0.0
+        got = row.values_per_s or 0.0
         checks.append((
             f">= {TARGET_VALUES_PER_S / 1e6:g} M values/s, wall time ({row.size})",
-            f"{_rate(row.values_per_s)} values/s ({_rate(row.values_per_cpu_s)} per CPU-s)",
-            rate >= TARGET_VALUES_PER_S,
+            f"{rate(row.values_per_s)} values/s ({rate(row.values_per_cpu_s)} per CPU-s)",
+            got >= TARGET_VALUES_PER_S,
         ))  # fmt: skip
     for row in (small, large):
         checks.append((
             f"peak RSS < {TARGET_RSS_MB:g} MB ({row.size})",
-            f"{_fmt(row.rss_mb, 1)} MB",
+            f"{fmt(row.rss_mb, 1)} MB",
             None if row.rss_mb is None else row.rss_mb < TARGET_RSS_MB,
         ))  # fmt: skip
     checks.append((
@@ -730,10 +574,9 @@ def _targets(small: Row, large: Row, latency: Sequence[Row]) -> list[str]:
         (f"{row.name}: shipper exits by itself, every step shipped", "-", row.ok) for row in latency
     ]
     lines = ["", "## Targets", ""]
-    lines += [f"- {_verdict(ok)}: {what}: {got}" for what, got, ok in checks]
+    lines += [f"- {verdict(ok)}: {what}: {got}" for what, got, ok in checks]
     lines += [
-        f"- info: {row.name}: p50 {_fmt(row.p50_ms, 1)} ms, p99 {_fmt(row.p99_ms, 1)} ms "
-        "(no target)"
+        f"- info: {row.name}: p50 {fmt(row.p50_ms, 1)} ms, p99 {fmt(row.p99_ms, 1)} ms (no target)"
         for row in latency
     ]
     return lines
@@ -741,7 +584,7 @@ def _targets(small: Row, large: Row, latency: Sequence[Row]) -> list[str]:
 
 def _idle_targets(idle: Sequence[Row]) -> list[str]:
     return [
-        f"- {_verdict(row.ok)}: {row.name} < {TARGET_IDLE_CPU * 100:g} % of a core: {row.note}"
+        f"- {verdict(row.ok)}: {row.name} < {TARGET_IDLE_CPU * 100:g} % of a core: {row.note}"
         for row in idle
     ]
 
@@ -820,13 +663,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines += _idle_targets(idle)
     comp, rep, live = archive
     lines += [
-        f"- {_verdict((comp.values_per_s or 0) >= TARGET_VALUES_PER_S)}: compaction >= 1 M "
-        f"values/s: {_rate(comp.values_per_s)} values/s",
-        f"- {_verdict(bytes_per_value <= TARGET_BYTES_PER_VALUE)}: <= "
+        f"- {verdict((comp.values_per_s or 0) >= TARGET_VALUES_PER_S)}: compaction >= 1 M "
+        f"values/s: {rate(comp.values_per_s)} values/s",
+        f"- {verdict(bytes_per_value <= TARGET_BYTES_PER_VALUE)}: <= "
         f"{TARGET_BYTES_PER_VALUE:g} bytes per metric value on disk: {bytes_per_value:.2f}",
-        f"- {_verdict(rep.ok and (rep.values_per_s or 0) >= (live.values_per_s or 0))}: replay "
-        f"at least as fast as live shipping: {_rate(rep.values_per_s)} vs "
-        f"{_rate(live.values_per_s)} values/s ({rep.note})",
+        f"- {verdict(rep.ok and (rep.values_per_s or 0) >= (live.values_per_s or 0))}: replay "
+        f"at least as fast as live shipping: {rate(rep.values_per_s)} vs "
+        f"{rate(live.values_per_s)} values/s ({rep.note})",
     ]
     print("\n".join(lines), flush=True)
     return 0

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     import pyarrow.dataset as ds
 
     import ranklog
-    from ranklog.spool.parquet import compact
+    from ranklog.archive import compact
 
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         spool, out = Path(tmp) / "spool", Path(tmp) / "pq"

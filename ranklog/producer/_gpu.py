@@ -135,7 +135,7 @@ class RaySource:
         """(NodeManagerAddress, metrics URL) of every alive node in scope."""
         ray = self._ray
         if not ray.is_initialized():
-            raise RuntimeError("ray is not initialized")
+            raise ConfigError("the Ray GPU source needs ray.init() in this process")
         nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("MetricsExportPort")]
         if self.scope == "local":
             me = ray.get_runtime_context().get_node_id()

@@ -349,15 +349,21 @@ class Run:
 
     def close(self, status: str = "ok", exit_code: int | None = 0) -> None:
         """Write ``rank_end``, flush, seal and fsync. Idempotent; also runs at exit."""
+        sink = self._detach("after close()")
+        if sink is not None:
+            sink.close(RankEnd(time.time(), status, exit_code))
+
+    def _detach(self, why: str) -> SpoolSink | _DeadSink | None:
+        """Stop logging here (later calls warn ``why``); the sink to finish (None: done)."""
         if self._closed:
-            return
+            return None
         self._closed = True
         _live_runs.discard(self)
         with contextlib.suppress(Exception):
             atexit.unregister(self._atexit)
         self._stop_gpu()
-        sink, self._sink = self._sink, _DeadSink("after close()")
-        sink.close(RankEnd(time.time(), status, exit_code))
+        sink, self._sink = self._sink, _DeadSink(why)
+        return sink
 
     def __enter__(self) -> Run:
         return self
@@ -413,6 +419,12 @@ class Run:
             from ranklog.producer._gpu import release_election
 
             release_election(self.spool, self._host)
+
+    def _crash(self) -> None:
+        """End as a killed process would (see :func:`ranklog.testing.crash`)."""
+        sink = self._detach("after a simulated crash")
+        if isinstance(sink, SpoolSink):
+            sink.abandon()
 
     def _forget_after_fork(self) -> None:
         """In a forked child: never touch the parent's files."""

@@ -4,13 +4,14 @@ The kinds and their pinned tags are in :mod:`ranklog.schemas._events`; the
 reused encoder and the never-raising decoder in :mod:`ranklog.schemas._codec`.
 """
 
-from ranklog.schemas._codec import DecodeStats, decode_events, encode_event, encode_events, encoder
+from ranklog.schemas._codec import DecodeStats, decode_events, encoder
 from ranklog.schemas._events import (
     DEFAULT_METRIC_REDUCE,
     DEFAULT_TIMER_REDUCE,
     KINDS,
     REDUCE_OPS,
     SCHEMA_VERSION,
+    STEP_KINDS,
     Event,
     EventBase,
     Gpu,
@@ -23,6 +24,7 @@ from ranklog.schemas._events import (
     RankEnd,
     RankStart,
     StepEnd,
+    StepEvent,
     Text,
     Timer,
 )
@@ -33,6 +35,7 @@ __all__ = [
     "KINDS",
     "REDUCE_OPS",
     "SCHEMA_VERSION",
+    "STEP_KINDS",
     "DecodeStats",
     "Event",
     "EventBase",
@@ -46,10 +49,9 @@ __all__ = [
     "RankEnd",
     "RankStart",
     "StepEnd",
+    "StepEvent",
     "Text",
     "Timer",
     "decode_events",
-    "encode_event",
-    "encode_events",
     "encoder",
 ]

@@ -16,7 +16,7 @@ import msgspec
 
 from ranklog.schemas._events import KINDS, SCHEMA_VERSION, Event
 
-__all__ = ["DecodeStats", "decode_events", "encode_event", "encode_events", "encoder"]
+__all__ = ["DecodeStats", "decode_events", "encoder"]
 
 #: The process-wide encoder. msgspec encoders are not thread-safe for concurrent
 #: ``encode_into`` on the *same buffer*, but are safe to share otherwise.
@@ -44,16 +44,6 @@ class DecodeStats:
             self.reasons = []
         if len(self.reasons) < 10:
             self.reasons.append(reason)
-
-
-def encode_event(event: Event) -> bytes:
-    """Encode one event as msgpack."""
-    return encoder.encode(event)
-
-
-def encode_events(events: list[Event]) -> bytes:
-    """Encode a list of events as one msgpack array (a frame payload)."""
-    return encoder.encode(events)
 
 
 def decode_events(

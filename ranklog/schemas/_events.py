@@ -25,6 +25,7 @@ __all__ = [
     "KINDS",
     "REDUCE_OPS",
     "SCHEMA_VERSION",
+    "STEP_KINDS",
     "Event",
     "EventBase",
     "Gpu",
@@ -37,6 +38,7 @@ __all__ = [
     "RankEnd",
     "RankStart",
     "StepEnd",
+    "StepEvent",
     "Text",
     "Timer",
 ]
@@ -169,6 +171,11 @@ Event: TypeAlias = (
     | Histogram
     | Image
 )
+
+#: Events that belong to a step a rank logs (each carries ``step``).
+StepEvent: TypeAlias = Metrics | Timer | Text | Histogram | Image
+#: The step event kinds, for ``isinstance``.
+STEP_KINDS: Final = (Metrics, Timer, Text, Histogram, Image)
 
 #: Pinned tag string -> struct type. Never rename a key.
 KINDS: Final[dict[str, type[EventBase]]] = {

@@ -1,6 +1,6 @@
 """Shippers: tail a spool, reduce each step across ranks, forward it exactly once.
 
-The pipeline, by role::
+The engine, by role::
 
     _source.py    discovery (inotify, or polling on network filesystems) and tailing
     _tail.py      read ranks' segments, apply events: per-step contributions, watermarks
@@ -9,31 +9,47 @@ The pipeline, by role::
     _steps.py     per-step partials (mergeable) and their reduction into a ShippedStep
     _reduce.py    mergeable partial aggregates and the reduce ops
     _cursor.py    the cursor file (tmp -> fsync -> rename)
-    _target.py    the target protocol every backend adapter implements
-    jsonl.py, console.py, ...   the targets
+    _progress.py  the status line
+    _target.py    the protocol every target implements, and what it receives
+    _registry.py  targets' declarations (TargetKind, Option), found and built from specs
+    targets/      the targets, one module each
 
-Nothing here is imported by ``import ranklog``.
+Nothing here is imported by ``import ranklog``; the engine never imports a target
+module by name (the registry finds them).
 """
 
 from ranklog.shippers._cursor import Cursor, list_cursors, load_cursor
 from ranklog.shippers._engine import Shipper
 from ranklog.shippers._progress import Progress
 from ranklog.shippers._reduce import Partial
-from ranklog.shippers._registry import TARGET_KINDS, TargetOptions, default_name, make_target
-from ranklog.shippers._target import ShippedStep, Target, TextItem
+from ranklog.shippers._registry import (
+    Option,
+    TargetContext,
+    TargetKind,
+    all_options,
+    default_name,
+    make_target,
+    target_kinds,
+)
+from ranklog.shippers._target import GpuStat, ImageItem, ShippedStep, Target, TextItem
 
 __all__ = [
-    "TARGET_KINDS",
     "Cursor",
+    "GpuStat",
+    "ImageItem",
+    "Option",
     "Partial",
     "Progress",
     "ShippedStep",
     "Shipper",
     "Target",
-    "TargetOptions",
+    "TargetContext",
+    "TargetKind",
     "TextItem",
+    "all_options",
     "default_name",
     "list_cursors",
     "load_cursor",
     "make_target",
+    "target_kinds",
 ]

@@ -6,8 +6,8 @@ offset already examined (so late events are not counted twice); per rank and
 incarnation, the state read from frames before those offsets (watermark, end);
 the last shipped step; the hyperparameters already shipped; counters.
 
-It is written to a temporary file, fsync'd, renamed over the old one, and the
-directory fsync'd: a crash leaves either the old cursor or the new one.
+It is written with :func:`ranklog._fs.atomic_write` (tmp, fsync, rename, fsync of
+the directory): a crash leaves either the old cursor or the new one.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ from pathlib import Path
 
 import msgspec
 
+from ranklog._fs import DIR_MODE, atomic_write
+from ranklog.errors import CursorError
 from ranklog.schemas import ParamValue
-from ranklog.spool._layout import DIR_MODE, FILE_MODE, SpoolLayout, fsync_dir
+from ranklog.spool import NO_STEP, SegmentId, SpoolLayout, watermark
 
 __all__ = ["CURSOR_VERSION", "Cursor", "IncState", "SegmentCursor", "load_cursor", "save_cursor"]
 
@@ -38,12 +40,19 @@ class SegmentCursor(msgspec.Struct, forbid_unknown_fields=False):
 class IncState(msgspec.Struct, forbid_unknown_fields=False):
     """What the shipper knows about one incarnation of one rank."""
 
-    closed: int = -1
-    max_step: int = -1
+    #: highest step_end read
+    closed: int = NO_STEP
+    #: highest step of a step event read
+    max_step: int = NO_STEP
     ended: str | None = None
     world_size: int | None = None
     host: str | None = None
     started: float | None = None
+
+    @property
+    def watermark(self) -> int:
+        """The highest step this incarnation closed (:func:`ranklog.spool.watermark`)."""
+        return watermark(self.closed, self.max_step)
 
 
 class Cursor(msgspec.Struct, forbid_unknown_fields=False):
@@ -53,18 +62,23 @@ class Cursor(msgspec.Struct, forbid_unknown_fields=False):
     name: str = ""
     target: str = ""
     run_id: str | None = None
-    last_step: int = -1
+    last_step: int = NO_STEP
     steps_shipped: int = 0
     updated: float = 0.0
     late_events: int = 0
     relogged_events: int = 0
     bad_ranges: int = 0
     bad_bytes: int = 0
-    #: "rank/incarnation-segment" -> progress
+    #: segment key (``00003/0001-000001``) -> progress
     segments: dict[str, SegmentCursor] = msgspec.field(default_factory=dict)
     #: "rank" -> {"incarnation": state}
     ranks: dict[str, dict[str, IncState]] = msgspec.field(default_factory=dict)
     params: dict[str, ParamValue] = msgspec.field(default_factory=dict)
+
+    def done(self, seg: SegmentId) -> bool:
+        """Whether this shipper has finished with ``seg`` (nothing of it is needed again)."""
+        entry = self.segments.get(seg.key)
+        return entry is not None and entry.done
 
 
 _encoder = msgspec.json.Encoder()
@@ -77,45 +91,35 @@ def cursor_path(spool: str | os.PathLike[str], name: str) -> Path:
 
 
 def load_cursor(spool: str | os.PathLike[str], name: str) -> Cursor | None:
-    """The committed cursor, or None if this shipper never committed (or it is unreadable)."""
+    """The committed cursor, or None if this shipper never committed.
+
+    An unreadable cursor is a :class:`~ranklog.errors.CursorError` naming the file.
+    """
     path = cursor_path(spool, name)
     try:
         return _decoder.decode(path.read_bytes())
     except FileNotFoundError:
         return None
     except (msgspec.DecodeError, msgspec.ValidationError, OSError) as exc:
-        raise ValueError(f"{path}: unreadable cursor ({exc}); move it away to start over") from exc
+        raise CursorError(f"{path}: unreadable cursor ({exc}); move it away to start over") from exc
 
 
 def save_cursor(spool: str | os.PathLike[str], cursor: Cursor) -> None:
-    """Replace the cursor atomically: tmp, fsync, rename, fsync the directory."""
+    """Replace the cursor atomically."""
     path = cursor_path(spool, cursor.name)
     path.parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
     cursor.updated = time.time()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
-    try:
-        os.write(fd, _encoder.encode(cursor))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(path.parent)
+    atomic_write(path, _encoder.encode(cursor))
 
 
 def list_cursors(spool: str | os.PathLike[str]) -> list[Cursor]:
-    """Every readable cursor of a spool (for ``ranklog inspect``)."""
+    """Every readable cursor of a spool (for ``ranklog inspect`` and ``compact --delete``)."""
     out: list[Cursor] = []
     d = SpoolLayout(spool).cursors_dir
     if not d.is_dir():
         return out
     for p in sorted(d.glob("*.json")):
-        with contextlib.suppress(ValueError):
+        with contextlib.suppress(CursorError):
             c = load_cursor(spool, p.stem)
             if c is not None:
                 out.append(c)

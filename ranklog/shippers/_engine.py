@@ -29,21 +29,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
-from ranklog.errors import RanklogError
+from ranklog.errors import CursorError, TailRestartedError, TransientTargetError
 from ranklog.schemas import ParamValue
 from ranklog.shippers._cursor import Cursor, load_cursor, save_cursor
-from ranklog.shippers._progress import Progress
+from ranklog.shippers._progress import Progress, Status
 from ranklog.shippers._source import Source, SpoolSource
-from ranklog.shippers._steps import StepAcc, StepPartial
-from ranklog.shippers._tail import (
-    RankState,
-    RankTail,
-    RankView,
-    TailCommit,
-    TailPoll,
-    TailRestartedError,
-)
-from ranklog.shippers._target import ShippedStep, Target, TransientTargetError
+from ranklog.shippers._steps import StepPartial
+from ranklog.shippers._tail import NO_GAP, RankTail, RankView, StepGap, TailCommit, TailPoll
+from ranklog.shippers._target import ShippedStep, Target
 from ranklog.spool import BadRange, RunInfo, read_run
 
 __all__ = ["EngineStats", "LocalTails", "Shipper", "Tails"]
@@ -77,7 +70,7 @@ class Tails(Protocol):
         """Start reading (from ``cursor``'s offsets, if any)."""
         ...
 
-    def poll(self, shipped_upto: int, gap: tuple[int, int], floor: int | None) -> TailPoll:
+    def poll(self, shipped_upto: int, gap: StepGap, floor: int | None) -> TailPoll:
         """One read round everywhere; ``floor``: lowest watermark of ranks waited for."""
         ...
 
@@ -85,9 +78,7 @@ class Tails(Protocol):
         """Each step's partial over every rank."""
         ...
 
-    def commit(
-        self, shipped_upto: int, gap: tuple[int, int], *, params_pending: bool
-    ) -> TailCommit:
+    def commit(self, shipped_upto: int, gap: StepGap, *, params_pending: bool) -> TailCommit:
         """Consume what the target accepted; the segment and rank state to save."""
         ...
 
@@ -119,7 +110,7 @@ class LocalTails:
         if cursor is not None:
             self.tail.restore(cursor)
 
-    def poll(self, shipped_upto: int, gap: tuple[int, int], floor: int | None) -> TailPoll:
+    def poll(self, shipped_upto: int, gap: StepGap, floor: int | None) -> TailPoll:
         """Read one round."""
         assert self.tail is not None
         self.tail.sync(shipped_upto, gap)
@@ -130,9 +121,7 @@ class LocalTails:
         assert self.tail is not None
         return self.tail.partials(steps, per_rank=per_rank, exact=False)
 
-    def commit(
-        self, shipped_upto: int, gap: tuple[int, int], *, params_pending: bool
-    ) -> TailCommit:
+    def commit(self, shipped_upto: int, gap: StepGap, *, params_pending: bool) -> TailCommit:
         """The tail's commit."""
         assert self.tail is not None
         self.tail.sync(shipped_upto, gap)
@@ -188,32 +177,13 @@ class Shipper:
         #: where each params event this process took in was (segment@frame end)
         self._params_read: set[str] = set()
         self.shipped_upto = -1  # steps <= this are shipped (or held by the target)
-        self._durable_gap = (-1, -1)  # (cursor step, target step): shipped by a dead process
+        #: (cursor step, target step]: shipped by a process that died before committing
+        self._durable_gap = NO_GAP
         self.run: RunInfo | None = None
         self.cursor = Cursor(name=name, target=target.spec)
         self._last_commit = time.monotonic()
         self._target_ok = False
         self._opened = False
-
-    # -- the local tail, for tests and status --------------------------------------------
-
-    @property
-    def source(self) -> Source:
-        """The local tail's source (a one-process shipper only)."""
-        assert isinstance(self.tails, LocalTails)
-        return self.tails.source
-
-    @property
-    def ranks(self) -> dict[int, RankState]:
-        """The local tail's ranks (a one-process shipper only)."""
-        assert isinstance(self.tails, LocalTails) and self.tails.tail is not None
-        return self.tails.tail.ranks
-
-    @property
-    def steps(self) -> dict[int, StepAcc]:
-        """The local tail's steps in memory (a one-process shipper only)."""
-        assert isinstance(self.tails, LocalTails) and self.tails.tail is not None
-        return self.tails.tail.steps
 
     # -- start ----------------------------------------------------------------------------
 
@@ -222,12 +192,12 @@ class Shipper:
         cursor = load_cursor(self.spool, self.name)
         if cursor is not None:
             if cursor.run_id not in (None, self.run.run_id):
-                raise RanklogError(
+                raise CursorError(
                     f"cursor {self.name!r} belongs to run {cursor.run_id}, "
                     f"not {self.run.run_id}: use another --name"
                 )
             if cursor.target not in ("", self.target.spec):
-                raise RanklogError(
+                raise CursorError(
                     f"cursor {self.name!r} belongs to target {cursor.target}, "
                     f"not {self.target.spec}: use another --name"
                 )
@@ -267,7 +237,7 @@ class Shipper:
             log.info("%s already holds steps up to %d (cursor: %d); not sending them again",
                      self.target.spec, durable, self.shipped_upto)  # fmt: skip
             self.pending = {s for s in self.pending if s > durable}
-            self._durable_gap = (self.shipped_upto, durable)
+            self._durable_gap = StepGap(self.shipped_upto, durable)
             self.shipped_upto = durable
 
     # -- reading --------------------------------------------------------------------------
@@ -283,13 +253,14 @@ class Shipper:
         self.pending = {s for s in res.steps if s > self.shipped_upto}
         self.lag_bytes = res.lag_bytes
         # in read order, rank by rank within a round (as one tail reads them)
-        for effective, _rank, values, fresh, where in sorted(res.params, key=lambda p: p[1]):
-            if where in self._params_read:
+        for read in sorted(res.params, key=lambda p: p.rank):
+            effective = read.effective
+            if read.where in self._params_read:
                 continue  # read again by a tail that restarted: this process has it
-            self._params_read.add(where)
-            if not fresh and effective <= self.shipped_upto:
+            self._params_read.add(read.where)
+            if not read.fresh and effective <= self.shipped_upto:
                 continue  # handled by an earlier shipper process: shipped with its step
-            for k, v in values.items():
+            for k, v in read.values.items():
                 if k not in self.params or self.params[k] != v:
                     self.params[k] = v
                     if effective <= self.shipped_upto:
@@ -462,6 +433,32 @@ class Shipper:
         top = max((v.watermark for v in self.views.values()), default=-1)
         return max(0, top - self.shipped_upto), self.lag_bytes
 
+    def status(self) -> Status:
+        """Where this shipper stands, for its status line."""
+        now = time.time()
+        live = dead = ended = 0
+        for r in self.views.values():
+            if r.ended:
+                ended += 1
+            elif now - r.last_activity > self.dead_after:
+                dead += 1
+            else:
+                live += 1
+        lag_steps, lag_bytes = self.lag()
+        return Status(
+            name=self.name,
+            step=self.shipped_upto,
+            shipped=self.stats.steps_shipped,
+            partial=self.stats.partial_steps,
+            live=live,
+            ended=ended,
+            dead=dead,
+            lag_steps=lag_steps,
+            lag_bytes=lag_bytes,
+            late=self.stats.late_events,
+            corrupt=len(self.stats.bad),
+        )
+
     def run_forever(self, *, once: bool = False, max_seconds: float | None = None) -> int:
         """Ship until done: ``once`` drains what is ready and returns; else follows the job."""
         self._open()
@@ -487,7 +484,7 @@ class Shipper:
                         self._reopen_target()
                     continue
                 if self.progress is not None:
-                    self.progress.update(self)
+                    self.progress.update(self.status)
                 if shipped:
                     self._last_commit = time.monotonic()
                 elif progressed and time.monotonic() - self._last_commit > 5.0:
@@ -508,5 +505,5 @@ class Shipper:
             if self._opened:
                 self.target.close()
             if self.progress is not None:
-                self.progress.done(self)
+                self.progress.done(self.status())
         return 0

@@ -38,14 +38,14 @@ from typing import Any, Final
 
 import msgspec
 
-from ranklog.errors import RanklogError
+from ranklog.errors import ConfigError, TailRestartedError
 from ranklog.shippers._cursor import Cursor
 from ranklog.shippers._progress import Progress
 from ranklog.shippers._reduce import parse_ops
-from ranklog.shippers._registry import TargetOptions, make_target
+from ranklog.shippers._registry import make_target
 from ranklog.shippers._source import SpoolSource
 from ranklog.shippers._steps import StepPartial
-from ranklog.shippers._tail import RankTail, TailCommit, TailPoll, TailRestartedError
+from ranklog.shippers._tail import RankTail, StepGap, TailCommit, TailPoll
 from ranklog.spool import RunInfo, read_run
 
 __all__ = ["NAMESPACE", "FanIn", "RayTails", "TailReader", "reader_name", "ship_on_ray"]
@@ -127,11 +127,11 @@ class TailReader:
         """
         if not self.restored:
             self.tail.restore(_cursor_decoder.decode(cursor))
-            self.tail.restore_gap = (committed, shipped_upto)
+            self.tail.restore_gap = StepGap(committed, shipped_upto)
             self.restored = True
         return self.token
 
-    def poll(self, shipped_upto: int, gap: tuple[int, int], floor: int | None) -> tuple[str, bytes]:
+    def poll(self, shipped_upto: int, gap: StepGap, floor: int | None) -> tuple[str, bytes]:
         """One read round of this shard (an encoded TailPoll)."""
         if not self.restored:
             return self.token, b""
@@ -145,9 +145,7 @@ class TailReader:
         parts = self.tail.partials(steps, per_rank=per_rank, exact=True, specs=specs)
         return self.token, _encode(parts)
 
-    def commit(
-        self, shipped_upto: int, gap: tuple[int, int], params_pending: bool
-    ) -> tuple[str, bytes]:
+    def commit(self, shipped_upto: int, gap: StepGap, params_pending: bool) -> tuple[str, bytes]:
         """Consume what was shipped; the shard's cursor state (an encoded TailCommit)."""
         if not self.restored:
             return self.token, b""
@@ -209,7 +207,7 @@ class RayTails:
         targets = self.readers if readers is None else readers
         return list(ray.get([getattr(r, method).remote(*args) for r in targets]))
 
-    def poll(self, shipped_upto: int, gap: tuple[int, int], floor: int | None) -> TailPoll:
+    def poll(self, shipped_upto: int, gap: StepGap, floor: int | None) -> TailPoll:
         """Every reader reads one round at the same time; their findings together."""
         answers = self._all("poll", shipped_upto, gap, floor)
         while True:  # a reader in a new life first gets the root's cursor, then reads
@@ -277,9 +275,7 @@ class RayTails:
             raise TailRestartedError("a reader actor restarted during the round")
         return [_partials_decoder.decode(raw) for _, raw in answers]
 
-    def commit(
-        self, shipped_upto: int, gap: tuple[int, int], *, params_pending: bool
-    ) -> TailCommit:
+    def commit(self, shipped_upto: int, gap: StepGap, *, params_pending: bool) -> TailCommit:
         """Every reader's segments, ranks and counters (a reader in a new life: none yet)."""
         answers = self._all("commit", shipped_upto, gap, params_pending)
         out = TailCommit({}, {})
@@ -339,7 +335,7 @@ class ShipRoot:
         self,
         spool: str,
         spec: str,
-        options: TargetOptions,
+        options: dict[str, Any],
         layout: FanIn,
         shipper_kw: dict[str, Any],
         once: bool,
@@ -354,7 +350,7 @@ class ShipRoot:
         tails = RayTails(spool, name, layout, poll=poll, dead_after=kw["dead_after"])
         shipper = Shipper(
             spool,
-            make_target(spec, spool, options),
+            make_target(spec, spool, options, per_rank=kw["per_rank"]),
             name=name,
             tails=tails,
             progress=None if quiet else Progress(sys.stderr),
@@ -373,7 +369,7 @@ def ship_on_ray(
     address: str | None,
     spool: str,
     spec: str,
-    options: TargetOptions,
+    options: dict[str, Any],
     layout: FanIn,
     *,
     name: str,
@@ -397,7 +393,7 @@ def ship_on_ray(
         try:
             ray.init(address=address or None, namespace=NAMESPACE, log_to_driver=not quiet)
         except (ConnectionError, RuntimeError, ValueError) as exc:
-            raise RanklogError(f"cannot start or reach Ray at {address or 'auto'}: {exc}") from None
+            raise ConfigError(f"cannot start or reach Ray at {address or 'auto'}: {exc}") from None
     try:
         here = ray.get_runtime_context().get_node_id()
         remote: Any = ray.remote(ShipRoot)

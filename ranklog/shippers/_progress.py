@@ -2,18 +2,49 @@
 
 On a terminal: one live line, redrawn at most every half second. In a log
 file: a status line at most every ``interval`` seconds, and one at the end.
+The engine hands over a :class:`Status`, built only when a line is due.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from typing import TYPE_CHECKING, TextIO
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TextIO
 
-if TYPE_CHECKING:
-    from ranklog.shippers._engine import Shipper
+__all__ = ["Progress", "Status"]
 
-__all__ = ["Progress"]
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    """A shipper's state, as a status line shows it."""
+
+    name: str
+    #: steps up to this one are shipped
+    step: int
+    shipped: int
+    partial: int
+    live: int
+    ended: int
+    dead: int
+    lag_steps: int
+    lag_bytes: int
+    late: int = 0
+    corrupt: int = 0
+
+    def line(self) -> str:
+        """The status text."""
+        extra = ""
+        if self.late:
+            extra += f" | late {self.late}"
+        if self.corrupt:
+            extra += f" | corrupt ranges {self.corrupt}"
+        return (
+            f"[{self.name}] step {self.step} ({self.shipped} shipped, {self.partial} partial) | "
+            f"ranks live {self.live} ended {self.ended} dead {self.dead} | "
+            f"lag {self.lag_steps} steps {self.lag_bytes} B{extra}"
+        )
 
 
 class Progress:
@@ -26,45 +57,22 @@ class Progress:
         self._last = 0.0
         self._printed = ""
 
-    def line(self, s: Shipper) -> str:
-        """The status text."""
-        now = time.time()
-        live = dead = ended = 0
-        for r in s.views.values():
-            if r.ended:
-                ended += 1
-            elif now - r.last_activity > s.dead_after:
-                dead += 1
-            else:
-                live += 1
-        lag_steps, lag_bytes = s.lag()
-        extra = []
-        if s.stats.late_events:
-            extra.append(f"late {s.stats.late_events}")
-        if s.stats.bad:
-            extra.append(f"corrupt ranges {len(s.stats.bad)}")
-        return (
-            f"[{s.name}] step {s.shipped_upto} ({s.stats.steps_shipped} shipped, "
-            f"{s.stats.partial_steps} partial) | ranks live {live} ended {ended} dead {dead} | "
-            f"lag {lag_steps} steps {lag_bytes} B" + ("".join(f" | {e}" for e in extra))
-        )
-
-    def update(self, s: Shipper) -> None:
-        """Redraw or print if it is time."""
+    def update(self, status: Callable[[], Status]) -> None:
+        """Redraw or print if it is time (``status`` is only called then)."""
         now = time.monotonic()
         if now - self._last < self.interval:
             return
         self._last = now
-        self._printed = text = self.line(s)
+        self._printed = text = status().line()
         if self.live:
             self.stream.write("\r\x1b[K" + text)
         else:
             self.stream.write(text + "\n")
         self.stream.flush()
 
-    def done(self, s: Shipper) -> None:
+    def done(self, status: Status) -> None:
         """The final line."""
-        text = self.line(s)
+        text = status.line()
         if self.live:
             self.stream.write("\r\x1b[K" + text + "\n")
         elif text != self._printed:

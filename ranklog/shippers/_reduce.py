@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
+from ranklog.errors import ConfigError
 from ranklog.schemas import REDUCE_OPS
 
 __all__ = ["Partial", "exact_parts", "output_names", "parse_ops"]
@@ -175,7 +176,7 @@ class Partial:
             return _median(self.values) if self.values is not None else math.nan
         if op == "std":
             return self._std()
-        raise ValueError(f"unknown reduce op {op!r}")
+        raise ConfigError(f"unknown reduce op {op!r}")
 
     def _std(self) -> float:
         if self.nonfinite:

@@ -1,106 +1,222 @@
-"""Target specs (``jsonl:PATH``, ``tensorboard:DIR``, ...) to target objects, and cursor names.
+"""Targets declare themselves; this module finds them and builds one from a ``--to`` spec.
 
-Every backend module is imported only when its target is asked for; a missing
-extra raises :class:`ranklog.ExtraMissingError` naming ``pip install 'ranklog[NAME]'``.
+A target module (``ranklog/shippers/targets/<kind>.py``, or any module a
+``ranklog.targets`` entry point names) defines one :class:`TargetKind`, ``TARGET``:
+its kind, what the argument after the colon means, the :class:`Option` s it takes
+and the function that builds it. Everything else is derived from that one
+declaration: the ``ranklog ship``/``replay`` flags and their help, the flags a
+multi-target ``ranklog ship`` passes on to its per-target processes, and the keys
+``ranklog.nemo`` reads from NeMo RL's logger config. A target's backend library
+is imported only when the target is built (``ExtraMissingError`` names the extra
+to install). ``docs/targets.md`` walks through writing one.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
+import logging
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+import pkgutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from pathlib import Path
+from typing import Any
 
 from ranklog.errors import ConfigError
 from ranklog.shippers._target import Target
 
-__all__ = ["TARGET_KINDS", "TargetOptions", "default_name", "make_target"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Option",
+    "TargetContext",
+    "TargetKind",
+    "all_options",
+    "default_name",
+    "make_target",
+    "target_kinds",
+]
+
+log = logging.getLogger("ranklog.ship")
+
+#: the entry point group through which other packages add targets
+ENTRY_POINT_GROUP = "ranklog.targets"
+#: the built-in targets, found by listing (never imported by name: the engine below them)
+_TARGETS_PACKAGE = "ranklog.shippers.targets"
+_TARGETS_DIR = Path(__file__).parent / "targets"
 
 
 @dataclass(frozen=True, slots=True)
-class TargetOptions:
-    """Options that ``ranklog ship`` passes to every target (each uses what applies)."""
+class Option:
+    """One option a target takes: its flag, its help, its type and its NeMo config key."""
 
-    #: validation samples printed per step (console)
-    samples: int = 2
-    #: also log each rank's own values (TensorBoard sub-runs, MLflow child runs, W&B runs)
+    #: Python name, e.g. ``run_name``; the flag is ``--run-name``
+    name: str
+    help: str
+    #: converts the flag's text (``str``, ``int``, ``float``); ``bool`` makes a switch
+    type: Callable[[str], Any] = str
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    #: the key of this option in the target's section of NeMo RL's logger config
+    nemo: str | None = None
+
+    @property
+    def flag(self) -> str:
+        """The command-line flag."""
+        return "--" + self.name.replace("_", "-")
+
+    def parse(self, text: str) -> Any:
+        """The value of ``text`` for this option; :class:`ConfigError` when it does not fit."""
+        try:
+            value = self.type(text)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{self.flag} {text!r}: {exc}") from None
+        if self.choices is not None and value not in self.choices:
+            raise ConfigError(f"{self.flag} {text!r}: expected one of {', '.join(self.choices)}")
+        return value
+
+
+@dataclass(frozen=True, slots=True)
+class TargetContext:
+    """What every target may use besides its own options."""
+
+    #: the spool (or dataset) being shipped: where defaults live (a sqlite store, W&B files)
+    spool: Path
+    #: the shipper also sends each rank's own values (``--per-rank``)
     per_rank: bool = False
-    #: the backend's run name (default: the ranklog run's name)
-    run_name: str | None = None
-    #: MLflow experiment name (default: the ranklog run's name)
-    experiment: str | None = None
-    #: W&B entity
-    entity: str | None = None
-    #: W&B group (default: the run name)
-    group: str | None = None
-    #: W&B mode: "offline" or "online" (default: online when an API key is configured)
-    mode: str | None = None
-    #: where backends that keep local files put them (W&B); default: inside the spool
-    dir: str | None = None
 
 
-Factory = Callable[[str, Path, TargetOptions], Target]
+Build = Callable[[str, TargetContext, Mapping[str, Any]], Target]
 
 
-def _jsonl(arg: str, spool: Path, opts: TargetOptions) -> Target:
-    from ranklog.shippers.jsonl import JsonlTarget
+@dataclass(frozen=True, slots=True)
+class TargetKind:
+    """A target's declaration (a module's ``TARGET``)."""
 
-    if not arg:
-        raise ConfigError("jsonl target needs a path: jsonl:PATH")
-    return JsonlTarget(Path(arg).expanduser())
+    #: the part of a spec before the colon
+    kind: str
+    #: how the argument after the colon reads in help (``DIR``, ``URI``); "" when none
+    arg: str
+    #: one line for ``--help``
+    help: str
+    #: ``build(arg, context, options)``: the options are this kind's, parsed, None when unset
+    build: Build
+    options: tuple[Option, ...] = ()
+    #: the argument may be left out (``console``, ``mlflow:``)
+    arg_optional: bool = False
+    #: the pip extra its backend needs
+    extra: str | None = None
+    #: NeMo RL: the logger config's section for this backend (``wandb`` -> ``wandb_enabled``)
+    nemo_section: str | None = None
+    #: NeMo RL: the spec's argument from (section, log_dir)
+    nemo_arg: Callable[[Mapping[str, Any], Path], str] | None = field(default=None)
+    #: NeMo RL: option values that follow from (section, log_dir) beyond the ``nemo`` keys
+    nemo_options: Callable[[Mapping[str, Any], Path], dict[str, Any]] | None = field(default=None)
+
+    def nemo_command(self, cfg: Mapping[str, Any], log_dir: Path) -> list[str] | None:
+        """``--to`` and option flags for NeMo RL's logger config (None: not enabled there)."""
+        if self.nemo_section is None or not cfg.get(f"{self.nemo_section}_enabled"):
+            return None
+        section: Mapping[str, Any] = cfg.get(self.nemo_section) or {}
+        arg = self.nemo_arg(section, log_dir) if self.nemo_arg is not None else ""
+        values = {o.name: section.get(o.nemo) for o in self.options if o.nemo is not None}
+        if self.nemo_options is not None:
+            values.update(self.nemo_options(section, log_dir))
+        flags = ["--to", f"{self.kind}:{arg}" if arg else self.kind]
+        for o in self.options:
+            value = values.get(o.name)
+            if value is None or value == "" or value is False:
+                continue
+            flags += [o.flag] if value is True else [o.flag, str(value)]
+        return flags
+
+    @property
+    def usage(self) -> str:
+        """``kind:ARG``, ``kind[:ARG]`` or ``kind``."""
+        if not self.arg:
+            return self.kind
+        return f"{self.kind}[:{self.arg}]" if self.arg_optional else f"{self.kind}:{self.arg}"
+
+    def make(self, arg: str, context: TargetContext, values: Mapping[str, Any]) -> Target:
+        """Build the target with the values of this kind's options (others are ignored)."""
+        if not arg and self.arg and not self.arg_optional:
+            raise ConfigError(f"{self.kind} target needs {self.arg}: {self.usage}")
+        mine = {o.name: values.get(o.name) for o in self.options}
+        for o in self.options:
+            value = mine[o.name]
+            if value is not None and o.choices is not None and value not in o.choices:
+                raise ConfigError(f"{o.flag} {value!r}: expected one of {', '.join(o.choices)}")
+        return self.build(arg, context, mine)
 
 
-def _console(arg: str, spool: Path, opts: TargetOptions) -> Target:
-    from ranklog.shippers.console import ConsoleTarget
+@functools.cache
+def target_kinds() -> dict[str, TargetKind]:
+    """Every target: the modules of ``ranklog.shippers.targets``, then entry points."""
+    found: dict[str, TargetKind] = {}
+    for mod in pkgutil.iter_modules([str(_TARGETS_DIR)]):
+        if mod.name.startswith("_"):
+            continue
+        _add(found, importlib.import_module(f"{_TARGETS_PACKAGE}.{mod.name}"), mod.name)
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            loaded = ep.load()
+        except Exception as exc:  # a broken plug-in must not break the built-in targets
+            log.warning("target entry point %s (%s) cannot be loaded: %s", ep.name, ep.value, exc)
+            continue
+        _add(found, loaded, ep.value)
+    return found
 
-    try:
-        every = int(arg) if arg else 1
-    except ValueError:
-        raise ConfigError(
-            f"console:{arg}: expected console or console:N (every N-th step)"
-        ) from None
-    return ConsoleTarget(samples=opts.samples, every=every)
+
+def _add(found: dict[str, TargetKind], obj: Any, where: str) -> None:
+    kind = getattr(obj, "TARGET", obj)
+    if not isinstance(kind, TargetKind):
+        log.warning("%s declares no ranklog TargetKind (TARGET); ignored", where)
+        return
+    if kind.kind in found:
+        log.warning("target kind %r of %s is already taken; ignored", kind.kind, where)
+        return
+    found[kind.kind] = kind
 
 
-def _backend(module: str) -> Factory:
-    """A factory that imports ``ranklog.shippers.<module>`` only when its target is used.
+def all_options() -> dict[str, tuple[Option, list[str]]]:
+    """Every option name -> (its declaration, the kinds that take it), for the CLI.
 
-    Each backend module defines ``make(arg, spool, options) -> Target`` and imports
-    its backend library lazily (ExtraMissingError when the extra is missing).
+    Kinds that share an option name must declare the same type and choices.
     """
-
-    def factory(arg: str, spool: Path, opts: TargetOptions) -> Target:
-        mod = importlib.import_module(f"ranklog.shippers.{module}")
-        target: Target = mod.make(arg, spool, opts)
-        return target
-
-    return factory
-
-
-#: kind -> factory(argument after the colon, spool, options)
-TARGET_KINDS: dict[str, Factory] = {
-    "jsonl": _jsonl,
-    "console": _console,
-    "tensorboard": _backend("tensorboard"),
-    "mlflow": _backend("mlflow"),
-    "wandb": _backend("wandb"),
-}
+    out: dict[str, tuple[Option, list[str]]] = {}
+    for kind in target_kinds().values():
+        for opt in kind.options:
+            seen = out.get(opt.name)
+            if seen is None:
+                out[opt.name] = (opt, [kind.kind])
+                continue
+            if (seen[0].type, seen[0].choices) != (opt.type, opt.choices):
+                raise ConfigError(
+                    f"target {kind.kind!r} declares option {opt.name!r} unlike "
+                    f"{', '.join(seen[1])}: same name, another type or choices"
+                )
+            seen[1].append(kind.kind)
+    return out
 
 
 def make_target(
-    spec: str, spool: str | os.PathLike[str], options: TargetOptions | None = None
+    spec: str,
+    spool: str | os.PathLike[str],
+    options: Mapping[str, Any] | None = None,
+    *,
+    per_rank: bool = False,
 ) -> Target:
-    """Build the target a ``--to`` spec names."""
+    """Build the target a ``--to`` spec names, with the option values that apply to it."""
     kind, _, arg = spec.partition(":")
-    factory = TARGET_KINDS.get(kind)
-    if factory is None:
+    found = target_kinds().get(kind)
+    if found is None:
         raise ConfigError(
             f"unknown target {spec!r}: expected one of "
-            + ", ".join(f"{k}:..." if k != "console" else k for k in TARGET_KINDS)
+            + ", ".join(k.usage for k in target_kinds().values())
         )
-    return factory(arg, Path(spool), options or TargetOptions())
+    return found.make(arg, TargetContext(Path(spool), per_rank), options or {})
 
 
 def default_name(spec: str) -> str:

@@ -223,7 +223,7 @@ class SpoolSource:
             if self._unchanged(str(self.layout.rank_dir(rank))):
                 continue
             for seg in self.layout.segments(rank):
-                key = f"{seg.rank:05d}/{seg.incarnation:04d}-{seg.segment:06d}"
+                key = seg.id.key
                 if key in self.segments:
                     continue
                 state = SegState(seg, key, SegmentReader(seg.path))

@@ -16,15 +16,23 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from ranklog.schemas import DEFAULT_METRIC_REDUCE, Gpu, Histogram, Image, Metrics, Text, Timer
+from ranklog.schemas import (
+    DEFAULT_METRIC_REDUCE,
+    Gpu,
+    Histogram,
+    Image,
+    Metrics,
+    StepEvent,
+    Text,
+    Timer,
+)
 from ranklog.shippers._reduce import Partial, output_names, parse_ops
 from ranklog.shippers._target import GpuStat, ImageItem, ShippedStep, TextItem
 
-__all__ = ["STEP_KINDS", "Contribution", "StepAcc", "StepPartial", "reduce_step"]
+__all__ = ["Contributed", "Contribution", "StepAcc", "StepPartial"]
 
-StepEvent = Metrics | Timer | Text | Histogram | Image | Gpu
-#: the event kinds that belong to a step
-STEP_KINDS: Final = (Metrics, Timer, Text, Histogram, Image)
+#: what a rank contributes to a step: its step events, and GPU samples taken during it
+Contributed = StepEvent | Gpu
 
 
 @dataclass(slots=True)
@@ -32,7 +40,7 @@ class Contribution:
     """What one incarnation of one rank logged for a step."""
 
     incarnation: int
-    events: list[StepEvent] = field(default_factory=list)
+    events: list[Contributed] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -69,7 +77,7 @@ def _gpu_stat(host: str, index: int, samples: list[Gpu]) -> GpuStat:
     )
 
 
-def _own(events: list[StepEvent]) -> dict[str, float]:
+def _own(events: list[Contributed]) -> dict[str, float]:
     """One rank's own values for a step (its last value per name)."""
     own: dict[str, float] = {}
     for ev in events:
@@ -296,20 +304,3 @@ def _merge_named(a: dict[str, Named], b: dict[str, Named]) -> dict[str, Named]:
         mine = out.get(name)
         out[name] = named if mine is None else mine.merge(named)
     return out
-
-
-def reduce_step(
-    step: int,
-    acc: StepAcc,
-    *,
-    closed: int,
-    world_size: int,
-    per_rank: bool = False,
-) -> ShippedStep:
-    """Reduce one step across ranks (in rank order, so the result never depends on timing).
-
-    ``closed`` is how many expected ranks closed the step; it is partial when that is
-    below ``world_size``, and then ``ranklog/ranks_reporting`` is added.
-    """
-    part = StepPartial.build(step, acc, per_rank=per_rank)
-    return part.finish(closed=closed, world_size=world_size)

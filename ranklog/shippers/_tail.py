@@ -21,23 +21,24 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, NamedTuple
 
-from ranklog.errors import RanklogError
-from ranklog.schemas import Event, Gpu, Params, ParamValue, RankEnd, RankStart, StepEnd
+from ranklog.schemas import STEP_KINDS, Event, Gpu, Params, ParamValue, RankEnd, RankStart, StepEnd
 from ranklog.shippers._cursor import Cursor, IncState, SegmentCursor
 from ranklog.shippers._source import SegState, Source
-from ranklog.shippers._steps import STEP_KINDS, Contribution, StepAcc, StepEvent, StepPartial
-from ranklog.spool import BadRange, RunInfo
+from ranklog.shippers._steps import Contributed, Contribution, StepAcc, StepPartial
+from ranklog.spool import NO_STEP, BadRange, RunInfo
 
 __all__ = [
     "MAX_PENDING_STEPS",
+    "NO_GAP",
     "ROUND_BYTES",
+    "ParamsRead",
     "RankState",
     "RankTail",
     "RankView",
+    "StepGap",
     "TailPoll",
-    "TailRestartedError",
 ]
 
 log = logging.getLogger("ranklog.ship")
@@ -46,11 +47,39 @@ log = logging.getLogger("ranklog.ship")
 ROUND_BYTES: Final = 256 * 1024
 #: past this many steps waiting in memory, only the ranks holding them back are read
 MAX_PENDING_STEPS: Final = 1024
-_NO_STEP: Final = -1
 
 
-class TailRestartedError(RanklogError):
-    """A tail lost its memory during a round (a reader actor restarted): read again."""
+class StepGap(NamedTuple):
+    """Steps ``after < step <= upto`` that were shipped by a process now gone.
+
+    The target held them (the durable gap: shipped, but the cursor was not committed) or
+    the owner had shipped them (the restore gap of a reader actor's new life): values
+    re-read for them are neither shipped again nor counted as late.
+    """
+
+    after: int
+    upto: int
+
+    def holds(self, step: int) -> bool:
+        """Whether ``step`` is in the gap."""
+        return self.after < step <= self.upto
+
+
+#: no gap
+NO_GAP: Final = StepGap(NO_STEP, NO_STEP)
+
+
+class ParamsRead(NamedTuple):
+    """Hyperparameters read from one params event, for the owner to take in."""
+
+    #: the first step they apply to (the one after the rank's highest step so far)
+    effective: int
+    rank: int
+    values: dict[str, ParamValue]
+    #: not examined by an earlier shipper process
+    fresh: bool
+    #: where they were read (segment key, frame end, index): read twice, taken once
+    where: str
 
 
 @dataclass(slots=True)
@@ -70,7 +99,7 @@ class RankState:
 
     def watermark(self) -> int:
         """Highest step this rank has closed, over all incarnations."""
-        return max((max(s.closed, s.max_step - 1) for s in self.incs.values()), default=-1)
+        return max((s.watermark for s in self.incs.values()), default=NO_STEP)
 
     def ended(self) -> bool:
         """Whether the newest incarnation wrote rank_end, and not because of a signal.
@@ -86,9 +115,7 @@ class RankState:
 
     def closed_before(self, inc: int) -> int:
         """Highest step closed (step_end, or a later step) by an incarnation before ``inc``."""
-        return max(
-            (max(s.closed, s.max_step - 1) for k, s in self.incs.items() if k < inc), default=-1
-        )
+        return max((s.watermark for k, s in self.incs.items() if k < inc), default=NO_STEP)
 
 
 @dataclass(slots=True, frozen=True)
@@ -113,9 +140,8 @@ class TailPoll:
     views: list[RankView]
     #: steps held (logged by some rank, not shipped yet)
     steps: list[int]
-    #: hyperparameters read, in read order: (first step they apply to, rank, values,
-    #: fresh: not examined by an earlier shipper process, where: segment and offset)
-    params: list[tuple[int, int, dict[str, ParamValue], bool, str]]
+    #: hyperparameters read, in read order
+    params: list[ParamsRead]
     #: bytes written but not yet consumed (read and shipped)
     lag_bytes: int = 0
 
@@ -156,11 +182,11 @@ class RankTail:
         self.steps: dict[int, StepAcc] = {}
         #: steps <= this are shipped (or held by the target): set by the owner
         self.shipped_upto = -1
-        #: (cursor step, target step): steps shipped by a process that died uncommitted
-        self.durable_gap = (-1, -1)
-        #: (this tail's last commit, the owner's last shipped step) when it was restored:
+        #: steps the target held beyond the cursor (shipped by a process that died)
+        self.durable_gap = NO_GAP
+        #: (this tail's last commit, the owner's last shipped step] when it was restored:
         #: values re-read for those steps were shipped, not late (a reader's new life)
-        self.restore_gap = (-1, -1)
+        self.restore_gap = NO_GAP
         self._poll = TailPoll(False, [], [], [])
         self._late = self._relogged = 0
         self._bad: list[BadRange] = []
@@ -181,7 +207,7 @@ class RankTail:
             self.ranks[int(rank)] = RankState(restored)
         self._saved = cursor.segments
 
-    def sync(self, shipped_upto: int, durable_gap: tuple[int, int]) -> None:
+    def sync(self, shipped_upto: int, durable_gap: StepGap) -> None:
         """Learn what the owner shipped; forget steps at or below it."""
         self.shipped_upto = shipped_upto
         self.durable_gap = durable_gap
@@ -322,7 +348,7 @@ class RankTail:
         state = self.ranks[rank]
         inc = state.incs.setdefault(inc_no, IncState())
         fresh = frame_end > seg.seen  # not examined by an earlier shipper process
-        max_step = _NO_STEP
+        max_step = NO_STEP
         holds = False
         prev_closed: int | None = None
         shipped_upto = self.shipped_upto
@@ -332,7 +358,7 @@ class RankTail:
         for ev in events:
             if isinstance(ev, STEP_KINDS):
                 step = ev.step
-                own = inc.closed if inc.closed > inc.max_step - 1 else inc.max_step - 1
+                own = inc.watermark
                 if step > max_step:
                     max_step = step
                 if step > inc.max_step:
@@ -340,23 +366,19 @@ class RankTail:
                 if prev_closed is None:
                     prev_closed = state.closed_before(inc_no)
                 if step <= prev_closed:  # closed by an earlier incarnation: re-logged
-                    if fresh and step > gap[1]:
+                    if fresh and step > gap.upto:
                         self._relogged += 1
                     continue
                 if step <= own or step <= shipped_upto:
                     # Late: this rank had closed the step already (its own watermark: the
                     # same verdict whatever order ranks are read in), or it was shipped.
-                    if (
-                        fresh
-                        and not (gap[0] < step <= gap[1])
-                        and not (step > own and rgap[0] < step <= rgap[1])
-                    ):
+                    if fresh and not gap.holds(step) and not (step > own and rgap.holds(step)):
                         self._late += 1
                     continue
                 self._contribute(step, rank, inc_no, ev)
             elif isinstance(ev, Gpu):
                 # a sample belongs to the step this rank is in (its own stream's order)
-                step = ev.step if ev.step is not None else max(inc.closed, inc.max_step - 1) + 1
+                step = ev.step if ev.step is not None else inc.watermark + 1
                 if step > shipped_upto:
                     if step > max_step:
                         max_step = step
@@ -376,12 +398,12 @@ class RankTail:
                 effective = inc.max_step + 1 if inc.max_step >= 0 else 0
                 where = f"{seg.key}@{frame_end}#{nparams}"
                 nparams += 1
-                self._poll.params.append((effective, rank, dict(ev.values), fresh, where))
+                self._poll.params.append(ParamsRead(effective, rank, dict(ev.values), fresh, where))
                 # the owner decides what is new; until it shipped them, keep the frame
                 holds = holds or effective > shipped_upto
         return max_step, holds
 
-    def _contribute(self, step: int, rank: int, inc_no: int, ev: StepEvent) -> None:
+    def _contribute(self, step: int, rank: int, inc_no: int, ev: Contributed) -> None:
         """Add ``ev`` to what ``rank`` logged for ``step``; a later incarnation replaces."""
         acc = self.steps.get(step)
         if acc is None:

@@ -25,7 +25,7 @@ import msgspec
 from ranklog.schemas import ParamValue
 from ranklog.spool import RunInfo
 
-__all__ = ["GpuStat", "ImageItem", "ShippedStep", "Target", "TextItem", "TransientTargetError"]
+__all__ = ["GpuStat", "ImageItem", "ShippedStep", "Target", "TextItem"]
 
 
 class TextItem(msgspec.Struct, frozen=True):
@@ -82,10 +82,6 @@ class ShippedStep(msgspec.Struct):
     gpu: list[GpuStat] = msgspec.field(default_factory=list)
     #: each rank's own values (``--per-rank``): rank -> name -> value
     per_rank: dict[int, dict[str, float]] | None = None
-
-
-class TransientTargetError(Exception):
-    """A target's failure worth retrying (server down, rate limited)."""
 
 
 class Target(Protocol):

@@ -49,8 +49,17 @@ from ranklog.spool._format import (
     MAX_FRAME_BYTES,
     SegmentHeader,
 )
-from ranklog.spool._layout import RunInfo, SegmentName, SpoolLayout, ensure_run, read_run
+from ranklog.spool._layout import (
+    RunInfo,
+    SegmentName,
+    SpoolLayout,
+    ensure_run,
+    read_run,
+    require_run,
+)
 from ranklog.spool._reader import BadRange, Frame, ReadResult, SegmentReader, read_segment
+from ranklog.spool._segid import SegmentId
+from ranklog.spool._watermark import NO_STEP, watermark
 from ranklog.spool._writer import DEFAULT_SEGMENT_BYTES, IncarnationWriter
 
 __all__ = [
@@ -58,16 +67,20 @@ __all__ = [
     "FORMAT_VERSION",
     "HEADER_SIZE",
     "MAX_FRAME_BYTES",
+    "NO_STEP",
     "BadRange",
     "Frame",
     "IncarnationWriter",
     "ReadResult",
     "RunInfo",
     "SegmentHeader",
+    "SegmentId",
     "SegmentName",
     "SegmentReader",
     "SpoolLayout",
     "ensure_run",
     "read_run",
     "read_segment",
+    "require_run",
+    "watermark",
 ]

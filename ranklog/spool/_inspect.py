@@ -113,7 +113,7 @@ def summarize(root: str | os.PathLike[str]) -> SpoolSummary:
             by_inc.setdefault(s.incarnation, []).append(s)
         incs = sorted(by_inc)
         for s in segs:
-            key = f"{s.rank:05d}/{s.incarnation:04d}-{s.segment:06d}"
+            key = s.id.key
             summary.sizes[key] = s.path.stat(follow_symlinks=False).st_size
         for n, inc in enumerate(incs):
             later_inc = n + 1 < len(incs)

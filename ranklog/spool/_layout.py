@@ -23,21 +23,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Final
 
+from ranklog._fs import DIR_MODE, FILE_MODE, fsync_dir
 from ranklog.errors import ConfigError, SpoolFormatError
+from ranklog.spool._segid import SegmentId
 
 __all__ = [
-    "DIR_MODE",
-    "FILE_MODE",
     "RunInfo",
     "SegmentName",
     "SpoolLayout",
     "ensure_run",
     "read_run",
+    "require_run",
     "write_run",
 ]
 
-FILE_MODE: Final = 0o640
-DIR_MODE: Final = 0o750
 _SEGMENT_RE: Final = re.compile(r"^(\d{4,})-(\d{6,})\.rlog$")
 _RANK_RE: Final = re.compile(r"^\d{5,}$")
 
@@ -50,6 +49,11 @@ class SegmentName:
     incarnation: int
     segment: int
     path: Path
+
+    @property
+    def id(self) -> SegmentId:
+        """The segment's identity (rank, incarnation, segment)."""
+        return SegmentId(self.rank, self.incarnation, self.segment)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +89,7 @@ class SpoolLayout:
 
     def segment_path(self, rank: int, incarnation: int, segment: int) -> Path:
         """Path of one segment file."""
-        return self.rank_dir(rank) / f"{incarnation:04d}-{segment:06d}.rlog"
+        return self.rank_dir(rank) / SegmentId(rank, incarnation, segment).filename
 
     def ranks(self) -> list[int]:
         """Ranks that have a directory, in order; links and stray names are ignored."""
@@ -147,6 +151,21 @@ def read_run(root: str | os.PathLike[str]) -> RunInfo:
         raise SpoolFormatError(f"{path}: not a valid run.json ({exc})") from exc
 
 
+def require_run(root: str | os.PathLike[str]) -> RunInfo:
+    """The run of an existing spool, for commands that read one.
+
+    :class:`ConfigError` when ``root`` is not a directory, :class:`SpoolFormatError`
+    when it holds no valid ``run.json`` (it is not a spool).
+    """
+    path = Path(root)
+    if not path.is_dir():
+        raise ConfigError(f"{path}: no such spool directory")
+    try:
+        return read_run(path)
+    except FileNotFoundError:
+        raise SpoolFormatError(f"{path} is not a spool (no run.json)") from None
+
+
 def write_run(root: str | os.PathLike[str], info: RunInfo) -> None:
     """Create ``run.json`` with the given identity (a replay's scratch spool); once only."""
     layout = SpoolLayout(root)
@@ -204,17 +223,3 @@ def ensure_run(
         with contextlib.suppress(OSError):
             os.unlink(tmp)
     return read_run(root)
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a directory so a create or rename in it survives a crash (best effort)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -16,6 +16,7 @@ from typing import Final
 
 import msgspec
 
+from ranklog._fs import DIR_MODE, FILE_MODE, fsync_dir
 from ranklog.errors import SpoolError
 from ranklog.schemas import SCHEMA_VERSION
 from ranklog.spool._format import (
@@ -30,7 +31,7 @@ from ranklog.spool._format import (
     frame_header,
     pack_header,
 )
-from ranklog.spool._layout import DIR_MODE, FILE_MODE, RunInfo, SpoolLayout, fsync_dir
+from ranklog.spool._layout import RunInfo, SpoolLayout
 
 __all__ = ["DEFAULT_SEGMENT_BYTES", "IncarnationWriter"]
 

@@ -33,7 +33,7 @@ default is online only when an API key is configured (``WANDB_MODE`` is honoured
 Durability point (offline): wandb's service process writes the run's ``.wandb``
 transaction log on a timer (``x_transaction_log_flush_interval``, set here to
 50 ms). :meth:`WandbTarget.flush` returns only once its own reader
-(:mod:`ranklog.shippers._wandb_log`) sees the last logged step and the latest
+(:mod:`ranklog.shippers.targets._wandb_log`) sees the last logged step and the latest
 config in that file, then fsyncs it: a SIGKILL, or a node crash, after
 ``flush()`` loses nothing. Should the file not show them within 10 s (another
 wandb version), the run is finished instead (``finish()`` writes and closes the
@@ -65,18 +65,19 @@ import os
 import re
 import time
 import urllib.parse
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final, NamedTuple
 
-from ranklog.errors import ConfigError, ExtraMissingError
+from ranklog.errors import ExtraMissingError, TargetError, TransientTargetError
 from ranklog.schemas import ParamValue
-from ranklog.shippers._registry import TargetOptions
-from ranklog.shippers._target import ShippedStep, TransientTargetError
-from ranklog.shippers._wandb_log import LogReader
+from ranklog.shippers._registry import Option, TargetContext, TargetKind
+from ranklog.shippers._target import ShippedStep
+from ranklog.shippers.targets._wandb_log import LogReader
 from ranklog.spool import RunInfo
 
 __all__ = [
-    "GPU_STEP", "MetricDef", "WandbTarget", "gpu_definitions", "make", "scan_offline",
+    "GPU_STEP", "TARGET", "MetricDef", "WandbTarget", "gpu_definitions", "scan_offline",
     "wandb_run_id",
 ]  # fmt: skip
 
@@ -110,7 +111,7 @@ def _media(s: ShippedStep) -> dict[str, Any]:
     """Histograms as ``wandb.Histogram``, images as ``wandb.Image`` (PNG bytes via Pillow)."""
     import io
 
-    from ranklog.shippers._media import image_tags
+    from ranklog.shippers.targets._media import image_tags
 
     wandb, out = _wandb(), dict[str, Any]()
     for name, values in s.histograms.items():
@@ -128,17 +129,33 @@ def _media(s: ShippedStep) -> dict[str, Any]:
     return out
 
 
-def make(arg: str, spool: Path, opts: TargetOptions) -> WandbTarget:
-    """The ``wandb:PROJECT`` target (see the module docstring)."""
-    if not arg:
-        raise ConfigError("wandb target needs a project: wandb:PROJECT")
-    if opts.mode not in (None, "offline", "online"):
-        raise ConfigError(f"--mode {opts.mode}: expected offline or online")
+def _build(arg: str, context: TargetContext, options: Mapping[str, Any]) -> WandbTarget:
     _wandb()
+    where = options.get("dir")
     return WandbTarget(
-        arg, Path(opts.dir).expanduser() if opts.dir else spool, entity=opts.entity,
-        run_name=opts.run_name, group=opts.group, mode=opts.mode, per_rank=opts.per_rank,
+        arg, Path(where).expanduser() if where else context.spool, entity=options.get("entity"),
+        run_name=options.get("run_name"), group=options.get("group"), mode=options.get("mode"),
+        per_rank=context.per_rank,
     )  # fmt: skip
+
+
+TARGET = TargetKind(
+    kind="wandb",
+    arg="PROJECT",
+    help="a W&B run in PROJECT (offline unless an API key is configured)",
+    build=_build,
+    options=(
+        Option("run_name", "the backend run's name (default: the spool's run name)", nemo="name"),
+        Option("entity", "W&B entity", nemo="entity"),
+        Option("group", "W&B group (default: the run name)", nemo="group"),
+        Option("mode", "W&B mode", choices=("online", "offline"), nemo="mode"),
+        Option("dir", "local directory for W&B's files (default: SPOOL)", metavar="DIR"),
+    ),
+    extra="wandb",
+    nemo_section="wandb",
+    nemo_arg=lambda section, log_dir: str(section.get("project") or "nemo-rl"),
+    nemo_options=lambda section, log_dir: {"dir": str(log_dir)},
+)
 
 
 def _wandb() -> Any:
@@ -302,7 +319,7 @@ class WandbTarget:
                 row.update(_media(s))
             gpu: dict[str, float] = {}
             if s.gpu:
-                from ranklog.shippers._media import gpu_metrics
+                from ranklog.shippers.targets._media import gpu_metrics
 
                 gpu = gpu_metrics(s, "wandb")
                 row.update(gpu)
@@ -352,7 +369,7 @@ class WandbTarget:
             self.mode == "offline"
             and path.parent.parent.resolve() != (self.root / "wandb").resolve()
         ):
-            raise ConfigError(f"wandb wrote to {path}, not under {self.root}: is it writable?")
+            raise TargetError(f"wandb wrote to {path}, not under {self.root}: is it writable?")
         held.reader, held.seen, held.logged = LogReader(path), -1, -1
         if self.mode == "online" and held.durable < 0 and started.starting_step > 0:
             held.durable = held.sent = int(started.starting_step) - 1
@@ -362,7 +379,7 @@ class WandbTarget:
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except (ConfigError, OSError):
+        except (TargetError, OSError):
             raise
         except Exception as exc:  # wandb's own errors: the engine re-opens and retries
             raise TransientTargetError(f"{self.spec}: {exc}") from exc
@@ -427,7 +444,7 @@ class WandbTarget:
 
     def _require(self, rank: int | None) -> _Held:
         if rank not in self._held:
-            raise RuntimeError(f"{self.spec} is not open")
+            raise TargetError(f"{self.spec} is not open")
         return self._held[rank]
 
 

@@ -20,228 +20,52 @@ continued from: the later incarnation's values for those steps.
 from __future__ import annotations
 
 import bisect
-import fnmatch
-import json
 import os
 import shutil
 import tempfile
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
-from ranklog.schemas import (
-    SCHEMA_VERSION,
-    Event,
-    Gpu,
-    Heartbeat,
-    Histogram,
-    Image,
-    Metrics,
-    Params,
-    ParamValue,
-    RankEnd,
-    RankStart,
-    StepEnd,
-    Text,
-    Timer,
+from ranklog.archive._manifest import require_manifest
+from ranklog.archive._rows import COLUMNS, read_rows, segment_events
+from ranklog.archive._tables import TABLES
+from ranklog.errors import ConfigError, SpoolFormatError
+from ranklog.schemas import SCHEMA_VERSION, Event, RankEnd
+from ranklog.shippers import Shipper, Target
+from ranklog.shippers._source import SegState
+from ranklog.spool import (
+    HEADER_SIZE,
+    Frame,
+    ReadResult,
+    RunInfo,
+    SegmentHeader,
+    SegmentId,
+    SegmentName,
 )
-from ranklog.spool._format import HEADER_SIZE, SegmentHeader
-from ranklog.spool._layout import RunInfo, SegmentName, write_run
-from ranklog.spool._reader import Frame, ReadResult
-from ranklog.spool.parquet import TABLES, load_manifest
+from ranklog.spool._layout import write_run
 
-__all__ = ["COLUMNS", "ParquetSource", "replay", "segment_events"]
+__all__ = ["ParquetSource", "replay"]
 
-Key = tuple[int, int, int, int]  # incarnation, segment, seq, idx
-_KEY: Final = ("incarnation", "segment", "seq", "idx")
 #: rows turned into events per read: the engine reads in bounded slices, as from files
 _ROWS_PER_READ: Final = 8_192  # about what 256 KiB of a segment holds
 
 
-SegKey = tuple[int, int, int]  # rank, incarnation, segment
-
-
-def _segment_files(dataset: Path) -> dict[SegKey, dict[str, list[Path]]]:
-    """(rank, incarnation, segment) -> table -> its Parquet files (names carry the segment)."""
-    out: dict[SegKey, dict[str, list[Path]]] = defaultdict(lambda: defaultdict(list))
+def _segment_files(dataset: Path) -> dict[SegmentId, dict[str, list[Path]]]:
+    """Each source segment -> table -> its Parquet files (names start with the segment's stem)."""
+    out: dict[SegmentId, dict[str, list[Path]]] = defaultdict(lambda: defaultdict(list))
     for name in TABLES:
         for path in sorted((dataset / name).glob("*.parquet")):
-            rank, inc, seg = (int(x) for x in path.name.split("-")[:3])
-            out[(rank, inc, seg)][name].append(path)
+            try:
+                seg = SegmentId.parse(path.name)
+            except SpoolFormatError:
+                continue  # not a file compaction wrote
+            out[seg][name].append(path)
     return dict(sorted(out.items()))
-
-
-def _table(files: list[Path] | None, columns: list[str], where: Any = None) -> pa.Table | None:
-    if not files:
-        return None
-    t = ds.dataset(files, format="parquet").to_table(columns=[*_KEY, "ts", *columns], filter=where)
-    if t.num_rows == 0:
-        return None
-    t = t.sort_by([(k, "ascending") for k in _KEY])
-    return t.set_column(t.schema.get_field_index("ts"), "ts", t["ts"].cast(pa.int64()))
-
-
-def _cols(t: pa.Table, *names: str) -> list[list[Any]]:
-    return [t.column(n).to_pylist() for n in names]
-
-
-def _metrics(
-    t: pa.Table, step_ok: Any, name_ok: Any, filtered: bool, out: list[tuple[Key, Event]]
-) -> None:
-    """Rows back into Metrics events: rows of one event are contiguous (sorted by key)."""
-    n = t.num_rows
-    a = [t[k] for k in _KEY]
-    change = pc.or_(
-        pc.or_(pc.not_equal(a[0][1:], a[0][:-1]), pc.not_equal(a[1][1:], a[1][:-1])),
-        pc.or_(pc.not_equal(a[2][1:], a[2][:-1]), pc.not_equal(a[3][1:], a[3][:-1])),
-    )
-    starts = [0, *(x + 1 for x in pc.indices_nonzero(change).to_pylist()), n]
-    heads = t.take(pa.array(starts[:-1], pa.int64()))  # one row per event
-    inc, seg, seq, idx, ts, step = _cols(heads, *_KEY, "ts", "step")
-    name, value = _cols(t, "name", "value")
-    single = pc.count_distinct(t["reduce"]).as_py() == 1
-    red = [t["reduce"][0].as_py()] * n if single else t["reduce"].to_pylist()
-    for e in range(len(starts) - 1):
-        lo, hi = starts[e], starts[e + 1]
-        if not step_ok(step[e]):
-            continue
-        names, values = name[lo:hi], value[lo:hi]
-        ops = red[lo:hi]
-        if filtered:
-            picked = [j for j, nm in enumerate(names) if name_ok(nm)]
-            if not picked:
-                continue
-            names = [names[j] for j in picked]
-            values = [values[j] for j in picked]
-            ops = [ops[j] for j in picked]
-        spec: str | dict[str, str] = (
-            ops[0]
-            if single or ops.count(ops[0]) == len(ops)
-            else dict(zip(names, ops, strict=True))
-        )
-        ev = Metrics(ts[e] / 1e6, step[e], dict(zip(names, values, strict=True)), spec)
-        out.append(((inc[e], seg[e], seq[e], idx[e]), ev))
-
-
-#: the columns each table is read with (besides the key and ts)
-COLUMNS: Final[dict[str, list[str]]] = {
-    "metrics": ["step", "name", "value", "reduce"],
-    "timers": ["step", "name", "value", "reduce"],
-    "text": ["step", "name", "text"],
-    "histograms": ["step", "name", "values"],
-    "images": ["step", "name", "data", "format"],
-    "params": ["name", "value"],
-    "gpu": ["host", "index", "util", "mem_used", "mem_total", "temp", "power", "step", "gpu_name"],
-    "ranks": ["kind", "step", "world_size", "local_rank", "host", "pid", "version", "status",
-              "exit_code"],
-}  # fmt: skip
-
-
-def segment_events(
-    tables: dict[str, pa.Table | None],
-    rank: int,
-    run_id: str,
-    *,
-    steps: tuple[int | None, int | None] | None = None,
-    names: str | None = None,
-    cutoff: int | None = None,
-) -> list[tuple[Key, Event]]:
-    """Events rebuilt from rows of one rank (tables as read by ``_table``), in write order.
-
-    With ``cutoff``, step events and step_ends at or after it are left out (the part of an
-    incarnation that a later one, resumed from a checkpoint, logged again).
-    """
-
-    def step_ok(step: int) -> bool:
-        if cutoff is not None and step >= cutoff:
-            return False
-        if steps is None:
-            return True
-        lo, hi = steps
-        return (lo is None or step >= lo) and (hi is None or step < hi)
-
-    def name_ok(name: str) -> bool:
-        return names is None or fnmatch.fnmatchcase(name, names)
-
-    def keep(step: int, name: str) -> bool:
-        return step_ok(step) and name_ok(name)
-
-    out: list[tuple[Key, Event]] = []
-    t = tables.get("metrics")
-    if t is not None:
-        _metrics(t, step_ok, name_ok, names is not None, out)
-    simple: dict[str, tuple[list[str], Any]] = {  # columns in the order of the fields
-        "timers": (["step", "name", "value", "reduce"], Timer),
-        "text": (["step", "name", "text"], Text),
-        "histograms": (["step", "name", "values"], Histogram),
-        "images": (["step", "name", "data", "format"], Image),
-    }
-    for table, (columns, make) in simple.items():
-        t = tables.get(table)
-        if t is None:
-            continue
-        for inc, seg, seq, idx, ts, *rest in zip(*_cols(t, *_KEY, "ts", *columns), strict=True):
-            if keep(rest[0], rest[1]):
-                out.append(((inc, seg, seq, idx), make(ts / 1e6, *rest)))
-    t = tables.get("params")
-    if t is not None:
-        grouped: dict[Key, tuple[float, dict[str, ParamValue]]] = {}
-        for inc, seg, seq, idx, ts, name, value in zip(
-            *_cols(t, *_KEY, "ts", "name", "value"), strict=True
-        ):
-            grouped.setdefault((inc, seg, seq, idx), (ts / 1e6, {}))[1][name] = json.loads(value)
-        out += [(k, Params(ts, values)) for k, (ts, values) in grouped.items()]
-    gpu_cols = COLUMNS["gpu"]
-    t = tables.get("gpu")
-    if t is not None:
-        for inc, seg, seq, idx, ts, host, index, util, used, total, temp, power, step, gname in zip(
-            *_cols(t, *_KEY, "ts", *gpu_cols), strict=True
-        ):
-            gpu = Gpu(ts / 1e6, host, index, util, used, total, temp, power, step, gname or "")
-            out.append(((inc, seg, seq, idx), gpu))
-    rank_cols = COLUMNS["ranks"]
-    t = tables.get("ranks")
-    if t is not None:
-        for (
-            inc,
-            seg,
-            seq,
-            idx,
-            ts,
-            kind,
-            step,
-            world,
-            local,
-            host,
-            pid,
-            version,
-            status,
-            code,
-        ) in zip(*_cols(t, *_KEY, "ts", *rank_cols), strict=True):
-            key = (inc, seg, seq, idx)
-            s = ts / 1e6
-            if kind == "step_end":
-                if cutoff is None or step < cutoff:
-                    out.append((key, StepEnd(s, step)))
-            elif kind == "rank_start":
-                out.append(
-                    (
-                        key,
-                        RankStart(
-                            s, run_id, rank, world, local, host or "", pid or 0, inc, version or ""
-                        ),
-                    )
-                )
-            elif kind == "heartbeat":
-                out.append((key, Heartbeat(s)))
-            elif kind == "rank_end":
-                out.append((key, RankEnd(s, status or "", code)))
-    out.sort(key=lambda e: e[0])
-    return out
 
 
 class _ParquetReader:
@@ -297,7 +121,7 @@ class _ParquetReader:
         if self._tables is None:
             self._tables = {}
             for name, files in self._files.items():
-                t = _table(files, COLUMNS[name])
+                t = read_rows(files, COLUMNS[name])
                 self._tables[name] = (t, [] if t is None else t["seq"].to_pylist())
         out: dict[str, pa.Table | None] = {}
         for name, (t, seqs) in self._tables.items():
@@ -382,26 +206,24 @@ class ParquetSource:
         names: str | None = None,
         relogged: str = "first",
     ) -> None:
-        from ranklog.shippers._source import SegState
-
         if relogged not in ("first", "last"):
-            raise ValueError(f"relogged must be 'first' or 'last', got {relogged!r}")
+            raise ConfigError(f"relogged must be 'first' or 'last', got {relogged!r}")
         self.dataset = Path(dataset)
         self.segments: dict[str, SegState] = {}
         self.by_rank: dict[int, list[SegState]] = {}
         self._new: list[SegState] = []
         files = _segment_files(self.dataset)
-        last_of_rank = {k[0]: k for k in files}  # sorted: the last key of each rank wins
+        last_of_rank = {k.rank: k for k in files}  # sorted: the last key of each rank wins
         cutoffs = _cutoffs(self.dataset) if relogged == "last" else {}
-        for (rank, inc, seg), tables in files.items():
+        for sid, tables in files.items():
+            rank, inc, seg = sid
             header = SegmentHeader(rank, inc, seg, run.created, run.run_id, run.world_size)
             reader = _ParquetReader(
-                dict(tables), header, last=last_of_rank[rank] == (rank, inc, seg),
+                dict(tables), header, last=last_of_rank[rank] == sid,
                 steps=steps, names=names, cutoff=cutoffs.get((rank, inc)),
             )  # fmt: skip
-            path = self.dataset / f"{rank:05d}-{inc:04d}-{seg:06d}"
-            state = SegState(SegmentName(rank, inc, seg, path), f"{rank:05d}/{inc:04d}-{seg:06d}",
-                             reader)  # fmt: skip
+            path = self.dataset / sid.stem
+            state = SegState(SegmentName(rank, inc, seg, path), sid.key, reader)
             self.segments[state.key] = state
             self.by_rank.setdefault(rank, []).append(state)
             self._new.append(state)
@@ -410,13 +232,15 @@ class ParquetSource:
     def mode(self) -> str:
         return f"replay of {self.dataset}"
 
-    def discover(self) -> list[Any]:
+    def discover(self) -> list[SegState]:
         new, self._new = self._new, []
         return new
 
-    def probe(self, seg: Any) -> bool:
-        seg.reader.load()
-        seg.size = seg.reader.size
+    def probe(self, seg: SegState) -> bool:
+        reader = seg.reader
+        assert isinstance(reader, _ParquetReader)
+        reader.load()
+        seg.size = reader.size
         seg.mtime = 0.0  # long silent: every rank is released once read to the end
         return bool(seg.size > seg.offset)
 
@@ -429,7 +253,7 @@ class ParquetSource:
 
 def replay(
     dataset: str | os.PathLike[str],
-    target: Any,
+    target: Target,
     *,
     steps: tuple[int | None, int | None] | None = None,
     names: str | None = None,
@@ -441,12 +265,8 @@ def replay(
     ``relogged="last"`` rebuilds instead the branch training continued from after a
     restart: for steps a rank logged again, the later incarnation's values count.
     """
-    from ranklog.shippers import Shipper
-
     dataset = Path(dataset)
-    manifest = load_manifest(dataset)
-    if not manifest.run_id:
-        raise ValueError(f"{dataset} is not a ranklog dataset (no {dataset / '_manifest.json'})")
+    manifest = require_manifest(dataset)
     run = RunInfo(manifest.run_id, manifest.created, manifest.name, manifest.world_size)
     scratch = Path(tempfile.mkdtemp(prefix="ranklog-replay-"))  # run.json and the cursor
     try:

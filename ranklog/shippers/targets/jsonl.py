@@ -6,7 +6,8 @@
      "ranks": 8, "world_size": 8, "complete": true}
 
 Text events, when a step has some, are in ``"texts": [{"rank", "name", "text"}]``;
-histograms as ``"histograms": {name: {count, min, max, mean}}`` and images as
+histograms as ``"histograms": {name: {count, min, max, mean, std}}`` of their finite
+values (:func:`~ranklog.shippers.targets._media.summary`, as MLflow gets them) and images as
 ``"images": [{"rank", "name", "format", "bytes"}]`` (their contents stay in the spool);
 hyperparameters are one line ``{"params": {...}}`` before the step that follows
 them. NaN and infinities are written as the JSON extensions ``NaN``,
@@ -20,16 +21,19 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ranklog.errors import TargetError
 from ranklog.schemas import ParamValue
+from ranklog.shippers._registry import TargetContext, TargetKind
 from ranklog.shippers._target import ShippedStep
+from ranklog.shippers.targets._media import summary
 from ranklog.spool import RunInfo
 
-__all__ = ["JsonlTarget", "read_jsonl"]
+__all__ = ["TARGET", "JsonlTarget", "read_jsonl"]
 
 _TAIL = 1 << 20
 
@@ -50,7 +54,7 @@ def step_line(s: ShippedStep) -> dict[str, Any]:
     if s.texts:
         obj["texts"] = [{"rank": t.rank, "name": t.name, "text": t.text} for t in s.texts]
     if s.histograms:
-        obj["histograms"] = {name: _summary(v) for name, v in sorted(s.histograms.items())}
+        obj["histograms"] = {name: summary(v) for name, v in sorted(s.histograms.items())}
     if s.gpu:
         obj["gpu"] = [
             {"host": g.host, "index": g.index, "name": g.name, "util": g.util,
@@ -66,19 +70,6 @@ def step_line(s: ShippedStep) -> dict[str, Any]:
     if s.per_rank is not None:
         obj["per_rank"] = {str(r): v for r, v in sorted(s.per_rank.items())}
     return obj
-
-
-def _summary(values: list[float]) -> dict[str, float]:
-    """What a JSONL line says of a histogram: count, min, max, mean (its values are in Parquet)."""
-    real = [v for v in values if v == v]
-    if not real:
-        return {"count": float(len(values))}
-    return {
-        "count": float(len(values)),
-        "min": min(real),
-        "max": max(real),
-        "mean": math.fsum(real) / len(real) if all(math.isfinite(v) for v in real) else math.nan,
-    }
 
 
 class JsonlTarget:
@@ -134,7 +125,7 @@ class JsonlTarget:
 
     def _require(self) -> int:
         if self._fd is None:
-            raise RuntimeError(f"{self.spec} is not open")
+            raise TargetError(f"{self.spec} is not open")
         return self._fd
 
 
@@ -175,3 +166,15 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
             if raw.endswith(b"\n"):
                 out.append(json.loads(raw))
     return out
+
+
+def _build(arg: str, context: TargetContext, options: Mapping[str, Any]) -> JsonlTarget:
+    return JsonlTarget(Path(arg).expanduser())
+
+
+TARGET = TargetKind(
+    kind="jsonl",
+    arg="PATH",
+    help="one JSON line per shipped step, appended to PATH",
+    build=_build,
+)

@@ -33,7 +33,7 @@ Requests are synchronous and committed by the server when they return; ``flush()
 has nothing left to do. A server that is down or answers 5xx/429 raises
 :class:`TransientTargetError` after the client's own retries, shortened here (unless
 set in the environment) to 2 retries and a 20 s timeout; any other refusal (4xx: no
-permission, a deleted run) raises :class:`RanklogError`, which stops the shipper.
+permission, a deleted run) raises :class:`TargetError`, which stops the shipper.
 """
 
 from __future__ import annotations
@@ -46,18 +46,18 @@ import math
 import os
 import re
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final
 
 from ranklog._version import __version__
-from ranklog.errors import ExtraMissingError, RanklogError
+from ranklog.errors import ExtraMissingError, TargetError, TransientTargetError
 from ranklog.schemas import ParamValue
-from ranklog.shippers._registry import TargetOptions
-from ranklog.shippers._target import ShippedStep, TextItem, TransientTargetError
+from ranklog.shippers._registry import Option, TargetContext, TargetKind
+from ranklog.shippers._target import ShippedStep, TextItem
 from ranklog.spool import RunInfo
 
-__all__ = ["MARKER", "MlflowTarget", "make", "sanitize_key"]
+__all__ = ["MARKER", "TARGET", "MlflowTarget", "sanitize_key"]
 
 log = logging.getLogger("ranklog.ship")
 
@@ -103,7 +103,7 @@ def _with_histograms(step: ShippedStep) -> dict[str, float]:
     """The step's metrics plus each histogram's summary (``name/count``, ``/min``, ...)."""
     if not step.histograms and not step.gpu:
         return step.metrics
-    from ranklog.shippers._media import gpu_metrics, summary
+    from ranklog.shippers.targets._media import gpu_metrics, summary
 
     out = {**step.metrics, **gpu_metrics(step, "mlflow")}
     for name, values in step.histograms.items():
@@ -134,7 +134,7 @@ def _text_files(step: ShippedStep) -> list[tuple[str, str]]:
 
 @contextlib.contextmanager
 def _guard(what: str) -> Iterator[None]:
-    """Map MLflow's errors: server down, 5xx, 429 -> TransientTargetError; 4xx -> RanklogError."""
+    """Map MLflow's errors: server down, 5xx, 429 -> TransientTargetError; 4xx -> TargetError."""
     from mlflow.exceptions import MlflowException
 
     try:
@@ -144,8 +144,8 @@ def _guard(what: str) -> Iterator[None]:
         status = int(err.get_http_status_code())
         if status >= 500 or status in (408, 429):
             raise TransientTargetError(f"mlflow {what}: {exc}") from exc
-        raise RanklogError(f"mlflow {what} failed: {exc}") from exc
-    except (OSError, TransientTargetError, RanklogError):
+        raise TargetError(f"mlflow {what} failed: {exc}") from exc
+    except (OSError, TargetError):
         raise  # requests' errors are OSErrors: retried by the engine
     except Exception as exc:
         if type(exc).__module__.split(".")[0] in ("sqlalchemy", "urllib3", "requests"):
@@ -307,7 +307,7 @@ class MlflowTarget:
         """Each image as an artifact ``images/step_<step>/<name>.<format>``."""
         import tempfile
 
-        from ranklog.shippers._media import image_tags
+        from ranklog.shippers.targets._media import image_tags
 
         for tag, img in zip(image_tags(step.images), step.images, strict=True):
             parts = sanitize_key(tag).split("/")
@@ -334,7 +334,7 @@ class MlflowTarget:
                 if exp is None:
                     raise exc from None
         if exp.lifecycle_stage != "active":
-            raise RanklogError(f"MLflow experiment {name!r} is deleted: restore it or choose "
+            raise TargetError(f"MLflow experiment {name!r} is deleted: restore it or choose "
                                "another --experiment")  # fmt: skip
         return str(exp.experiment_id)
 
@@ -399,16 +399,39 @@ class MlflowTarget:
         return {str(k): str(v) for k, v in loaded.items()}
 
 
-def make(arg: str, spool: Path, opts: TargetOptions) -> MlflowTarget:
-    """The target of ``mlflow:URI`` (``mlflow:`` alone: a sqlite store in the spool)."""
+def _build(arg: str, context: TargetContext, options: Mapping[str, Any]) -> MlflowTarget:
     try:
         import mlflow  # noqa: F401
     except ImportError:
         raise ExtraMissingError("mlflow", "mlflow") from None
     return MlflowTarget(
-        arg or f"sqlite:///{(spool / 'mlflow.db').resolve()}",
+        arg or f"sqlite:///{(context.spool / 'mlflow.db').resolve()}",
         spec=f"mlflow:{arg}",
-        run_name=opts.run_name,
-        experiment=opts.experiment,
-        per_rank=opts.per_rank,
+        run_name=options.get("run_name"),
+        experiment=options.get("experiment"),
+        per_rank=context.per_rank,
     )
+
+
+def _nemo_arg(section: Mapping[str, Any], log_dir: Path) -> str:
+    """NeMo RL's tracking URI: the config's, else ``MLFLOW_TRACKING_URI``, else a local store."""
+    uri = section.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI")
+    return str(uri or f"sqlite:///{(log_dir / 'mlflow.db').resolve()}")
+
+
+TARGET = TargetKind(
+    kind="mlflow",
+    arg="URI",
+    arg_optional=True,
+    help="an MLflow run at tracking URI (default: sqlite:///SPOOL/mlflow.db)",
+    build=_build,
+    options=(
+        Option(
+            "run_name", "the backend run's name (default: the spool's run name)", nemo="run_name"
+        ),
+        Option("experiment", "MLflow experiment (default: the run name)", nemo="experiment_name"),
+    ),
+    extra="mlflow",
+    nemo_section="mlflow",
+    nemo_arg=_nemo_arg,
+)

@@ -36,22 +36,23 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Mapping
 from itertools import count
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Final
 
-from ranklog.errors import ConfigError, ExtraMissingError
+from ranklog._fs import atomic_write, fsync_dir
+from ranklog.errors import ExtraMissingError, TargetError
 from ranklog.schemas import ParamValue
+from ranklog.shippers._registry import Option, TargetContext, TargetKind
 from ranklog.shippers._target import ShippedStep, TextItem
 from ranklog.spool import RunInfo
 
 if TYPE_CHECKING:
     from collections.abc import Collection, Iterable
 
-    from ranklog.shippers._registry import TargetOptions
-
-__all__ = ["HPARAMS_FILE", "TensorBoardTarget", "crc32c", "make"]
+__all__ = ["HPARAMS_FILE", "TARGET", "TensorBoardTarget", "crc32c"]
 
 HPARAMS_FILE: Final = "events.out.tfevents.0000000000.ranklog.hparams"
 _RUN_TAG: Final = "ranklog run "
@@ -65,12 +66,23 @@ _TB_MODULES: Final = (  # under tensorboard.
 )
 
 
-def make(arg: str, spool: Path, opts: TargetOptions) -> TensorBoardTarget:
-    """The target for ``tensorboard:DIR`` (the registry's entry point)."""
-    if not arg:
-        raise ConfigError("tensorboard target needs a directory: tensorboard:DIR")
+def _build(arg: str, context: TargetContext, options: Mapping[str, Any]) -> TensorBoardTarget:
     _tb()
-    return TensorBoardTarget(Path(arg).expanduser(), per_rank=opts.per_rank, name=opts.run_name)
+    return TensorBoardTarget(
+        Path(arg).expanduser(), per_rank=context.per_rank, name=options.get("run_name")
+    )
+
+
+TARGET = TargetKind(
+    kind="tensorboard",
+    arg="DIR",
+    help="TensorBoard event files in DIR (one run; --per-rank adds DIR/rankNNNNN sub-runs)",
+    build=_build,
+    options=(Option("run_name", "the backend run's name (default: the spool's run name)"),),
+    extra="tensorboard",
+    nemo_section="tensorboard",
+    nemo_arg=lambda section, log_dir: str(log_dir / "tensorboard"),
+)
 
 
 @functools.cache
@@ -194,7 +206,7 @@ def _texts(texts: list[TextItem]) -> bytes:
 
 def _media(s: ShippedStep) -> bytes:
     """Histogram and image values (``histo``, ``image``) of a step."""
-    from ranklog.shippers._media import buckets, image_size, image_tags
+    from ranklog.shippers.targets._media import buckets, image_size, image_tags
 
     tb, out = _tb(), []
     pb = tb.summary_pb2
@@ -226,7 +238,7 @@ def _scan(path: Path, run_id: str) -> int | None:
                     break
             if owner != run_id:  # another writer's file: leave it alone
                 if owner:
-                    raise ConfigError(f"{path.parent} holds event files of ranklog run {owner}, "
+                    raise TargetError(f"{path.parent} holds event files of ranklog run {owner}, "
                                       f"not {run_id}: use another directory")  # fmt: skip
                 return None
             for a, b in reversed(spans):
@@ -240,14 +252,6 @@ def _scan(path: Path, run_id: str) -> int | None:
             f.flush()
             os.fsync(f.fileno())
     return last
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class _Run:
@@ -276,7 +280,7 @@ class _Run:
             while self.fd is None:
                 with contextlib.suppress(FileExistsError):
                     self.fd = os.open(self.path / f"{name}.{next(_seq)}", flags, 0o644)
-            _fsync_dir(self.path)
+            fsync_dir(self.path)
             data = _record(version) + _record(start) + data
         view = memoryview(data)  # after a failed write the engine re-opens: the tail is cut
         while view:
@@ -328,7 +332,7 @@ class TensorBoardTarget:
             if main.last is None or s.step > main.last:  # else held already (never sent)
                 values = s.metrics
                 if s.gpu:
-                    from ranklog.shippers._media import gpu_metrics
+                    from ranklog.shippers.targets._media import gpu_metrics
 
                     values = {**values, **gpu_metrics(s, "tensorboard")}
                 summary = self._pack(values, main=True) + (_texts(s.texts) if s.texts else b"")
@@ -372,7 +376,7 @@ class TensorBoardTarget:
 
     def _require(self) -> _Run:
         if self._main is None:
-            raise RuntimeError(f"{self.spec} is not open")
+            raise TargetError(f"{self.spec} is not open")
         return self._main
 
     def _save_hparams(self) -> bytes:
@@ -398,13 +402,7 @@ class TensorBoardTarget:
             _event(run.created, 0, ssi),
             _event(run.created, 0, config),
         )
-        tmp = self.path / ".ranklog-hparams.tmp"
-        with open(tmp, "wb") as f:
-            f.write(b"".join(map(_record, data)))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path / HPARAMS_FILE)
-        _fsync_dir(self.path)
+        atomic_write(self.path / HPARAMS_FILE, b"".join(map(_record, data)), mode=0o644)
         return ssi
 
     def _load_hparams(self) -> tuple[dict[str, ParamValue], set[str]]:

@@ -14,13 +14,16 @@ import math
 import re
 import shutil
 import sys
-from typing import Final, TextIO
+from collections.abc import Mapping
+from typing import Any, Final, TextIO
 
+from ranklog.errors import ConfigError
 from ranklog.schemas import ParamValue
+from ranklog.shippers._registry import Option, TargetContext, TargetKind
 from ranklog.shippers._target import ShippedStep, TextItem
 from ranklog.spool import RunInfo
 
-__all__ = ["ConsoleTarget"]
+__all__ = ["TARGET", "ConsoleTarget"]
 
 _SAMPLE_RE: Final = re.compile(r"sample|val|generation", re.IGNORECASE)
 
@@ -104,3 +107,31 @@ class ConsoleTarget:
 
     def close(self) -> None:
         self.flush()
+
+
+def _build(arg: str, context: TargetContext, options: Mapping[str, Any]) -> ConsoleTarget:
+    try:
+        every = int(arg) if arg else 1
+    except ValueError:
+        raise ConfigError(
+            f"console:{arg}: expected console or console:N (every N-th step)"
+        ) from None
+    samples = options.get("samples")
+    return ConsoleTarget(samples=2 if samples is None else samples, every=every)
+
+
+TARGET = TargetKind(
+    kind="console",
+    arg="N",
+    arg_optional=True,
+    help="a readable line per N-th step (default every step) and boxed validation samples",
+    build=_build,
+    options=(
+        Option(
+            "samples",
+            "validation samples printed per step (console; default 2)",
+            type=int,
+            metavar="N",
+        ),
+    ),
+)

@@ -1,0 +1,35 @@
+"""The archive: a spool compacted into Parquet, read back, and replayed into any target.
+
+::
+
+    _compact.py    ranklog compact: segments -> one long-format table per kind, incremental
+    _tables.py     the tables' schemas, and events turned into rows
+    _manifest.py   DIR/_manifest.json: what is compacted, per segment and incarnation
+    _rows.py       rows turned back into events, in write order
+    _replay.py     ranklog replay: the dataset as the engine's source, shipped like live
+
+It sits beside the pipeline (schemas -> spool -> shippers -> targets): it reads
+the spool and drives the shipper engine, and nothing below it imports it.
+Importing it imports pyarrow; ``import ranklog`` never does.
+"""
+
+from ranklog.archive._compact import CompactResult, compact
+from ranklog.archive._manifest import MANIFEST, Manifest, load_manifest, require_manifest
+from ranklog.archive._replay import ParquetSource, replay
+from ranklog.archive._tables import COMMON, SCHEMAS, STEP_TABLES, TABLES, segment_tables
+
+__all__ = [
+    "COMMON",
+    "MANIFEST",
+    "SCHEMAS",
+    "STEP_TABLES",
+    "TABLES",
+    "CompactResult",
+    "Manifest",
+    "ParquetSource",
+    "compact",
+    "load_manifest",
+    "replay",
+    "require_manifest",
+    "segment_tables",
+]

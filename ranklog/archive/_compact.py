@@ -1,0 +1,285 @@
+"""``ranklog compact``: a spool's events written as a Parquet dataset, incrementally and crash-safe.
+
+::
+
+    DIR/
+      _manifest.json                               what is done, per source segment
+      metrics/<rank>-<inc>-<seg>-<start>-<end>.parquet
+      timers/...  text/...  params/...  ranks/...  gpu/...  histograms/...  images/...
+
+File names carry the source segment and the byte range of its frames, so a run
+is incremental (a live segment is compacted up to its last complete frame and
+continued next time), idempotent (the same range gives the same file) and
+crash-safe (files are written tmp -> fsync -> rename, then the manifest; files a
+crashed run left that the manifest does not list are removed before the range is
+written again). The tables are described in :mod:`ranklog.archive._tables`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ranklog._fs import DIR_MODE, atomic_write, fsync_dir
+from ranklog.archive._manifest import (
+    Manifest,
+    SegmentEntry,
+    load_manifest,
+    save_manifest,
+)
+from ranklog.archive._tables import SCHEMAS, TABLES, segment_tables
+from ranklog.errors import ConfigError, RunMismatchError
+from ranklog.schemas import STEP_KINDS, StepEnd
+from ranklog.shippers import list_cursors
+from ranklog.spool import (
+    BadRange,
+    Frame,
+    SegmentId,
+    SegmentName,
+    SegmentReader,
+    SpoolLayout,
+    require_run,
+)
+
+__all__ = ["CompactResult", "compact"]
+
+log = logging.getLogger("ranklog.compact")
+
+#: frames read per output file: bounds memory, keeps files large enough to scan fast
+CHUNK_BYTES: Final = 64 * 1024 * 1024
+_ROW_GROUP: Final = 1_000_000
+_ENCODINGS: Final = {
+    "seq": "DELTA_BINARY_PACKED",
+    "idx": "DELTA_BINARY_PACKED",
+    "ts": "DELTA_BINARY_PACKED",
+    "value": "BYTE_STREAM_SPLIT",
+}
+
+
+@dataclass(slots=True)
+class CompactResult:
+    """What one ``compact`` run did."""
+
+    files: int = 0
+    rows: dict[str, int] = field(default_factory=dict)
+    values: int = 0
+    bad: list[BadRange] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)  # --delete refused, with why
+
+
+def _write_tables(
+    out: Path, key: str, start: int, end: int, tables: dict[str, pa.Table]
+) -> list[str]:
+    files = []
+    for table, data in tables.items():
+        rel = f"{table}/{key}-{start:012d}-{end:012d}.parquet"
+        path = out / rel
+        path.parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        atomic_write(path, _parquet_writer(data), sync_dir=False)
+        files.append(rel)
+    for rel in files:  # the renames are durable before the manifest lists the files
+        fsync_dir((out / rel).parent)
+    return files
+
+
+_DICTIONARY: Final = ("run_id", "name", "reduce", "kind", "host", "status", "format",
+                      "gpu_name", "version")  # fmt: skip
+
+
+def _parquet_writer(data: pa.Table) -> Callable[[str], None]:
+    names = set(data.schema.names)
+    encodings = {
+        c: e
+        for c, e in _ENCODINGS.items()
+        if c in names
+        and (e != "BYTE_STREAM_SPLIT" or pa.types.is_floating(data.schema.field(c).type))
+    }
+
+    def write(path: str) -> None:
+        pq.write_table(
+            data,
+            path,
+            compression="zstd",
+            row_group_size=_ROW_GROUP,
+            use_dictionary=[c for c in _DICTIONARY if c in names],
+            column_encoding=encodings,
+        )
+
+    return write
+
+
+def _remove_orphans(out: Path, key: str, entry: SegmentEntry) -> None:
+    """Files of this segment that a crashed run wrote but the manifest never listed."""
+    listed = set(entry.files)
+    for table in TABLES:
+        for path in (out / table).glob(f"{key}-*.parquet"):
+            if f"{table}/{path.name}" not in listed:
+                path.unlink()
+
+
+def compact(
+    spool: str | os.PathLike[str], out: str | os.PathLike[str], *, delete: bool = False
+) -> CompactResult:
+    """Compact every new complete frame of ``spool`` into the dataset at ``out``."""
+    layout = SpoolLayout(spool)
+    outdir = Path(out)
+    try:
+        outdir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create dataset directory {outdir}: {exc}") from exc
+    run = require_run(spool)
+    manifest = load_manifest(outdir)
+    if manifest.run_id and manifest.run_id != run.run_id:
+        raise RunMismatchError(f"{outdir} holds run {manifest.run_id}, not {run.run_id}")
+    manifest.run_id, manifest.name = run.run_id, run.name
+    manifest.world_size, manifest.created = run.world_size, run.created
+    result = CompactResult()
+    for rank in layout.ranks():
+        segs = layout.segments(rank)
+        for i, seg in enumerate(segs):
+            later = i + 1 < len(segs)
+            key = seg.id.stem
+            entry = manifest.segments.setdefault(key, SegmentEntry())
+            if entry.done:
+                continue
+            _remove_orphans(outdir, key, entry)
+            _compact_segment(run.run_id, seg, later, outdir, key, entry, result, manifest)
+            save_manifest(outdir, manifest)
+    if result.bad:
+        manifest.bad += [str(b) for b in result.bad]
+        save_manifest(outdir, manifest)
+    if delete:
+        _delete_verified(layout, run.run_id, outdir, manifest, result)
+        save_manifest(outdir, manifest)
+    return result
+
+
+def _compact_segment(
+    run_id: str,
+    seg: SegmentName,
+    later: bool,
+    outdir: Path,
+    key: str,
+    entry: SegmentEntry,
+    result: CompactResult,
+    manifest: Manifest,
+) -> None:
+    reader = SegmentReader(seg.path)
+    upto = manifest.relogged_upto(seg.rank, seg.incarnation)
+    mark = manifest.mark(seg.id)
+    while True:
+        res = reader.read(entry.offset, writer_gone=later, max_bytes=CHUNK_BYTES)
+        for b in res.bad:
+            if b.offset >= entry.offset:
+                log.warning("corrupt spool bytes skipped: %s", b)
+                result.bad.append(b)
+        header = reader.header
+        foreign = header is not None and (header.run_id, header.rank, header.incarnation) != (
+            run_id, seg.rank, seg.incarnation,
+        )  # fmt: skip
+        if foreign:
+            assert header is not None
+            why = f"{seg.path}: segment of run {header.run_id} rank {header.rank}, skipped"
+            log.warning(why)
+            result.bad.append(BadRange(str(seg.path), 0, res.size, why))
+            entry.offset, entry.done = res.size, True
+            return
+        if res.frames:
+            start = res.frames[0].offset
+            tables = segment_tables(run_id, seg, res.frames, upto)
+            _update_mark(mark, res.frames)
+            files = _write_tables(outdir, key, start, res.end, tables)
+            entry.files += files
+            for table, data in tables.items():
+                entry.rows[table] = entry.rows.get(table, 0) + data.num_rows
+                result.rows[table] = result.rows.get(table, 0) + data.num_rows
+            result.files += len(files)
+            result.values += tables["metrics"].num_rows if "metrics" in tables else 0
+        entry.offset = max(entry.offset, res.end)
+        entry.sealed = entry.sealed or res.sealed
+        if not res.more:
+            entry.done = res.sealed or (later and res.pending == 0)
+            return
+
+
+def _update_mark(mark: list[int], frames: list[Frame]) -> None:
+    """Raise [closed, highest step] of an incarnation by what ``frames`` hold."""
+    for frame in frames:
+        for ev in frame.events:
+            if type(ev) is StepEnd:
+                mark[0] = max(mark[0], ev.step)
+            elif isinstance(ev, STEP_KINDS):
+                mark[1] = max(mark[1], ev.step)
+
+
+def _delete_verified(
+    layout: SpoolLayout, run_id: str, outdir: Path, manifest: Manifest, result: CompactResult
+) -> None:
+    """Delete sealed segments whose rows read back equal to a fresh read of the segment.
+
+    A segment a shipper has not finished with (its cursor does not mark it done)
+    is kept: deleting it would take data from under a live shipper.
+    """
+    unfinished = _unfinished_by_shippers(layout)
+    for rank in layout.ranks():
+        for seg in layout.segments(rank):
+            key = seg.id.stem
+            entry = manifest.segments.get(key)
+            why = _why_keep(entry, key, unfinished)
+            if why is None:
+                assert entry is not None
+                why = _verify(run_id, seg, outdir, entry)
+            if why is not None:
+                result.kept.append(f"{seg.path}: {why}")
+                continue
+            assert entry is not None
+            entry.verified = True
+            seg.path.unlink()
+            fsync_dir(seg.path.parent)
+            entry.deleted = True
+            result.deleted.append(str(seg.path))
+
+
+def _why_keep(entry: SegmentEntry | None, key: str, unfinished: set[SegmentId]) -> str | None:
+    if entry is None or not entry.done:
+        return "not fully compacted yet"
+    if not entry.sealed:
+        return "not sealed (its writer may be alive, or it died without a seal)"
+    if SegmentId.parse(key) in unfinished:
+        return "a shipper has not shipped all of it yet"
+    return None
+
+
+def _unfinished_by_shippers(layout: SpoolLayout) -> set[SegmentId]:
+    """Segments some shipper's cursor does not mark done (an unreadable cursor counts for none)."""
+    out: set[SegmentId] = set()
+    segments = [seg.id for seg in layout.all_segments()]
+    for cursor in list_cursors(layout.root):
+        out.update(s for s in segments if not cursor.done(s))
+    return out
+
+
+def _verify(run_id: str, seg: SegmentName, outdir: Path, entry: SegmentEntry) -> str | None:
+    """None when the Parquet rows of ``seg`` equal a fresh read of it, else why not."""
+    res = SegmentReader(seg.path).read(0, writer_gone=True)
+    upto = load_manifest(outdir).relogged_upto(seg.rank, seg.incarnation)
+    expected = segment_tables(run_id, seg, res.frames, upto)
+    for table in TABLES:
+        files = sorted(f for f in entry.files if f.startswith(f"{table}/"))
+        want = expected.get(table)
+        if not files:
+            if want is not None and want.num_rows:
+                return f"{table}: no Parquet file for {want.num_rows} rows"
+            continue
+        got = pa.concat_tables([pq.read_table(outdir / f) for f in files]).cast(SCHEMAS[table])
+        if want is None or not got.equals(want):
+            return f"{table}: the Parquet rows differ from the segment"
+    return None

@@ -1,0 +1,104 @@
+"""``DIR/_manifest.json``: what a compacted dataset holds, per source segment and incarnation.
+
+The manifest is the dataset's commit record: Parquet files are written (tmp, fsync,
+rename) before the manifest that lists them is replaced the same way, so a file the
+manifest does not list was left by a crashed run and is removed before its range
+is compacted again.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Final
+
+import msgspec
+
+from ranklog._fs import atomic_write
+from ranklog.errors import ArchiveError, ConfigError
+from ranklog.spool import NO_STEP, SegmentId, watermark
+
+__all__ = [
+    "MANIFEST",
+    "Manifest",
+    "SegmentEntry",
+    "load_manifest",
+    "require_manifest",
+    "save_manifest",
+]
+
+MANIFEST: Final = "_manifest.json"
+
+
+class SegmentEntry(msgspec.Struct, forbid_unknown_fields=False):
+    """What the manifest knows of one source segment."""
+
+    offset: int = 0  # the next byte to compact
+    sealed: bool = False
+    done: bool = False  # nothing more will ever come from it
+    files: list[str] = msgspec.field(default_factory=list)
+    rows: dict[str, int] = msgspec.field(default_factory=dict)
+    verified: bool = False
+    deleted: bool = False
+
+
+class Manifest(msgspec.Struct, forbid_unknown_fields=False):
+    """Which frames of which segment are in which files, and each incarnation's marks."""
+
+    version: int = 1
+    run_id: str = ""
+    name: str = ""
+    world_size: int | None = None
+    created: float = 0.0
+    #: segment stem (``00003-0001-000001``) -> what is compacted of it
+    segments: dict[str, SegmentEntry] = msgspec.field(default_factory=dict)
+    bad: list[str] = msgspec.field(default_factory=list)
+    #: incarnation key (``3/1``) -> [highest step_end, highest step]: what it had closed
+    marks: dict[str, list[int]] = msgspec.field(default_factory=dict)
+
+    def mark(self, seg: SegmentId) -> list[int]:
+        """The (mutable) marks of ``seg``'s incarnation."""
+        return self.marks.setdefault(seg.incarnation_key, [NO_STEP, NO_STEP])
+
+    def relogged_upto(self, rank: int, incarnation: int) -> int:
+        """The highest step an earlier incarnation of ``rank`` had closed (-1: none)."""
+        best = NO_STEP
+        for key, (step_end, top) in self.marks.items():
+            r, inc = (int(x) for x in key.split("/"))
+            if r == rank and inc < incarnation:
+                best = max(best, watermark(step_end, top))
+        return best
+
+
+_decoder: Final = msgspec.json.Decoder(Manifest)
+
+
+def load_manifest(out: str | os.PathLike[str]) -> Manifest:
+    """The manifest of a dataset directory (an empty one when there is none yet)."""
+    path = Path(out) / MANIFEST
+    try:
+        return _decoder.decode(path.read_bytes())
+    except FileNotFoundError:
+        return Manifest()
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ArchiveError(f"{path}: unreadable manifest ({exc})") from exc
+
+
+def require_manifest(dataset: str | os.PathLike[str]) -> Manifest:
+    """The manifest of an existing dataset.
+
+    :class:`ConfigError` when the directory does not exist, :class:`ArchiveError` when
+    it is not a dataset.
+    """
+    path = Path(dataset)
+    if not path.is_dir():
+        raise ConfigError(f"{path}: no such dataset directory")
+    manifest = load_manifest(path)
+    if not manifest.run_id:
+        raise ArchiveError(f"{path} is not a compacted ranklog dataset (no {MANIFEST})")
+    return manifest
+
+
+def save_manifest(out: Path, manifest: Manifest) -> None:
+    """Replace the manifest atomically."""
+    atomic_write(out / MANIFEST, msgspec.json.format(msgspec.json.encode(manifest)))

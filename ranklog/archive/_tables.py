@@ -1,0 +1,300 @@
+"""The dataset's tables: one long-format Arrow schema per event kind, and events turned into rows.
+
+Every table has the columns of :data:`COMMON` (run_id, rank, incarnation, segment,
+seq, idx, ts) and its own (see :data:`SCHEMAS`); rows of one event share
+(rank, incarnation, segment, seq, idx), which orders every rank's events as written.
+The step tables (:data:`STEP_TABLES`) end with ``relogged``: true for a step an
+earlier incarnation of the rank had already closed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any, Final
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ranklog.schemas import (
+    Gpu,
+    Heartbeat,
+    Histogram,
+    Image,
+    Metrics,
+    Params,
+    RankEnd,
+    RankStart,
+    StepEnd,
+    Text,
+    Timer,
+)
+from ranklog.spool import Frame, SegmentName
+
+__all__ = ["COMMON", "SCHEMAS", "STEP_TABLES", "TABLES", "segment_tables"]
+
+_TS = pa.timestamp("us", tz="UTC")
+COMMON: Final = [
+    ("run_id", pa.string()),
+    ("rank", pa.int32()),
+    ("incarnation", pa.int32()),
+    ("segment", pa.int32()),
+    ("seq", pa.int64()),  # frame sequence number within the incarnation
+    ("idx", pa.int32()),  # event index within the frame
+    ("ts", _TS),
+]
+#: tables whose rows belong to a step; they carry ``relogged`` last
+STEP_TABLES: Final = ("metrics", "timers", "text", "histograms", "images")
+SCHEMAS: Final[dict[str, pa.Schema]] = {
+    name: pa.schema(COMMON + extra + ([("relogged", pa.bool_())] if name in STEP_TABLES else []))
+    for name, extra in {
+        "metrics": [("step", pa.int64()), ("name", pa.string()), ("value", pa.float64()),
+                    ("reduce", pa.string())],
+        "timers": [("step", pa.int64()), ("name", pa.string()), ("value", pa.float64()),
+                   ("reduce", pa.string())],
+        "text": [("step", pa.int64()), ("name", pa.string()), ("text", pa.large_string())],
+        "histograms": [("step", pa.int64()), ("name", pa.string()),
+                       ("values", pa.list_(pa.float64()))],
+        "images": [("step", pa.int64()), ("name", pa.string()), ("format", pa.string()),
+                   ("data", pa.large_binary())],
+        "params": [("name", pa.string()), ("value", pa.string())],  # value: JSON text
+        "gpu": [("host", pa.string()), ("index", pa.int32()), ("gpu_name", pa.string()),
+                ("util", pa.float64()), ("mem_used", pa.int64()), ("mem_total", pa.int64()),
+                ("temp", pa.float64()), ("power", pa.float64()), ("step", pa.int64())],
+        "ranks": [("kind", pa.string()), ("step", pa.int64()), ("world_size", pa.int32()),
+                  ("local_rank", pa.int32()), ("host", pa.string()), ("pid", pa.int64()),
+                  ("version", pa.string()), ("status", pa.string()), ("exit_code", pa.int32())],
+    }.items()
+}  # fmt: skip
+TABLES: Final = tuple(SCHEMAS)
+
+
+class _Columns:
+    """Column lists for one table, filled row by row (or event by event)."""
+
+    def __init__(self, table: str) -> None:
+        self.names = SCHEMAS[table].names
+        self.cols: dict[str, list[Any]] = {n: [] for n in self.names}
+        self._pairs = list(self.cols.items())
+
+    def rows(self, n: int, **values: Any) -> None:
+        """Append ``n`` rows; a list value gives each row its own, a scalar is repeated."""
+        for name in self.names:
+            v = values.get(name)
+            if isinstance(v, list) and name != "values":
+                self.cols[name].extend(v)
+            else:
+                self.cols[name].extend([v] * n)
+
+    def row(self, values: dict[str, Any]) -> None:
+        """Append one row."""
+        get = values.get
+        for name, col in self._pairs:
+            col.append(get(name))
+
+    def table(self, table: str) -> pa.Table:
+        schema = SCHEMAS[table]
+        if table in STEP_TABLES:  # relogged is added by segment_tables
+            schema = schema.remove(schema.get_field_index("relogged"))
+        return pa.Table.from_pydict(self.cols, schema=schema)
+
+    def __len__(self) -> int:
+        return len(self.cols["rank"])
+
+
+def _us(ts: float) -> int:
+    return round(ts * 1_000_000)
+
+
+def segment_tables(
+    run_id: str, seg: SegmentName, frames: list[Frame], relogged_upto: int = -1
+) -> dict[str, pa.Table]:
+    """The rows of ``frames`` (one segment's), as one Arrow table per kind (empty ones left out).
+
+    Rows of steps up to ``relogged_upto`` (the steps an earlier incarnation of the rank had
+    closed) are marked ``relogged``: training logged them again after a restart.
+    """
+    out = {t: _Columns(t) for t in TABLES if t != "metrics"}
+    base = {"run_id": run_id, "rank": seg.rank, "incarnation": seg.incarnation,
+            "segment": seg.segment}  # fmt: skip
+    metrics = _MetricColumns()
+    ends: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
+    for frame in frames:
+        for idx, ev in enumerate(frame.events):
+            if type(ev) is Metrics:
+                metrics.add(frame.seq, idx, ev)
+            elif type(ev) is StepEnd:  # one per step and rank: the common case, columnar
+                ends[0].append(frame.seq)
+                ends[1].append(idx)
+                ends[2].append(_us(ev.ts))
+                ends[3].append(ev.step)
+            else:
+                key = base.copy()
+                key["seq"], key["idx"], key["ts"] = frame.seq, idx, _us(ev.ts)
+                _ADD[type(ev)](out, ev, key)
+    tables = {t: c.table(t) for t, c in out.items() if len(c)}
+    if metrics.rows:
+        tables["metrics"] = metrics.table(run_id, seg)
+    if ends[0]:
+        step_ends = _step_end_table(run_id, seg, *ends)
+        other = tables.get("ranks")
+        merged = step_ends if other is None else pa.concat_tables([other, step_ends])
+        tables["ranks"] = merged.sort_by([("seq", "ascending"), ("idx", "ascending")])
+    for name in STEP_TABLES:
+        t = tables.get(name)
+        if t is not None:
+            flag = pc.less_equal(t["step"], pa.scalar(relogged_upto, pa.int64()))
+            tables[name] = t.append_column("relogged", flag)
+    return {t: tables[t] for t in TABLES if t in tables}
+
+
+def _step_end_table(
+    run_id: str, seg: SegmentName, seq: list[int], idx: list[int], ts: list[int], step: list[int]
+) -> pa.Table:
+    n = len(seq)
+    schema = SCHEMAS["ranks"]
+    cols = {
+        "run_id": pa.repeat(pa.scalar(run_id, pa.string()), n),
+        "rank": pa.repeat(pa.scalar(seg.rank, pa.int32()), n),
+        "incarnation": pa.repeat(pa.scalar(seg.incarnation, pa.int32()), n),
+        "segment": pa.repeat(pa.scalar(seg.segment, pa.int32()), n),
+        "seq": pa.array(seq, pa.int64()),
+        "idx": pa.array(idx, pa.int32()),
+        "ts": pa.array(ts, pa.int64()).cast(_TS),
+        "kind": pa.repeat(pa.scalar("step_end", pa.string()), n),
+        "step": pa.array(step, pa.int64()),
+    }
+    return pa.table([cols.get(f.name, pa.nulls(n, f.type)) for f in schema], schema=schema)
+
+
+class _MetricColumns:
+    """The metrics table, built per event and expanded to one row per value in Arrow."""
+
+    def __init__(self) -> None:
+        self.seq: list[int] = []
+        self.idx: list[int] = []
+        self.ts: list[int] = []
+        self.step: list[int] = []
+        self.reduce: list[str] = []
+        self.row_event: list[int] = []
+        self.names: list[str] = []
+        self.values: list[float] = []
+        self.per_name_ops: list[str] | None = None  # when some event reduces per name
+        self.rows = 0
+
+    def add(self, seq: int, idx: int, ev: Metrics) -> None:
+        n = len(ev.values)
+        k = len(self.seq)
+        self.seq.append(seq)
+        self.idx.append(idx)
+        self.ts.append(_us(ev.ts))
+        self.step.append(ev.step)
+        red = ev.reduce
+        if isinstance(red, str):
+            self.reduce.append(red)
+            if self.per_name_ops is not None:
+                self.per_name_ops.extend([red] * n)
+        else:
+            self.reduce.append("")
+            if self.per_name_ops is None:  # switch to one op per row
+                self.per_name_ops = [self.reduce[e] for e in self.row_event]
+            self.per_name_ops.extend(red.get(name, "mean") for name in ev.values)
+        self.row_event.extend([k] * n)
+        self.names.extend(ev.values)
+        self.values.extend(ev.values.values())
+        self.rows += n
+
+    def table(self, run_id: str, seg: SegmentName) -> pa.Table:
+        events = pa.table(
+            {
+                "seq": pa.array(self.seq, pa.int64()),
+                "idx": pa.array(self.idx, pa.int32()),
+                "ts": pa.array(self.ts, pa.int64()).cast(_TS),
+                "step": pa.array(self.step, pa.int64()),
+                "reduce": pa.array(self.reduce, pa.string()),
+            }
+        ).take(pa.array(self.row_event, pa.int32()))
+        n = self.rows
+        reduce = (
+            events["reduce"]
+            if self.per_name_ops is None
+            else pa.array(self.per_name_ops, pa.string())
+        )
+        return pa.table(
+            [
+                pa.repeat(pa.scalar(run_id, pa.string()), n),
+                pa.repeat(pa.scalar(seg.rank, pa.int32()), n),
+                pa.repeat(pa.scalar(seg.incarnation, pa.int32()), n),
+                pa.repeat(pa.scalar(seg.segment, pa.int32()), n),
+                events["seq"],
+                events["idx"],
+                events["ts"],
+                events["step"],
+                pa.array(self.names, pa.string()),
+                pa.array(self.values, pa.float64()),
+                reduce,
+            ],
+            schema=SCHEMAS["metrics"].remove(SCHEMAS["metrics"].get_field_index("relogged")),
+        )
+
+
+def _timer(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
+    key.update(step=ev.step, name=ev.name, value=ev.seconds, reduce=ev.reduce)
+    out["timers"].row(key)
+
+
+def _text(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
+    key.update(step=ev.step, name=ev.name, text=ev.text)
+    out["text"].row(key)
+
+
+def _histogram(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
+    key.update(step=ev.step, name=ev.name, values=ev.values)
+    out["histograms"].row(key)
+
+
+def _image(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
+    key.update(step=ev.step, name=ev.name, format=ev.format, data=ev.data)
+    out["images"].row(key)
+
+
+def _params(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
+    n = len(ev.values)
+    vals = [json.dumps(v) for v in ev.values.values()]
+    out["params"].rows(n, **key, name=list(ev.values), value=vals)
+
+
+def _gpu(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
+    key.update(host=ev.host, index=ev.index, gpu_name=ev.name, util=ev.util,
+               mem_used=ev.mem_used, mem_total=ev.mem_total, temp=ev.temp, power=ev.power,
+               step=ev.step)  # fmt: skip
+    out["gpu"].row(key)
+
+
+def _rank_event(kind: str) -> Callable[[dict[str, _Columns], Any, dict[str, Any]], None]:
+    def add(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
+        key["kind"] = kind
+        if type(ev) is StepEnd:
+            key["step"] = ev.step
+        elif isinstance(ev, RankStart):
+            key.update(world_size=ev.world_size, local_rank=ev.local_rank, host=ev.host,
+                       pid=ev.pid, version=ev.version)  # fmt: skip
+        elif isinstance(ev, RankEnd):
+            key.update(status=ev.status, exit_code=ev.exit_code)
+        out["ranks"].row(key)
+
+    return add
+
+
+_ADD: Final[dict[type, Callable[[dict[str, _Columns], Any, dict[str, Any]], None]]] = {
+    Timer: _timer,
+    Text: _text,
+    Histogram: _histogram,
+    Image: _image,
+    Params: _params,
+    Gpu: _gpu,
+    RankStart: _rank_event("rank_start"),
+    StepEnd: _rank_event("step_end"),
+    Heartbeat: _rank_event("heartbeat"),
+    RankEnd: _rank_event("rank_end"),
+}
