@@ -116,6 +116,7 @@ def _ship(args: argparse.Namespace) -> int:
             start_grace=args.start_grace,
             per_rank=args.per_rank,
             progress=None if args.quiet else Progress(),
+            lease_ttl=args.lease_ttl,
         )
         code = max(code, shipper.run_forever(once=args.once))
     return code
@@ -137,6 +138,7 @@ def _ship_on_ray(args: argparse.Namespace, spec: str, name: str) -> None:
         per_rank=args.per_rank,
         once=args.once,
         quiet=args.quiet,
+        lease_ttl=args.lease_ttl,
     )
 
 
@@ -154,6 +156,7 @@ def _ship_each(args: argparse.Namespace, targets: list[str]) -> int:
     from ranklog.shippers import all_options
 
     flags = ["--dead-after", str(args.dead_after), "--start-grace", str(args.start_grace)]
+    flags += ["--lease-ttl", str(args.lease_ttl)]
     flags += ["--once"] * args.once + ["--quiet"] * args.quiet + ["--per-rank"] * args.per_rank
     if args.poll is not None:
         flags += ["--poll", str(args.poll)]
@@ -274,6 +277,8 @@ def _target_flags(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for documentation and tests)."""
+    from ranklog.shippers._lease import DEFAULT_TTL
+
     p = argparse.ArgumentParser(
         prog="ranklog", description="Crash-resilient metrics logging for distributed training."
     )
@@ -296,6 +301,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="with a known world size, wait this long after the run starts for every rank",
     )  # fmt: skip
     ship.add_argument("--name", help="cursor name (default: derived from the target)")
+    ship.add_argument(
+        "--lease-ttl", type=float, default=DEFAULT_TTL, metavar="S",
+        help="one shipper per target: a second one exits with status 3 while the first renews "
+        "its lease; a holder silent this long is taken over (default 30)",
+    )  # fmt: skip
     ship.add_argument("--quiet", action="store_true", help="no status line")
     ship.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
     ship.add_argument(

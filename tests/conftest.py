@@ -1,15 +1,40 @@
-"""Shared fixtures: a fresh spool directory, and a helper to run Python in a subprocess."""
+"""Shared fixtures: a fresh spool directory, and a helper to run Python in a subprocess.
+
+The suite is hermetic: before anything runs, HOME points at an empty directory of
+this session's and every RAY_*, WANDB_*, MLFLOW_* and launcher variable of the
+caller is removed, so that a token file in the user's ``~/.ray``, a W&B key in
+``~/.netrc`` or an exported ``MLFLOW_TRACKING_URI`` never changes what a test sees
+(``tests/test_hermetic.py`` plants all of them and runs backend and Ray tests).
+"""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+#: the caller's variables that would reach into backends, Ray or rank detection
+FOREIGN_PREFIXES = ("RAY_", "WANDB_", "MLFLOW_", "SLURM_", "OMPI_", "PMI_", "TORCHELASTIC_")
+FOREIGN_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT", "NETRC", "RANKLOG_SPOOL", "XDG_CONFIG_HOME", "XDG_CACHE_HOME",
+                 "XDG_DATA_HOME", "XDG_STATE_HOME")  # fmt: skip
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A home of the session's own, and none of the caller's backend or launcher variables."""
+    home = Path(tempfile.mkdtemp(prefix="ranklog-test-home-"))
+    for key in list(os.environ):
+        if key.startswith(FOREIGN_PREFIXES) or key in FOREIGN_NAMES:
+            del os.environ[key]
+    os.environ["HOME"] = str(home)
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+
 
 #: fixtures shared by several modules, registered once (one Ray head per session)
 pytest_plugins = ["tests.ray_cluster"]

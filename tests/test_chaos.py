@@ -65,10 +65,10 @@ def test_compare_counts_lost_duplicated_and_wrong() -> None:
     expected = {s: {"train/loss": s / 10} for s in range(5)}
     got = {"train/loss": [(0, 0.0), (1, 0.1), (1, 0.1), (3, 0.31), (4, 0.4)]}
     details: list[str] = []
-    assert compare("t", got, expected, 1e-9, details) == (1, 1, 1)
+    assert compare("t", got, expected, 1e-9, details) == (1, 1, 1, 0)
     assert "t: step 3 train/loss = 0.31, expected 0.3" in details
     exact = {"train/loss": [(s, s / 10) for s in range(5)]}
-    assert compare("t", exact, expected, 1e-9, []) == (0, 0, 0)
+    assert compare("t", exact, expected, 1e-9, []) == (0, 0, 0, 0)
 
 
 def test_torn_tails_lose_nothing(tmp_path: Path) -> None:
@@ -123,5 +123,17 @@ def test_command_line(tmp_path: Path) -> None:
     faults = (
         r"\{rank_kills:\d+, shipper_kills:\d+, torn_tails:\d+, disk_full:\d+, backend_outage:0\}"
     )
-    final = rf"chaos: trials=2 steps=120 lost=0 duplicated=0 wrong=0 faults={faults}"
+    final = rf"chaos: trials=2 steps=120 lost=0 duplicated=0 wrong=0 order=0 faults={faults}"
     assert re.fullmatch(final, lines[-1]), lines[-1]
+
+
+@pytest.mark.slow
+def test_soak_short(tmp_path: Path) -> None:
+    """``--soak``: small random trials, a progress line and a final line with every count."""
+    cmd = [sys.executable, CHAOS, "--soak", "--trials", "4", "--seed", "2"]
+    done = subprocess.run(cmd, env=python_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    last = done.stdout.splitlines()[-1]
+    counts = r"lost=0 duplicated=0 wrong=0 order=0 faults=\{rank_kills:\d+, shipper_kills:\d+, "
+    assert re.match(rf"chaos soak: trials=4 steps=\d+ {counts}", last), last
+    assert "chaos soak: 4/4 trials" in done.stdout

@@ -83,8 +83,13 @@ class TestPinnedTags:
 
     def test_wire_form_is_tagged_array(self) -> None:
         """An event is ``[tag, ts, fields...]`` on the wire."""
-        raw = msgspec.msgpack.decode(encoder.encode([StepEnd(1.0, 7)]))
-        assert raw == [["step_end", 1.0, 7]]
+        raw = msgspec.msgpack.decode(encoder.encode([StepEnd(1.0, 7, 3)]))
+        assert raw == [["step_end", 1.0, 7, 3]]
+
+    def test_field_added_later_has_its_default(self) -> None:
+        """A step_end written before ``events`` existed (schema 2) reads with events = -1."""
+        old = msgspec.msgpack.encode([["step_end", 1.0, 7]])
+        assert decode_events(old, 2) == [StepEnd(1.0, 7, -1)]
 
 
 # A newer writer: one more field on metrics, and a kind this reader does not know.

@@ -264,11 +264,14 @@ class TestDamage:
         shipper = ship(spool, out)
         got = lines(out)
         assert [x["step"] for x in got] == list(range(200))
-        # the damaged frame held one step of rank 1: that step has rank 0's value alone
+        # the damaged frame held one step of rank 1: that step has rank 0's value alone,
+        # and says so (partial, one rank); every other step is whole
         hit = [
             x["step"] for x in got if x["metrics"]["loss"] != pytest.approx(0.5 + x["step"] / 1000)
         ]
         assert len(hit) == 1 and got[hit[0]]["metrics"]["loss"] == pytest.approx(hit[0] / 1000)
+        assert [x["step"] for x in got if not x["complete"]] == hit
+        assert got[hit[0]]["ranks"] == 1 and got[hit[0]]["metrics"]["ranklog/ranks_reporting"] == 1
         reported = {b.path for b in shipper.stats.bad}
         assert str(seg) in reported
         assert str(spool / "ranks" / "00002" / "0001-000001.rlog") in reported

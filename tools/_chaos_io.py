@@ -305,7 +305,7 @@ def read_mlflow(uri: str, run_id: str) -> Series:
             for key in KEYS:
                 history = client.get_metric_history(run.info.run_id, key)
                 out[key] += [(m.step, m.value) for m in history]
-    return out
+    return {key: sorted(points, key=lambda p: p[0]) for key, points in out.items()}  # by step
 
 
 def read_back(spec: str, run_id: str, world: int) -> tuple[Series, float]:
@@ -320,15 +320,24 @@ def read_back(spec: str, run_id: str, world: int) -> tuple[Series, float]:
 
 def compare(
     name: str, got: Series, expected: Expected, rel: float, details: list[str]
-) -> tuple[int, int, int]:
-    """(lost, duplicated, wrong) steps of one target against the oracle."""
+) -> tuple[int, int, int, int]:
+    """(lost, duplicated, wrong, out of order) steps of one target against the oracle.
+
+    Out of order: a step held after a higher one, in the order the target holds them
+    (JSONL lines; TensorBoard's raw files; MLflow orders its history by step itself).
+    """
     lost: set[int] = set()
     dup: set[int] = set()
     wrong: set[int] = set()
+    order: set[int] = set()
     for key, points in got.items():
         by_step: dict[int, list[float]] = defaultdict(list)
+        top = -1
         for step, value in points:
             by_step[step].append(value)
+            if step < top:
+                order.add(step)
+            top = max(top, step)
         lost |= expected.keys() - by_step.keys()
         dup |= {step for step, vs in by_step.items() if len(vs) > 1}
         for step, vs in by_step.items():
@@ -337,7 +346,7 @@ def compare(
             if bad := [v for v in vs if not math.isclose(v, want, rel_tol=rel, abs_tol=1e-9)]:
                 wrong.add(step)
                 details.append(f"{name}: step {step} {key} = {bad[0]!r}, expected {want!r}")
-    for what, steps in (("lost", lost), ("duplicated", dup)):
+    for what, steps in (("lost", lost), ("duplicated", dup), ("out of order", order)):
         if steps:
             details.append(f"{name}: {len(steps)} steps {what}: {sorted(steps)[:10]}")
-    return len(lost), len(dup), len(wrong)
+    return len(lost), len(dup), len(wrong), len(order)

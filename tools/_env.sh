@@ -1,5 +1,6 @@
 # Sourced by tools/demo and tools/test: make .venv (if missing) and install ranklog
-# with the extras named in $RANKLOG_EXTRAS, re-installing only when pyproject.toml changed.
+# with the extras named in $RANKLOG_EXTRAS (and the pins in $RANKLOG_PINS, resolved in the
+# same pip call), re-installing only when pyproject.toml, the extras or the pins changed.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${RANKLOG_VENV:-$ROOT/.venv}"
@@ -28,12 +29,14 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # A local wheelhouse (this workplace keeps torch's CPU build there) is used when present.
 if [ -d /opt/wheels ]; then export PIP_FIND_LINKS="${PIP_FIND_LINKS:-/opt/wheels}"; fi
 
-stamp_key="$( (cat "$ROOT/pyproject.toml"; echo "$EXTRAS") | sha256sum | cut -c1-16)"
+PINS="${RANKLOG_PINS:-}"
+stamp_key="$( (cat "$ROOT/pyproject.toml"; echo "$EXTRAS $PINS") | sha256sum | cut -c1-16)"
 stamp="$VENV/.ranklog-installed-$stamp_key"
 if [ ! -f "$stamp" ]; then
     echo "installing ranklog[$EXTRAS] into $VENV" >&2
     "$PY" -m pip install -q --upgrade pip >&2
-    "$PY" -m pip install -q -e "$ROOT[$EXTRAS]" >&2
+    # shellcheck disable=SC2086  # the pins are separate arguments
+    "$PY" -m pip install -q -e "$ROOT[$EXTRAS]" $PINS >&2
     rm -f "$VENV"/.ranklog-installed-*
     touch "$stamp"
 fi

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -87,6 +88,7 @@ class Config:
     targets: tuple[str, ...] = ("jsonl", "tensorboard")
     duration: float | None = None  # seconds of faults per trial (default: steps x step_sleep)
     step_sleep: float = 0.02
+    disk_full: bool = True  # fill the spool's disk once (root and a tmpfs only)
 
 
 @dataclass
@@ -94,11 +96,13 @@ class TrialResult:
     lost: int = 0
     duplicated: int = 0
     wrong: int = 0
+    order: int = 0  # steps a target holds after a higher one
     faults: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAULTS, 0))
     errors: list[str] = field(default_factory=list)  # processes that failed
     notes: list[str] = field(default_factory=list)  # faults skipped, slow shippers
     details: list[str] = field(default_factory=list)  # what was lost, duplicated, wrong
     seconds: float = 0.0
+    steps: int = 0  # steps of the job, each checked in every target
 
 
 @dataclass
@@ -118,12 +122,18 @@ class ChaosResult:
         return sum(t.wrong for t in self.trials)
 
     @property
+    def order(self) -> int:
+        return sum(t.order for t in self.trials)
+
+    @property
     def faults(self) -> dict[str, int]:
         return {k: sum(t.faults[k] for t in self.trials) for k in FAULTS}
 
     @property
     def ok(self) -> bool:
-        return not any(t.lost or t.duplicated or t.wrong or t.errors for t in self.trials)
+        return not any(
+            t.lost or t.duplicated or t.wrong or t.order or t.errors for t in self.trials
+        )
 
 
 class Job:
@@ -314,11 +324,11 @@ def run_trial(cfg: Config, trial: int, work: Path, server: MlflowServer | None) 
     """One job with faults, then every target against the oracle."""
     from ranklog.spool import read_run
 
-    res, t0 = TrialResult(), time.monotonic()
+    res, t0 = TrialResult(steps=cfg.steps), time.monotonic()
     rng = random.Random(f"ranklog-chaos:{cfg.seed}:{trial}")
     work.mkdir(parents=True)
-    disk, why = Tmpfs.mount(work / "fs")
-    if disk is None:
+    disk, why = Tmpfs.mount(work / "fs") if cfg.disk_full else (None, "")
+    if disk is None and cfg.disk_full:
         res.notes.append(f"disk_full skipped: {why}")
     job = Job(cfg, work, disk, server)
     duration = cfg.duration if cfg.duration is not None else cfg.steps * cfg.step_sleep
@@ -337,10 +347,11 @@ def run_trial(cfg: Config, trial: int, work: Path, server: MlflowServer | None) 
         run_id = read_run(job.spool).run_id
         for target in cfg.targets:
             got, rel = read_back(job.specs[target], run_id, cfg.ranks)
-            lost, dup, wrong = compare(target, got, expected, rel, res.details)
+            lost, dup, wrong, order = compare(target, got, expected, rel, res.details)
             res.lost += lost
             res.duplicated += dup
             res.wrong += wrong
+            res.order += order
     finally:
         job.stop()
         if disk is not None:
@@ -351,7 +362,10 @@ def run_trial(cfg: Config, trial: int, work: Path, server: MlflowServer | None) 
 
 def _counts(r: TrialResult | ChaosResult) -> str:
     faults = ", ".join(f"{k}:{r.faults[k]}" for k in FAULTS)
-    return f"lost={r.lost} duplicated={r.duplicated} wrong={r.wrong} faults={{{faults}}}"
+    return (
+        f"lost={r.lost} duplicated={r.duplicated} wrong={r.wrong} order={r.order} "
+        f"faults={{{faults}}}"
+    )
 
 
 def run_chaos(
@@ -373,6 +387,51 @@ def run_chaos(
     return result
 
 
+def soak_config(seed: int, trial: int, mlflow: bool) -> Config:
+    """A small random job for trial ``trial`` of a soak: 2-4 ranks, 30-80 steps, random faults.
+
+    JSONL always; TensorBoard in about a third of the trials; the MLflow server (and its
+    outage) in about one in 25; a full disk in about one in four.
+    """
+    rng = random.Random(f"ranklog-soak:{seed}:{trial}")
+    targets = ["jsonl"]
+    if rng.random() < 0.3:
+        targets.append("tensorboard")
+    if mlflow and rng.random() < 0.04:
+        targets.append("mlflow")
+    steps, sleep = rng.randint(30, 80), rng.choice((0.005, 0.01))
+    return Config(seed, rng.randint(2, 4), steps, 1, tuple(targets), steps * sleep, sleep,
+                  disk_full=rng.random() < 0.25)  # fmt: skip
+
+
+def run_soak(
+    seed: int, trials: int, workdir: Path | None = None, log: Callable[[str], None] = print
+) -> ChaosResult:
+    """``trials`` small random trials; a progress line every 25, the failures, a final line."""
+    result, t0 = ChaosResult(), time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="ranklog-soak-") as tmp:
+        work = workdir or Path(tmp)
+        with mlflow_server(work / "mlflow", True) as server:
+            for trial in range(trials):
+                cfg = soak_config(seed, trial, server is not None)
+                where = work / f"trial{trial}"
+                t = run_trial(cfg, trial, where, server if "mlflow" in cfg.targets else None)
+                result.trials.append(t)
+                if t.lost or t.duplicated or t.wrong or t.order or t.errors:
+                    log(f"chaos soak: trial={trial} FAILED {_counts(t)} (files: {where})")
+                    for line in [*t.errors, *t.details[:20]]:
+                        log(f"chaos soak:   {line}")
+                else:
+                    shutil.rmtree(where, ignore_errors=True)
+                if trial % 25 == 24 or trial == trials - 1:
+                    log(f"chaos soak: {trial + 1}/{trials} trials, {time.monotonic() - t0:.0f} s, "
+                        f"{_counts(result)}")  # fmt: skip
+    steps = sum(t.steps for t in result.trials)
+    log(f"chaos soak: trials={trials} steps={steps} {_counts(result)} "
+        f"seconds={time.monotonic() - t0:.0f}")  # fmt: skip
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--_rank"]:
@@ -388,7 +447,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, help="seconds of faults a trial (steps x sleep)")
     p.add_argument("--step-sleep", type=float, default=0.02, help="seconds between steps")
     p.add_argument("--workdir", type=Path, help="keep every file here (default: a temp dir)")
+    p.add_argument(
+        "--soak", action="store_true",
+        help="many small random trials (default 1,000; --trials): every fault kind, a "
+        "progress line every 25 trials, the failures kept in --workdir",
+    )  # fmt: skip
     a = p.parse_args(argv)
+    if a.soak:
+        trials = a.trials if "--trials" in argv else 1000
+        return 0 if run_soak(a.seed, trials, a.workdir).ok else 1
     targets = tuple(a.targets.split(","))
     if not set(targets) <= {"jsonl", "tensorboard", "mlflow"}:
         p.error(f"unknown target in {a.targets!r}")

@@ -205,6 +205,10 @@ def _compact_segment(
             result.values += tables["metrics"].num_rows if "metrics" in tables else 0
         entry.offset = max(entry.offset, res.end)
         entry.sealed = entry.sealed or res.sealed
+        if res.frames:
+            entry.next_seq = res.frames[-1].seq + 1
+        if res.seal_seq is not None:
+            entry.next_seq = res.seal_seq + 1
         if not res.more:
             entry.done = res.sealed or (later and res.pending == 0)
             return

@@ -40,6 +40,8 @@ class SegmentEntry(msgspec.Struct, forbid_unknown_fields=False):
     rows: dict[str, int] = msgspec.field(default_factory=dict)
     verified: bool = False
     deleted: bool = False
+    #: the sequence number after the last frame compacted, the seal's included (-1: unknown)
+    next_seq: int = -1
 
 
 class Manifest(msgspec.Struct, forbid_unknown_fields=False):

@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
-from ranklog.archive._manifest import require_manifest
+from ranklog.archive._manifest import load_manifest, require_manifest
 from ranklog.archive._rows import COLUMNS, read_rows, segment_events
 from ranklog.archive._tables import TABLES
 from ranklog.errors import ConfigError, SpoolFormatError
@@ -85,8 +85,11 @@ class _ParquetReader:
         steps: tuple[int | None, int | None] | None,
         names: str | None,
         cutoff: int | None = None,
+        seal_seq: int | None = None,
     ) -> None:
         self.header: SegmentHeader | None = header
+        #: the source segment's seal frame's sequence number, when it had one
+        self._seal_seq = seal_seq
         self._files, self._last, self._steps, self._names = files, last, steps, names
         self._cutoff = cutoff
         self._loaded = False
@@ -121,7 +124,7 @@ class _ParquetReader:
         if self._tables is None:
             self._tables = {}
             for name, files in self._files.items():
-                t = read_rows(files, COLUMNS[name])
+                t = read_rows(files, name, COLUMNS[name])
                 self._tables[name] = (t, [] if t is None else t["seq"].to_pylist())
         out: dict[str, pa.Table | None] = {}
         for name, (t, seqs) in self._tables.items():
@@ -156,14 +159,14 @@ class _ParquetReader:
         end = HEADER_SIZE + start + len(frames)
         if self._end_frame and end == self.size - 1:
             last_ts = frames[-1].events[-1].ts if frames and frames[-1].events else 0.0
-            frames.append(Frame(end, end + 1, (window[-1] if window else 0) + 1, SCHEMA_VERSION,
+            frames.append(Frame(end, end + 1, -1, SCHEMA_VERSION,
                                 [RankEnd(last_ts, "unknown", None)]))  # fmt: skip
             end += 1
         res = ReadResult(frames=frames, end=end, size=self.size)
         if end < self.size:
             res.more, res.pending = True, self.size - end
         else:
-            res.seal = {"reason": "replay"}
+            res.seal, res.seal_seq = {"reason": "replay"}, self._seal_seq
             self._tables = None  # read to the end: let the rows go
         return res
 
@@ -212,15 +215,22 @@ class ParquetSource:
         self.segments: dict[str, SegState] = {}
         self.by_rank: dict[int, list[SegState]] = {}
         self._new: list[SegState] = []
+        #: a replay of some names only lacks events that step_end counts: no counts check
+        self.verify_counts = names is None
+        self.step_range = steps
         files = _segment_files(self.dataset)
+        manifest = load_manifest(self.dataset)
         last_of_rank = {k.rank: k for k in files}  # sorted: the last key of each rank wins
         cutoffs = _cutoffs(self.dataset) if relogged == "last" else {}
         for sid, tables in files.items():
             rank, inc, seg = sid
             header = SegmentHeader(rank, inc, seg, run.created, run.run_id, run.world_size)
+            entry = manifest.segments.get(sid.stem)
+            sealed = entry is not None and entry.sealed and entry.next_seq > 0
             reader = _ParquetReader(
                 dict(tables), header, last=last_of_rank[rank] == sid,
                 steps=steps, names=names, cutoff=cutoffs.get((rank, inc)),
+                seal_seq=entry.next_seq - 1 if sealed and entry is not None else None,
             )  # fmt: skip
             path = self.dataset / sid.stem
             state = SegState(SegmentName(rank, inc, seg, path), sid.key, reader)

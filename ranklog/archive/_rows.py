@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
+from ranklog.archive._tables import SCHEMAS
 from ranklog.schemas import (
     Event,
     Gpu,
@@ -39,11 +40,17 @@ Key = tuple[int, int, int, int]  # incarnation, segment, seq, idx
 _KEY: Final = ("incarnation", "segment", "seq", "idx")
 
 
-def read_rows(files: list[Path] | None, columns: list[str], where: Any = None) -> pa.Table | None:
-    """The rows of ``files`` (one segment's, one table's), sorted in write order; None if none."""
+def read_rows(
+    files: list[Path] | None, table: str, columns: list[str], where: Any = None
+) -> pa.Table | None:
+    """The rows of ``files`` (one segment's, of ``table``), sorted in write order; None if none.
+
+    Columns a file written by an older release lacks are read as nulls.
+    """
     if not files:
         return None
-    t = ds.dataset(files, format="parquet").to_table(columns=[*_KEY, "ts", *columns], filter=where)
+    dataset = ds.dataset(files, format="parquet", schema=SCHEMAS[table])
+    t = dataset.to_table(columns=[*_KEY, "ts", *columns], filter=where)
     if t.num_rows == 0:
         return None
     t = t.sort_by([(k, "ascending") for k in _KEY])
@@ -102,7 +109,7 @@ COLUMNS: Final[dict[str, list[str]]] = {
     "params": ["name", "value"],
     "gpu": ["host", "index", "util", "mem_used", "mem_total", "temp", "power", "step", "gpu_name"],
     "ranks": ["kind", "step", "world_size", "local_rank", "host", "pid", "version", "status",
-              "exit_code"],
+              "exit_code", "events"],
 }  # fmt: skip
 
 
@@ -186,12 +193,13 @@ def segment_events(
             version,
             status,
             code,
+            events,
         ) in zip(*_cols(t, *_KEY, "ts", *rank_cols), strict=True):
             key = (inc, seg, seq, idx)
             s = ts / 1e6
             if kind == "step_end":
                 if cutoff is None or step < cutoff:
-                    out.append((key, StepEnd(s, step)))
+                    out.append((key, StepEnd(s, step, -1 if events is None else events)))
             elif kind == "rank_start":
                 out.append(
                     (

@@ -63,7 +63,8 @@ SCHEMAS: Final[dict[str, pa.Schema]] = {
                 ("temp", pa.float64()), ("power", pa.float64()), ("step", pa.int64())],
         "ranks": [("kind", pa.string()), ("step", pa.int64()), ("world_size", pa.int32()),
                   ("local_rank", pa.int32()), ("host", pa.string()), ("pid", pa.int64()),
-                  ("version", pa.string()), ("status", pa.string()), ("exit_code", pa.int32())],
+                  ("version", pa.string()), ("status", pa.string()), ("exit_code", pa.int32()),
+                  ("events", pa.int32())],
     }.items()
 }  # fmt: skip
 TABLES: Final = tuple(SCHEMAS)
@@ -118,7 +119,7 @@ def segment_tables(
     base = {"run_id": run_id, "rank": seg.rank, "incarnation": seg.incarnation,
             "segment": seg.segment}  # fmt: skip
     metrics = _MetricColumns()
-    ends: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
+    ends: tuple[list[int], ...] = ([], [], [], [], [])
     for frame in frames:
         for idx, ev in enumerate(frame.events):
             if type(ev) is Metrics:
@@ -128,6 +129,7 @@ def segment_tables(
                 ends[1].append(idx)
                 ends[2].append(_us(ev.ts))
                 ends[3].append(ev.step)
+                ends[4].append(ev.events)
             else:
                 key = base.copy()
                 key["seq"], key["idx"], key["ts"] = frame.seq, idx, _us(ev.ts)
@@ -149,7 +151,13 @@ def segment_tables(
 
 
 def _step_end_table(
-    run_id: str, seg: SegmentName, seq: list[int], idx: list[int], ts: list[int], step: list[int]
+    run_id: str,
+    seg: SegmentName,
+    seq: list[int],
+    idx: list[int],
+    ts: list[int],
+    step: list[int],
+    events: list[int],
 ) -> pa.Table:
     n = len(seq)
     schema = SCHEMAS["ranks"]
@@ -163,6 +171,7 @@ def _step_end_table(
         "ts": pa.array(ts, pa.int64()).cast(_TS),
         "kind": pa.repeat(pa.scalar("step_end", pa.string()), n),
         "step": pa.array(step, pa.int64()),
+        "events": pa.array(events, pa.int32()),
     }
     return pa.table([cols.get(f.name, pa.nulls(n, f.type)) for f in schema], schema=schema)
 
@@ -275,7 +284,7 @@ def _rank_event(kind: str) -> Callable[[dict[str, _Columns], Any, dict[str, Any]
     def add(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
         key["kind"] = kind
         if type(ev) is StepEnd:
-            key["step"] = ev.step
+            key["step"], key["events"] = ev.step, ev.events
         elif isinstance(ev, RankStart):
             key.update(world_size=ev.world_size, local_rank=ev.local_rank, host=ev.host,
                        pid=ev.pid, version=ev.version)  # fmt: skip

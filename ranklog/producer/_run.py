@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import re
 import signal
 import socket
 import threading
@@ -18,9 +19,17 @@ from typing import Any, Final, Literal
 
 from ranklog._version import __version__
 from ranklog.errors import ConfigError, InvalidValueError, RanklogWarning
+from ranklog.producer._dupes import running_writer
 from ranklog.producer._env import detect_rank
 from ranklog.producer._sink import DURABILITY_LEVELS, SpoolSink
-from ranklog.producer._values import as_float, check_step, flatten_params, op_spec
+from ranklog.producer._values import (
+    MAX_STEP,
+    as_float,
+    check_name,
+    check_step,
+    flatten_params,
+    op_spec,
+)
 from ranklog.schemas import (
     Gpu,
     Histogram,
@@ -29,7 +38,6 @@ from ranklog.schemas import (
     Params,
     RankEnd,
     RankStart,
-    StepEnd,
     Text,
     Timer,
 )
@@ -42,6 +50,7 @@ SPOOL_ENV: Final = "RANKLOG_SPOOL"
 MAX_TEXT_BYTES: Final = 8 * 1024 * 1024
 MAX_HISTOGRAM_VALUES: Final = 1_000_000
 _NAME_CACHE_MAX: Final = 100_000
+_FORMAT: Final = re.compile(r"[A-Za-z0-9]{1,16}")
 _live_runs: weakref.WeakSet[Run] = weakref.WeakSet()
 
 
@@ -65,7 +74,8 @@ class _Timer:
     def __exit__(self, *exc: object) -> None:
         self.seconds = time.perf_counter() - self._start
         self._run._sink.append(
-            Timer(time.time(), self._step, self._name, self.seconds, self._reduce)
+            Timer(time.time(), self._step, self._name, self.seconds, self._reduce),
+            step=self._step,
         )
 
 
@@ -114,6 +124,13 @@ class Run:
         self._host = host or socket.gethostname()
         self._gpu: Any = None
         self._gpu_lock = False
+        running = running_writer(self.layout, rank, self._host)
+        if running is not None:
+            inc, pid, path = running
+            raise ConfigError(
+                f"rank {rank} is being written by pid {pid} on this host (incarnation {inc}, "
+                f"{path}): two processes with the same rank id? set RANK, or init(rank=...)"
+            )
         if gpu != "off":
             self._gpu = self._gpu_sampler(gpu, gpu_interval, local_rank)
         writer = IncarnationWriter.create(
@@ -136,6 +153,7 @@ class Run:
         self._late_warned = False
         self._closed = False
         self._names: dict[str | None, dict[str, str]] = {}
+        self._timer_names: set[str] = set()
         self._ops: dict[object, str] = {}
         self._sink.append(
             RankStart(
@@ -195,7 +213,7 @@ class Run:
         TypeError naming the key for a value that is not a real number (nothing
         of the call is logged then), ValueError for a bad step.
         """
-        if type(step) is not int or step < 0:
+        if type(step) is not int or not 0 <= step <= MAX_STEP:
             step = check_step(step)
         names = self._names.get(prefix)
         if names is None:
@@ -211,12 +229,12 @@ class Run:
             op = self._reduce(reduce, prefix)
         if step <= self._closed_step:
             self._late(step)
-        self._sink.append(Metrics(time.time(), step, values, op))
+        self._sink.append(Metrics(time.time(), step, values, op), step=step)
 
     def _name(self, names: dict[str, str], prefix: str | None, key: object) -> str:
-        if not isinstance(key, str) or not key:
-            raise InvalidValueError(f"metric name {key!r} is not a non-empty str")
-        name = f"{prefix}/{key}" if prefix else key
+        """The name ``key`` logs under with ``prefix``, checked once and then cached."""
+        key = check_name("metric", key)
+        name = check_name("metric", f"{prefix}/{key}" if prefix else key)
         if len(names) < _NAME_CACHE_MAX:
             names[key] = name
         return name
@@ -245,15 +263,17 @@ class Run:
 
     def log_timing(self, name: str, seconds: float, step: int, *, reduce: str = "max") -> None:
         """Log a duration in seconds; reduced with ``max`` across ranks by default."""
-        if type(step) is not int or step < 0:
+        if type(step) is not int or not 0 <= step <= MAX_STEP:
             step = check_step(step)
-        if not isinstance(name, str) or not name:
-            raise InvalidValueError(f"timer name {name!r} is not a non-empty str")
+        if name not in self._timer_names:
+            self._timer_names.add(check_name("timer", name))
         if type(seconds) is not float:
             seconds = as_float(name, seconds)
         if step <= self._closed_step:
             self._late(step)
-        self._sink.append(Timer(time.time(), step, name, seconds, self._timer_op(reduce)))
+        self._sink.append(
+            Timer(time.time(), step, name, seconds, self._timer_op(reduce)), step=step
+        )
 
     def _timer_op(self, reduce: str) -> str:
         op = self._ops.get(reduce)
@@ -264,20 +284,17 @@ class Run:
 
     def timer(self, name: str, step: int, *, reduce: str = "max") -> _Timer:
         """Context manager timing its block with ``perf_counter`` and logging it for ``step``."""
-        if not isinstance(name, str) or not name:
-            raise InvalidValueError(f"timer name {name!r} is not a non-empty str")
-        return _Timer(self, name, check_step(step), self._timer_op(reduce))
+        return _Timer(self, check_name("timer", name), check_step(step), self._timer_op(reduce))
 
     def log_text(self, name: str, text: str, step: int) -> None:
         """Log a piece of text (a validation sample, say) for ``step``."""
         step = check_step(step)
-        if not isinstance(name, str) or not name:
-            raise InvalidValueError(f"text name {name!r} is not a non-empty str")
+        check_name("text", name)
         if not isinstance(text, str):
             raise InvalidValueError(f"text {name!r}: expected str, got {type(text).__name__}")
         if len(text) > MAX_TEXT_BYTES // 4 and len(text.encode()) > MAX_TEXT_BYTES:
             raise InvalidValueError(f"text {name!r} is larger than {MAX_TEXT_BYTES} bytes")
-        self._sink.append(Text(time.time(), step, name, text))
+        self._sink.append(Text(time.time(), step, name, text), step=step)
 
     def log_histogram(self, name: str, values: Any, step: int) -> None:
         """Log a distribution (a list or array of real numbers) for ``step``.
@@ -286,7 +303,7 @@ class Run:
         values of every rank are pooled.
         """
         step = check_step(step)
-        _check_name("histogram", name)
+        check_name("histogram", name)
         if hasattr(values, "tolist"):  # numpy arrays, torch tensors
             values = (
                 values.detach().cpu().tolist() if hasattr(values, "detach") else values.tolist()
@@ -298,12 +315,14 @@ class Run:
             raise InvalidValueError(
                 f"histogram {name!r} has {len(flat)} values, more than {MAX_HISTOGRAM_VALUES}"
             )
-        self._sink.append(Histogram(time.time(), step, name, flat))
+        self._sink.append(Histogram(time.time(), step, name, flat), step=step)
 
     def log_image(self, name: str, image: Any, step: int, *, format: str = "png") -> None:
         """Log an image for ``step``: encoded bytes, or a matplotlib figure (saved as PNG)."""
         step = check_step(step)
-        _check_name("image", name)
+        check_name("image", name)
+        if not isinstance(format, str) or not _FORMAT.fullmatch(format):
+            raise InvalidValueError(f"image {name!r}: format {format!r} is not a file extension")
         if hasattr(image, "savefig"):  # a matplotlib Figure
             import io
 
@@ -319,7 +338,7 @@ class Run:
             )
         if len(data) > MAX_TEXT_BYTES:
             raise InvalidValueError(f"image {name!r} is larger than {MAX_TEXT_BYTES} bytes")
-        self._sink.append(Image(time.time(), step, name, data, format))
+        self._sink.append(Image(time.time(), step, name, data, format), step=step)
 
     def log_hyperparams(self, params: Mapping[str, Any] | Any) -> None:
         """Log hyperparameters: nested dicts flattened with ``.``, secrets redacted."""
@@ -331,13 +350,13 @@ class Run:
         At durability ``step`` the bytes are in the OS when this returns (a
         SIGKILL loses nothing up to here); at ``fsync`` they are also on disk.
         """
-        if type(step) is not int or step < 0:
+        if type(step) is not int or not 0 <= step <= MAX_STEP:
             step = check_step(step)
         if step > self._closed_step:
             self._closed_step = step
         else:
             self._late(step)
-        self._sink.append(StepEnd(time.time(), step))
+        self._sink.append_step_end(time.time(), step)
         if self._sync_step:
             self._sink.flush(sync=self._fsync)
 
@@ -446,13 +465,19 @@ class _DeadSink:
         self._why = why
         self._warned = False
 
-    def append(self, event: object, *, wait: bool = True) -> None:
+    def append(self, event: object, *, wait: bool = True, step: int | None = None) -> None:
+        self._warn()
+
+    def append_step_end(self, ts: float, step: int) -> None:
+        self._warn()
+
+    def _warn(self) -> None:
         if not self._warned:
             self._warned = True
             warnings.warn(
                 f"ranklog: logging {self._why} is ignored; call ranklog.init() to log again",
                 RanklogWarning,
-                stacklevel=3,
+                stacklevel=4,  # the caller of the Run method
             )
 
     def flush(self, *, sync: bool = False) -> bool:
@@ -460,11 +485,6 @@ class _DeadSink:
 
     def close(self, final: object, *, timeout: float = 0.0) -> int:
         return 0
-
-
-def _check_name(what: str, name: object) -> None:
-    if not isinstance(name, str) or not name:
-        raise InvalidValueError(f"{what} name {name!r} is not a non-empty str")
 
 
 def _flatten(values: Any) -> Iterator[Any]:

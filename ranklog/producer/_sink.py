@@ -24,7 +24,8 @@ from typing import Final
 import msgspec
 
 from ranklog.errors import InvalidValueError, RanklogWarning, SpoolError
-from ranklog.schemas import Event, Heartbeat
+from ranklog.producer._dupes import later_incarnation
+from ranklog.schemas import Event, Heartbeat, StepEnd
 from ranklog.spool import MAX_FRAME_BYTES, IncarnationWriter
 from ranklog.spool._format import msgpack_array_header
 
@@ -58,6 +59,11 @@ class SpoolSink:
         self._io_lock = threading.RLock()  # the writer
         self._cur: list[bytes] = []
         self._cur_bytes = 0
+        # the watermark rule, applied in stream order: highest step_end, highest step event
+        self._closed_step = -1
+        self._max_step = -1
+        #: open step -> step events appended for it (not late by the watermark)
+        self._counts: dict[int, int] = {}
         self._chunks: deque[list[bytes]] = deque()
         self._held_bytes = 0
         self._appended = 0
@@ -73,24 +79,59 @@ class SpoolSink:
 
     # -- the hot path ------------------------------------------------------------------
 
-    def append(self, event: Event, *, wait: bool = True) -> None:
-        """Buffer one event (no I/O); waits only when the buffer is full (and ``wait``)."""
-        data = self._encode(event)
-        if len(data) > _MAX_EVENT:
+    def append(self, event: Event, *, wait: bool = True, step: int | None = None) -> None:
+        """Buffer one event (no I/O); waits only when the buffer is full (and ``wait``).
+
+        ``step``: the event is a step event of that step (counted for its step_end).
+        """
+        try:
+            data = self._encode(event)
+        except UnicodeEncodeError as exc:
+            what = getattr(event, "name", None) or type(event).__name__.lower()
             raise InvalidValueError(
-                f"event of {len(data)} bytes is larger than a frame ({_MAX_EVENT} bytes)"
+                f"{what!r}: text that is not valid Unicode ({exc.reason})"
+            ) from None
+        if len(data) > _MAX_EVENT:
+            what = getattr(event, "name", None) or type(event).__name__.lower()
+            raise InvalidValueError(
+                f"{what!r}: an event of {len(data):,} bytes, more than a frame holds "
+                f"({_MAX_EVENT:,} bytes); nothing of it was logged"
             )
         with self._lock:
-            if self._cur_bytes + len(data) > _MAX_EVENT:
-                self._seal_locked()  # a frame never exceeds the cap
-            self._cur.append(data)
-            self._cur_bytes += len(data)
-            self._appended += 1
-            if self._cur_bytes >= FRAME_TARGET:
-                self._seal_locked()
+            if step is not None:
+                top = self._max_step
+                if step > self._closed_step and step >= top:  # not late by the watermark
+                    self._counts[step] = self._counts.get(step, 0) + 1
+                if step > top:
+                    self._max_step = step
+            self._add_locked(data)
             over = self._held_bytes + self._cur_bytes > self.max_buffer_bytes
         if over and wait:
             self._backpressure()
+
+    def append_step_end(self, ts: float, step: int) -> None:
+        """Buffer ``StepEnd(step)``, with the count of ``step``'s events when it closes it."""
+        with self._lock:
+            first = step > self._closed_step and step >= self._max_step
+            count = self._counts.pop(step, 0) if first else -1
+            if self._counts and min(self._counts) <= step:
+                for s in [s for s in self._counts if s <= step]:
+                    del self._counts[s]  # closed too (by this step_end): never counted
+            if step > self._closed_step:
+                self._closed_step = step
+            self._add_locked(self._encode(StepEnd(ts, step, count)))
+            over = self._held_bytes + self._cur_bytes > self.max_buffer_bytes
+        if over:
+            self._backpressure()
+
+    def _add_locked(self, data: bytes) -> None:
+        if self._cur_bytes + len(data) > _MAX_EVENT:
+            self._seal_locked()  # a frame never exceeds the cap
+        self._cur.append(data)
+        self._cur_bytes += len(data)
+        self._appended += 1
+        if self._cur_bytes >= FRAME_TARGET:
+            self._seal_locked()
 
     def _seal_locked(self) -> None:
         cur = self._cur
@@ -198,7 +239,7 @@ class SpoolSink:
 
     def _loop_body(self) -> None:
         seen = -1
-        quiet_since = time.monotonic()
+        quiet_since = checked = time.monotonic()
         backoff = 0.0
         while not self._stop.is_set():
             self._wake.wait(backoff or self.flush_interval)
@@ -213,11 +254,29 @@ class SpoolSink:
                 self.append(Heartbeat(time.time()), wait=False)
                 seen = self._appended
                 quiet_since = now
+            if now - checked >= self.heartbeat_interval:
+                checked = now
+                self._check_rank_taken()
             if self.pending_bytes or self._error is not None:
                 if self.flush():
                     backoff = 0.0
                 else:
                     backoff = min(max(backoff * 2, 0.05), max(self.flush_interval, 1.0))
+
+    def _check_rank_taken(self) -> None:
+        """Warn once if another process started as this rank while this one still runs."""
+        w = self.writer
+        try:
+            newer = later_incarnation(w.layout, w.rank, w.incarnation)
+        except OSError:
+            return
+        if newer is not None:
+            self._warn_once(
+                "rank-taken",
+                f"ranklog: another process started as rank {w.rank} (incarnation {newer}) "
+                f"while this one (incarnation {w.incarnation}) still runs: two processes with "
+                "the same rank id mix their values; set RANK, or init(rank=...)",
+            )
 
     def abandon(self) -> None:
         """Stop the writer thread and close the file unsealed, as a killed process would."""

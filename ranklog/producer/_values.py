@@ -12,14 +12,22 @@ from ranklog.errors import InvalidStepError, InvalidValueError
 from ranklog.schemas import REDUCE_OPS, ParamValue
 
 __all__ = [
+    "MAX_NAME_CHARS",
+    "MAX_STEP",
     "REDACTED",
     "as_float",
+    "check_name",
     "check_step",
     "flatten_params",
     "op_spec",
 ]
 
 REDACTED: Final = "<redacted>"
+#: the longest name (metric, timer, text, image, hyperparameter) accepted
+MAX_NAME_CHARS: Final = 1024
+#: the highest step: every backend and Parquet stores steps as signed 64-bit integers
+MAX_STEP: Final = 2**63 - 1
+_CONTROL: Final = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _SECRET_RE: Final = re.compile(r"token|secret|password|passwd|api[_-]?key", re.IGNORECASE)
 
 
@@ -55,7 +63,7 @@ def _short(value: object) -> str:
 
 
 def check_step(step: object) -> int:
-    """``step`` as a non-negative int, or InvalidStepError."""
+    """``step`` as an int from 0 to 2**63-1 (numpy integers too), or InvalidStepError."""
     if isinstance(step, bool) or not hasattr(step, "__index__"):
         raise InvalidStepError(
             f"step must be a non-negative int, got {type(step).__name__} {step!r}"
@@ -63,7 +71,31 @@ def check_step(step: object) -> int:
     value = int(step.__index__())
     if value < 0:
         raise InvalidStepError(f"step must be a non-negative int, got {value}")
+    if value > MAX_STEP:
+        raise InvalidStepError(f"step {value} does not fit in a signed 64-bit integer")
     return value
+
+
+def check_name(what: str, name: object) -> str:
+    """``name`` if it is fit to name a metric, timer, text or image; InvalidValueError if not.
+
+    Any non-empty str of at most :data:`MAX_NAME_CHARS` characters, without control
+    characters (NUL, newlines, escapes), that encodes to UTF-8. ``/`` groups names;
+    characters a backend cannot take in a key or a file name are its target's business.
+    """
+    if not isinstance(name, str) or not name:
+        raise InvalidValueError(f"{what} name {_short(name)} is not a non-empty str")
+    if len(name) > MAX_NAME_CHARS:
+        raise InvalidValueError(
+            f"{what} name {_short(name)} has {len(name)} characters, more than {MAX_NAME_CHARS}"
+        )
+    if _CONTROL.search(name):
+        raise InvalidValueError(f"{what} name {name!r} contains a control character")
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        raise InvalidValueError(f"{what} name {name!r} is not valid Unicode") from None
+    return name
 
 
 def op_spec(reduce: object, *, what: str = "reduce") -> str:
@@ -106,7 +138,7 @@ def _as_mapping(obj: Any) -> Mapping[str, Any]:
 
 def _flatten(node: Mapping[str, Any], prefix: str, sep: str, out: dict[str, ParamValue]) -> None:
     for k, v in node.items():
-        key = f"{prefix}{k}"
+        key = check_name("hyperparameter", f"{prefix}{k}")
         if isinstance(v, Mapping) or hasattr(v, "__dataclass_fields__"):
             _flatten(_as_mapping(v), key + sep, sep, out)
         elif _SECRET_RE.search(str(k)):

@@ -45,7 +45,7 @@ __all__ = [
 
 #: Version of the event schema written by this release. Bumped whenever a field
 #: or a kind is added; a reader meeting a higher version counts what it skips.
-SCHEMA_VERSION: Final = 2  # 2: histogram and image kinds
+SCHEMA_VERSION: Final = 3  # 2: histogram and image kinds; 3: step_end.events
 
 #: Reductions a value may ask for (the NeMo RL timer set, plus ``last``).
 REDUCE_OPS: Final = frozenset({"mean", "sum", "min", "max", "median", "std", "count", "last"})
@@ -142,9 +142,15 @@ class Image(EventBase, tag="image", frozen=True):
 
 
 class StepEnd(EventBase, tag="step_end", frozen=True):
-    """Watermark: this rank has logged everything for steps up to and including ``step``."""
+    """Watermark: this rank has logged everything for steps up to and including ``step``.
+
+    ``events`` is how many step events the incarnation logged for ``step`` before closing
+    it (events late by its own watermark left out), or -1 when this step_end is not the
+    one that closed ``step``. A reader that counts fewer knows frames were lost.
+    """
 
     step: int
+    events: int = -1
 
 
 class Heartbeat(EventBase, tag="heartbeat", frozen=True):

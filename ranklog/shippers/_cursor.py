@@ -35,6 +35,8 @@ class SegmentCursor(msgspec.Struct, forbid_unknown_fields=False):
     offset: int = 0
     seen: int = 0
     done: bool = False
+    #: the sequence number of the frame expected at ``offset`` (-1: unknown)
+    seq: int = -1
 
 
 class IncState(msgspec.Struct, forbid_unknown_fields=False):

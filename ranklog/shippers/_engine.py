@@ -32,7 +32,9 @@ from typing import Final, Protocol
 from ranklog.errors import CursorError, TailRestartedError, TransientTargetError
 from ranklog.schemas import ParamValue
 from ranklog.shippers._cursor import Cursor, load_cursor, save_cursor
+from ranklog.shippers._lease import DEFAULT_TTL, Lease
 from ranklog.shippers._progress import Progress, Status
+from ranklog.shippers._registry import default_name
 from ranklog.shippers._source import Source, SpoolSource
 from ranklog.shippers._steps import StepPartial
 from ranklog.shippers._tail import NO_GAP, RankTail, RankView, StepGap, TailCommit, TailPoll
@@ -152,6 +154,7 @@ class Shipper:
         progress: Progress | None = None,
         source: Source | None = None,
         tails: Tails | None = None,
+        lease_ttl: float = DEFAULT_TTL,
     ) -> None:
         self.spool = spool
         self.target = target
@@ -184,6 +187,8 @@ class Shipper:
         self._last_commit = time.monotonic()
         self._target_ok = False
         self._opened = False
+        #: one shipper per (spool, target): held while running
+        self.lease = Lease(spool, default_name(target.spec), target=target.spec, ttl=lease_ttl)
 
     # -- start ----------------------------------------------------------------------------
 
@@ -323,14 +328,15 @@ class Shipper:
         if not ready:
             return [], self.shipped_upto
         world = max(len(expected), 1)
-        marks = [self.views[r].watermark for r in expected if r in self.views]
+        marks = [(r, self.views[r].watermark) for r in expected if r in self.views]
         out = []
         for step, part in zip(
             ready, self.tails.partials(ready, per_rank=self.per_rank), strict=True
         ):
-            closed = sum(1 for m in marks if m >= step)
             if part is None:  # a tail lost it: read again rather than ship an empty step
                 raise TailRestartedError(f"step {step} is no longer held by a tail")
+            # a rank that lost frames of the step is not one that closed it whole
+            closed = sum(1 for r, m in marks if m >= step and r not in part.damaged)
             if closed == 0 and part.only_gpu():
                 # GPU samples taken after the last step, until the ranks ended: no step
                 # of training, nothing to ship (the samples stay in the spool and Parquet)
@@ -346,6 +352,7 @@ class Shipper:
         Params logged while a rank was at step S are written just before the first
         shipped step >= S (or at the very end): the same place live and in replay.
         """
+        self.lease.check()  # a shipper that lost its lease sends nothing more
         due = sorted(self.params_due, key=lambda d: d[0])  # stable: log order kept
         sent = 0
         chunk: list[ShippedStep] = []
@@ -381,6 +388,7 @@ class Shipper:
         self._commit()
 
     def _commit(self) -> None:
+        self.lease.check()
         state = self.tails.commit(
             self.shipped_upto, self._durable_gap, params_pending=bool(self.params_due)
         )
@@ -459,14 +467,33 @@ class Shipper:
             corrupt=len(self.stats.bad),
         )
 
+    def _acquire_lease(self) -> None:
+        """Take the lease; a spool that cannot be written yet (disk full) is waited for."""
+        backoff = 0.5
+        while True:
+            try:
+                self.lease.acquire()
+                return
+            except OSError as exc:
+                log.warning("cannot write the lease %s (%s); retrying in %.1fs",
+                            self.lease.path, exc, backoff)  # fmt: skip
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 30.0)
+
     def run_forever(self, *, once: bool = False, max_seconds: float | None = None) -> int:
-        """Ship until done: ``once`` drains what is ready and returns; else follows the job."""
-        self._open()
+        """Ship until done: ``once`` drains what is ready and returns; else follows the job.
+
+        Raises :class:`~ranklog.errors.LeaseHeldError` when another shipper ships to the
+        same target from the same spool.
+        """
+        self._acquire_lease()
         deadline = None if max_seconds is None else time.monotonic() + max_seconds
         backoff = 0.0
         try:
+            self._open()
             while True:
                 try:
+                    self.lease.check()
                     if not self._target_ok:
                         self._reopen_target()
                         if not self._target_ok:
@@ -504,6 +531,7 @@ class Shipper:
             self.tails.close()
             if self._opened:
                 self.target.close()
+            self.lease.release()
             if self.progress is not None:
                 self.progress.done(self.status())
         return 0

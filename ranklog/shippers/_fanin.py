@@ -40,6 +40,7 @@ import msgspec
 
 from ranklog.errors import ConfigError, TailRestartedError
 from ranklog.shippers._cursor import Cursor
+from ranklog.shippers._lease import DEFAULT_TTL
 from ranklog.shippers._progress import Progress
 from ranklog.shippers._reduce import parse_ops
 from ranklog.shippers._registry import make_target
@@ -379,6 +380,7 @@ def ship_on_ray(
     per_rank: bool,
     once: bool,
     quiet: bool,
+    lease_ttl: float = DEFAULT_TTL,
 ) -> dict[str, int]:
     """Connect to Ray (``address``; None: ``RAY_ADDRESS`` or a local instance), ship, return."""
     try:
@@ -409,6 +411,7 @@ def ship_on_ray(
             "dead_after": dead_after,
             "start_grace": start_grace,
             "per_rank": per_rank,
+            "lease_ttl": lease_ttl,
         }
         spool = str(Path(spool).resolve())
         result: dict[str, int] = ray.get(

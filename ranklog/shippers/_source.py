@@ -82,8 +82,14 @@ class SegState:
     exhausted: bool = False
     size: int = -1
     mtime: float = 0.0
-    #: (frame end, max step in frame, holds params) of frames read but not yet consumed
-    frames: list[tuple[int, int, bool]] = field(default_factory=list)
+    #: sequence number of the frame expected at ``offset`` (None: unknown)
+    next_seq: int | None = None
+    #: ... and at ``consumed``
+    consumed_seq: int | None = None
+    #: its place in its incarnation's sequence was checked (a missing segment before it)
+    placed: bool = False
+    #: frames read but not yet consumed: (end, max step in frame, holds params, next seq)
+    frames: list[tuple[int, int, bool, int | None]] = field(default_factory=list)
 
 
 class Source(Protocol):
@@ -91,6 +97,10 @@ class Source(Protocol):
 
     segments: dict[str, SegState]
     by_rank: dict[int, list[SegState]]
+    #: step_end event counts are checked against what was read (off for a filtered replay)
+    verify_counts: bool
+    #: only steps lo <= step < hi exist in this source (None: all)
+    step_range: tuple[int | None, int | None] | None
 
     @property
     def mode(self) -> str:
@@ -133,6 +143,8 @@ class SpoolSource:
         self.poll_interval = poll if poll is not None else 1.0
         self.segments: dict[str, SegState] = {}
         self.by_rank: dict[int, list[SegState]] = {}
+        self.verify_counts = True
+        self.step_range: tuple[int | None, int | None] | None = None
         self._dir_seen: dict[str, tuple[int, float]] = {}
         self._rank_dirs: set[int] = set()
         self._wake = threading.Event()
@@ -238,7 +250,8 @@ class SpoolSource:
         """Refresh size and mtime of ``seg``; True if it may have bytes not read yet."""
         try:
             if self.network:
-                fd = os.open(seg.name.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+                fd = os.open(seg.name.path, flags)
                 try:
                     st = os.fstat(fd)
                 finally:

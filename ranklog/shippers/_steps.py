@@ -41,6 +41,8 @@ class Contribution:
 
     incarnation: int
     events: list[Contributed] = field(default_factory=list)
+    #: step events among them (what the rank's step_end counts)
+    count: int = 0
 
 
 @dataclass(slots=True)
@@ -48,6 +50,8 @@ class StepAcc:
     """Everything logged for one step, per rank."""
 
     ranks: dict[int, Contribution] = field(default_factory=dict)
+    #: ranks whose contribution lost frames to damage: left out, the step partial
+    damaged: set[int] = field(default_factory=set)
 
 
 _NO_LAST: Final = (-math.inf, -1, math.nan)
@@ -134,6 +138,8 @@ class StepPartial:
     #: (rank, sample) in rank order
     gpus: list[tuple[int, Gpu]] = field(default_factory=list)
     per_rank: dict[int, dict[str, float]] | None = None
+    #: ranks left out because frames of theirs for the step were lost (sorted)
+    damaged: list[int] = field(default_factory=list)
 
     @classmethod
     def build(
@@ -154,10 +160,11 @@ class StepPartial:
         named_specs: dict[str, tuple[int, str]] = {}
         timers: dict[str, list[float]] = {}
         timer_specs: dict[str, tuple[int, str]] = {}
-        out = cls(step, ranks=len(acc.ranks), per_rank={} if per_rank else None)
+        order = sorted(r for r in acc.ranks if r not in acc.damaged)
+        out = cls(step, ranks=len(order), per_rank={} if per_rank else None)
+        out.damaged = sorted(acc.damaged)
         slowest = out.slowest
         ts = 0.0
-        order = sorted(acc.ranks)
         for rank in order:
             events = acc.ranks[rank].events
             for ev in events:
@@ -213,8 +220,14 @@ class StepPartial:
         return out
 
     def only_gpu(self) -> bool:
-        """Whether GPU samples are all the step holds (no rank logged anything for it)."""
-        return not (self.metrics or self.timers or self.texts or self.histograms or self.images)
+        """Whether GPU samples are all the step holds (no rank logged anything for it).
+
+        A step some rank lost frames of is never "only GPU": the loss must show.
+        """
+        return not (
+            self.metrics or self.timers or self.texts or self.histograms or self.images
+            or self.damaged
+        )  # fmt: skip
 
     def merge(self, other: StepPartial) -> StepPartial:
         """The partial of both rank sets together (they must be disjoint)."""
@@ -227,6 +240,7 @@ class StepPartial:
             slowest=dict(self.slowest),
             texts=sorted(self.texts + other.texts, key=lambda t: t.rank),
             images=sorted(self.images + other.images, key=lambda t: t.rank),
+            damaged=sorted({*self.damaged, *other.damaged}),
         )
         for name, best in other.slowest.items():
             mine = out.slowest.get(name)

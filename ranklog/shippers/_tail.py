@@ -27,7 +27,7 @@ from ranklog.schemas import STEP_KINDS, Event, Gpu, Params, ParamValue, RankEnd,
 from ranklog.shippers._cursor import Cursor, IncState, SegmentCursor
 from ranklog.shippers._source import SegState, Source
 from ranklog.shippers._steps import Contributed, Contribution, StepAcc, StepPartial
-from ranklog.spool import NO_STEP, BadRange, RunInfo
+from ranklog.spool import HEADER_SIZE, NO_STEP, BadRange, RunInfo
 
 __all__ = [
     "MAX_PENDING_STEPS",
@@ -47,6 +47,9 @@ log = logging.getLogger("ranklog.ship")
 ROUND_BYTES: Final = 256 * 1024
 #: past this many steps waiting in memory, only the ranks holding them back are read
 MAX_PENDING_STEPS: Final = 1024
+#: at most this many steps are marked partial after one gap in a rank's frames
+MAX_TAINTED_STEPS: Final = 100_000
+_STEPPED: Final = (*STEP_KINDS, StepEnd)
 
 
 class StepGap(NamedTuple):
@@ -190,6 +193,8 @@ class RankTail:
         self._poll = TailPoll(False, [], [], [])
         self._late = self._relogged = 0
         self._bad: list[BadRange] = []
+        #: (rank, incarnation) -> watermark before frames found lost, until a frame with steps
+        self._damaged_from: dict[tuple[int, int], int] = {}
 
     def restore(self, cursor: Cursor) -> None:
         """Carry on from a committed cursor (only this tail's ranks are taken)."""
@@ -237,6 +242,9 @@ class RankTail:
                 seg.offset = seg.consumed = saved.offset
                 seg.seen = saved.seen
                 seg.exhausted = saved.done
+                seg.next_seq = seg.consumed_seq = saved.seq if saved.seq >= 0 else None
+            elif seg.name.segment == 1:
+                seg.next_seq = 0  # an incarnation's frames are numbered from 0
             rank = self.ranks.setdefault(seg.name.rank, RankState())
             rank.incs.setdefault(seg.name.incarnation, IncState())
 
@@ -262,14 +270,21 @@ class RankTail:
                     progressed = True
                 if seg.reader.header is not None and not self._identity_ok(seg):
                     continue
+                if not seg.placed and seg.offset <= HEADER_SIZE:
+                    self._place(rank, segs, i)
                 for frame in res.frames:
+                    self._sequence(rank, seg, frame.seq)
+                    if self._damaged_from:
+                        self._damage_until(rank, seg.name.incarnation, frame.events)
                     max_step, holds = self._apply(rank, seg, frame.events, frame.end)
-                    seg.frames.append((frame.end, max_step, holds))
+                    seg.frames.append((frame.end, max_step, holds, seg.next_seq))
                 if res.bad:
                     self._report_bad(res.bad, seg)
                 seg.offset = res.end
                 if res.seal is not None:
                     seg.sealed = True
+                    if res.seal_seq is not None:
+                        self._sequence(rank, seg, res.seal_seq)
                 if res.more:
                     state.caught_up = False
                     break  # budget used: the rest of this rank next round
@@ -280,6 +295,94 @@ class RankTail:
                     continue
                 break  # a live tail
         return progressed
+
+    # -- lost frames ------------------------------------------------------------------
+
+    def _sequence(self, rank: int, seg: SegState, seq: int) -> None:
+        """Check a frame's sequence number; a gap means frames were lost to damage.
+
+        The lost frames may have held events of any step this incarnation had not closed
+        yet: from its watermark on, up to its highest step so far and then up to the highest
+        step of the next frame that has one (:meth:`_damage_until`); a step_end whose event
+        count matches clears a step again.
+        """
+        if seq < 0:  # a frame replay made up (a rank_end): it has no place in the sequence
+            return
+        expected, seg.next_seq = seg.next_seq, seq + 1
+        if expected is not None and seq != expected:
+            self._gap(rank, seg, f"frame {seq} follows frame {expected - 1}")
+
+    def _place(self, rank: int, segs: list[SegState], i: int) -> None:
+        """Start a segment's sequence where the previous one of its incarnation ended.
+
+        A segment missing before it (deleted, or not a regular file any more) is a gap.
+        """
+        seg = segs[i]
+        seg.placed = True
+        n = seg.name
+        prev = segs[i - 1] if i > 0 else None
+        if prev is not None and prev.name.incarnation == n.incarnation:
+            if prev.name.segment + 1 == n.segment:
+                if prev.exhausted and seg.next_seq is None:
+                    seg.next_seq = prev.next_seq
+                return
+            self._gap(rank, seg, f"segments {prev.name.segment + 1}-{n.segment - 1} missing")
+        elif n.segment > 1:
+            self._gap(rank, seg, f"segments 1-{n.segment - 1} missing")
+
+    def _gap(self, rank: int, seg: SegState, why: str) -> None:
+        """Frames of ``seg``'s incarnation were lost before ``seg.offset``."""
+        inc_no = seg.name.incarnation
+        inc = self.ranks[rank].incs[inc_no]
+        watermark = inc.watermark
+        key = (rank, inc_no)
+        self._damaged_from[key] = min(self._damaged_from.get(key, watermark), watermark)
+        self._taint(rank, watermark, inc.max_step)  # open steps it logged: at once
+        log.warning("frames lost in %s before offset %d (%s): steps of rank %d after %d are "
+                    "marked partial unless their counts prove them whole",
+                    seg.name.path, seg.offset, why, rank, watermark)  # fmt: skip
+
+    def _damage_until(self, rank: int, inc_no: int, events: list[Event]) -> None:
+        """The first frame with steps after a gap: taint the steps up to its highest.
+
+        Done before the frame is applied, so that its step_ends can clear what they prove.
+        """
+        key = (rank, inc_no)
+        if key not in self._damaged_from:
+            return
+        top = max((ev.step for ev in events if isinstance(ev, _STEPPED)), default=NO_STEP)
+        if top != NO_STEP:
+            self._taint(rank, self._damaged_from.pop(key), top)
+
+    def _verify(self, rank: int, inc_no: int, step: int, logged: int) -> None:
+        """A step_end says ``rank`` logged ``logged`` step events for ``step``: compare."""
+        acc = self.steps.get(step)
+        contrib = acc.ranks.get(rank) if acc is not None else None
+        got = contrib.count if contrib is not None and contrib.incarnation == inc_no else 0
+        if got == logged:
+            if acc is not None:
+                acc.damaged.discard(rank)  # whole, whatever a gap before it suggested
+            return
+        log.warning("rank %d incarnation %d logged %d events for step %d, %d were read: "
+                    "the step is marked partial", rank, inc_no, logged, step, got)  # fmt: skip
+        self._taint(rank, step - 1, step)
+
+    def _taint(self, rank: int, after: int, upto: int) -> None:
+        """Mark ``rank``'s contribution to the steps ``after < s <= upto`` as incomplete."""
+        lo, hi = max(after, self.shipped_upto) + 1, upto + 1
+        if self.source.step_range is not None:
+            first, end = self.source.step_range
+            lo = lo if first is None else max(lo, first)
+            hi = hi if end is None else min(hi, end)
+        if hi - lo > MAX_TAINTED_STEPS:
+            log.warning("rank %d: %d steps may hold lost frames; the last %d are marked",
+                        rank, hi - lo, MAX_TAINTED_STEPS)  # fmt: skip
+            lo = hi - MAX_TAINTED_STEPS
+        for step in range(lo, hi):
+            acc = self.steps.get(step)
+            if acc is None:
+                self.steps[step] = acc = StepAcc()
+            acc.damaged.add(rank)
 
     def _probe(self, state: RankState, segs: list[SegState], now: float) -> None:
         """Refresh sizes; a segment seen growing is a sign of life, on this machine's clock."""
@@ -375,15 +478,20 @@ class RankTail:
                     if fresh and not gap.holds(step) and not (step > own and rgap.holds(step)):
                         self._late += 1
                     continue
-                self._contribute(step, rank, inc_no, ev)
+                self._contribute(step, rank, inc_no, ev, counted=True)
             elif isinstance(ev, Gpu):
                 # a sample belongs to the step this rank is in (its own stream's order)
                 step = ev.step if ev.step is not None else inc.watermark + 1
                 if step > shipped_upto:
                     if step > max_step:
                         max_step = step
-                    self._contribute(step, rank, inc_no, ev)
+                    self._contribute(step, rank, inc_no, ev, counted=False)
             elif isinstance(ev, StepEnd):
+                if ev.events >= 0 and ev.step > shipped_upto and self.source.verify_counts:
+                    if prev_closed is None:
+                        prev_closed = state.closed_before(inc_no)
+                    if ev.step > prev_closed:
+                        self._verify(rank, inc_no, ev.step, ev.events)
                 if ev.step > inc.closed:
                     inc.closed = ev.step
                 if ev.step > max_step:  # a frame is consumed once its step_end is shipped too
@@ -403,8 +511,13 @@ class RankTail:
                 holds = holds or effective > shipped_upto
         return max_step, holds
 
-    def _contribute(self, step: int, rank: int, inc_no: int, ev: Contributed) -> None:
-        """Add ``ev`` to what ``rank`` logged for ``step``; a later incarnation replaces."""
+    def _contribute(
+        self, step: int, rank: int, inc_no: int, ev: Contributed, *, counted: bool
+    ) -> None:
+        """Add ``ev`` to what ``rank`` logged for ``step``; a later incarnation replaces.
+
+        ``counted``: a step event (its rank's step_end counts those).
+        """
         acc = self.steps.get(step)
         if acc is None:
             self.steps[step] = acc = StepAcc()
@@ -413,6 +526,7 @@ class RankTail:
             acc.ranks[rank] = contrib = Contribution(inc_no)
         if contrib.incarnation == inc_no:
             contrib.events.append(ev)
+            contrib.count += counted
 
     # -- what the owner asks ----------------------------------------------------------
 
@@ -477,19 +591,20 @@ class RankTail:
         for seg in self.source.segments.values():
             frames = seg.frames
             n = 0
-            for end, max_step, holds in frames:
+            for end, max_step, holds, next_seq in frames:
                 if max_step > shipped_upto or (holds and params_pending):
                     break
-                seg.consumed = end
+                seg.consumed, seg.consumed_seq = end, next_seq
                 n += 1
             if n:
                 del frames[:n]
             if seg.exhausted and not frames:
-                seg.consumed = seg.offset
+                seg.consumed, seg.consumed_seq = seg.offset, seg.next_seq
             segments[seg.key] = SegmentCursor(
                 offset=seg.consumed,
                 seen=max(seg.offset, seg.seen),
                 done=seg.exhausted and not frames,
+                seq=-1 if seg.consumed_seq is None else seg.consumed_seq,
             )
         ranks = {
             str(r): {str(k): v for k, v in s.incs.items()} for r, s in sorted(self.ranks.items())

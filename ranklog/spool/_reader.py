@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -76,6 +77,8 @@ class ReadResult:
     bad: list[BadRange] = field(default_factory=list)
     #: The seal frame's contents, once the segment is sealed.
     seal: dict[str, object] | None = None
+    #: The seal frame's sequence number (frames of the next segment continue from it).
+    seal_seq: int | None = None
     #: Bytes past ``end`` left for a later read (a tail being written).
     pending: int = 0
     size: int = 0
@@ -103,7 +106,10 @@ class SegmentReader:
         self.header_error: str | None = None
 
     def _open(self) -> int:
-        return os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO put where a segment was must not block the reader; on a
+        # regular file it changes nothing
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+        return os.open(self.path, flags)
 
     def read(
         self, offset: int = 0, *, writer_gone: bool = False, max_bytes: int | None = None
@@ -121,7 +127,11 @@ class SegmentReader:
             res.bad.append(BadRange(str(self.path), 0, 0, f"cannot open: {reason}"))
             return res
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                res.bad.append(BadRange(str(self.path), 0, 0, "not a regular file"))
+                return res
+            size = st.st_size
             res.size = size
             if offset < HEADER_SIZE:
                 data = os.pread(fd, HEADER_SIZE, 0)
@@ -192,6 +202,7 @@ class SegmentReader:
                 i += total
                 res.end = pos + i
                 if kind == FRAME_SEAL:
+                    res.seal_seq = seq
                     try:
                         res.seal = _seal_decoder.decode(payload)
                     except (msgspec.DecodeError, msgspec.ValidationError):

@@ -26,6 +26,13 @@ from ranklog.spool import RunInfo
 __all__ = ["TARGET", "ConsoleTarget"]
 
 _SAMPLE_RE: Final = re.compile(r"sample|val|generation", re.IGNORECASE)
+#: control characters a terminal would act on (escape sequences): shown as U+FFFD
+_CONTROL: Final = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _safe(text: str) -> str:
+    """``text`` with the control characters a terminal would act on replaced."""
+    return _CONTROL.sub("\ufffd", text)
 
 
 def _fmt(v: float) -> str:
@@ -60,7 +67,7 @@ class ConsoleTarget:
 
     def write_params(self, params: dict[str, ParamValue]) -> None:
         items = ", ".join(f"{k}={v}" for k, v in sorted(params.items()))
-        print(f"params  {items}", file=self.out)
+        print(f"params  {_safe(items)}", file=self.out)
 
     def write(self, steps: list[ShippedStep]) -> None:
         for s in steps:
@@ -87,7 +94,7 @@ class ConsoleTarget:
                     self._box(t)
                 shown += 1
             else:
-                print(f"  text {t.name} (rank {t.rank}): {t.text}", file=self.out)
+                print(f"  text {t.name} (rank {t.rank}): {_safe(t.text)}", file=self.out)
         if shown > self.samples:
             print(f"  ... {shown - self.samples} more samples not shown", file=self.out)
 
@@ -95,7 +102,7 @@ class ConsoleTarget:
         width = max(40, min(100, shutil.get_terminal_size((100, 20)).columns - 4))
         title = f" {t.name} (rank {t.rank}) "
         print("  ┌" + title + "─" * max(0, width - len(title)), file=self.out)
-        for line in t.text.splitlines() or [""]:
+        for line in _safe(t.text).splitlines() or [""]:
             while len(line) > width:
                 print("  │ " + line[:width], file=self.out)
                 line = line[width:]
