@@ -146,7 +146,7 @@ def gpu_series(dataset: Path) -> list[GpuSeries]:
     """One series per GPU, ordered by (host, index)."""
     cols = ["host", "index", "gpu_name", "ts", "util", "mem_used", "mem_total"]
     order = [("host", "ascending"), ("index", "ascending"), ("ts", "ascending")]
-    rows = _read(dataset, "gpu", cols).sort_by(order)
+    rows = _read(dataset, "gpu", cols, where=ds.field("index") >= 0).sort_by(order)  # GPUs only
     keys = rows.group_by(["host", "index"]).aggregate([("ts", "count")]).sort_by(order[:2])
     ts, util, used, total = (_floats(rows["ts"], ts=True), *(_floats(rows[c]) for c in cols[4:]))
     out, start = [], 0

@@ -3,11 +3,13 @@ spool data; never a crash, a hang, a file outside a target's directory, or a scr
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import subprocess
 import sys
 import threading
+import time
 import uuid
 import warnings
 from pathlib import Path
@@ -25,7 +27,7 @@ from ranklog.spool import IncarnationWriter, SpoolLayout, ensure_run, read_run
 from ranklog.testing import bad_ranges, read_events
 
 from .conftest import python_env
-from .shiphelp import lines, rank, ship
+from .shiphelp import lines, log_steps, rank, ship
 from .spoolgen import step_events, write_frame
 
 
@@ -385,3 +387,55 @@ class TestBackendPaths:
         assert not {p for p in outside if spool not in p.parents}, outside
         assert not Path(escape.split("/")[-1]).exists()
         assert not list(Path("/tmp").glob("ranklog-escape-*"))
+
+
+class TestCursorDiskFull:
+    """The spool's disk fills up while a shipper follows the job (its cursor cannot be written)."""
+
+    @staticmethod
+    def _failing_commits(monkeypatch: pytest.MonkeyPatch, failures: int) -> list[int]:
+        calls: list[int] = []
+        real = Shipper._commit
+
+        def commit(self: Shipper) -> None:
+            calls.append(1)
+            if len(calls) <= failures:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            real(self)
+
+        monkeypatch.setattr(Shipper, "_commit", commit)
+        return calls
+
+    def test_full_disk_at_the_last_commit_is_waited_out(
+        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """ENOSPC on the final cursor write is retried, not fatal; every step once."""
+        run = rank(spool, 0, 1)
+        log_steps(run, range(5))
+        run.close()
+        calls = self._failing_commits(monkeypatch, 2)
+        shipper = ship(spool, tmp_path / "out.jsonl")
+        assert len(calls) >= 3 and shipper.shipped_upto == 4
+        assert [x["step"] for x in lines(tmp_path / "out.jsonl")] == list(range(5))
+
+    def test_full_disk_in_the_loop_keeps_following(
+        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """ENOSPC on a cursor write inside the loop is a retried failure, not an exit."""
+        run = rank(spool, 0, 1)
+        run.flush()  # the rank's start only: a first round reads frames and ships nothing
+        calls = self._failing_commits(monkeypatch, 1)
+        shipper = Shipper(str(spool), JsonlTarget(tmp_path / "out.jsonl"), name="t",
+                          dead_after=3600, start_grace=0)  # fmt: skip
+        monkeypatch.setattr(shipper, "_last_commit", -1e9)  # the periodic commit is due
+
+        def finish_later() -> None:
+            time.sleep(1.0)
+            log_steps(run, range(6))
+            run.close()
+
+        writer = threading.Thread(target=finish_later)
+        writer.start()
+        assert shipper.run_forever(max_seconds=60) == 0
+        writer.join()
+        assert calls and [x["step"] for x in lines(tmp_path / "out.jsonl")] == list(range(6))

@@ -227,13 +227,43 @@ class TestNemoOnRay:
         """NeMo's ``monitor_gpus`` in a Ray driver samples every node, as RayGpuMonitorLogger."""
         from ranklog.nemo import Logger
 
-        cfg = {"log_dir": str(tmp_path / "logs"), "monitor_gpus": True,
-               "gpu_monitoring": {"collection_interval": 0.2}}  # fmt: skip
-        logger = Logger(cfg, rank=0, world_size=1)
+        cfg = {"log_dir": str(tmp_path / "logs"), "wandb_enabled": False,
+               "swanlab_enabled": False, "tensorboard_enabled": False, "mlflow_enabled": False,
+               "wandb": {}, "monitor_gpus": True, "ranklog": {"rank": 0, "world_size": 1},
+               "gpu_monitoring": {"collection_interval": 0.2, "flush_interval": 5}}  # fmt: skip
+        logger = Logger(cfg)  # type: ignore[arg-type]
         try:
             sampler = logger.run._gpu
             assert sampler is not None and sampler.interval == 0.2
-            assert isinstance(sampler._source, RaySource) and sampler._source.scope == "cluster"
-            assert [a for a, _ in sampler._source.endpoints()] == ["127.0.0.1"]
+            source = sampler._source
+            assert isinstance(source, RaySource) and source.scope == "cluster"
+            assert source.with_host_memory
+            assert [a for a, _ in source.endpoints()] == ["127.0.0.1"]
+            assert logger.gpu_monitor is not None and logger.gpu_monitor.is_running
+            time.sleep(0.5)
         finally:
             logger.finish()
+        hosts = [e for e in read_events(tmp_path / "logs" / "spool") if isinstance(e, Gpu)]
+        assert hosts and all(e.index == -1 and e.mem_total for e in hosts)  # host memory
+
+    def test_nemo_monitor_collects_from_the_real_head(self, head: RayHead) -> None:
+        """NeMo's own monitor class reads the head's agent: node.0 memory, flushed to a parent."""
+        from ranklog.nemo import RayGpuMonitorLogger
+
+        calls: list[tuple[dict[str, Any], int, str]] = []
+
+        class Parent:
+            def log_metrics(self, metrics: dict[str, Any], step: int, prefix: str = "",
+                            step_metric: str | None = None) -> None:  # fmt: skip
+                calls.append((metrics, step, prefix))
+
+        m = RayGpuMonitorLogger(0.1, 3600, "ray", "ray/ray_step", parent_logger=Parent())
+        got = m._collect_metrics()
+        assert got["node.0.mem_total_gb"] == pytest.approx(mem_total() / 1024**3, rel=0.05)
+        m.start()
+        deadline = time.monotonic() + 30
+        while not m.metrics_buffer and time.monotonic() < deadline:
+            time.sleep(0.1)
+        m.stop()
+        assert calls and calls[0][2] == "ray" and "ray/ray_step" in calls[0][0]
+        assert "node.0.mem_gb" in calls[0][0]

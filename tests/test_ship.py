@@ -365,7 +365,15 @@ class TestHistogramsAndImages:
         assert [(i.rank, i.data) for i in step.images] == [(0, b"img0"), (1, b"img1")]  # type: ignore[attr-defined]
         (line,) = lines(out)
         assert line["histograms"] == {
-            "grad": {"count": 4.0, "min": 0.0, "max": 11.0, "mean": 5.5, "std": 25.25**0.5}
+            "grad": {
+                "count": 4.0,
+                "min": 0.0,
+                "max": 11.0,
+                "mean": 5.5,
+                "std": 25.25**0.5,
+                "p50": 5.5,
+                "p90": 10.7,
+            }
         }
         assert line["images"][1] == {"rank": 1, "name": "plot", "format": "png", "bytes": 4}
 

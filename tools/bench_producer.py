@@ -604,7 +604,11 @@ def _bench_nemo(base: Path, budget: Budget) -> list[Row]:
     calls = budget.mlflow_calls
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="nemo-", dir=base) as tmp:
-        logger = Logger({"log_dir": tmp}, rank=0, world_size=1)
+        cfg = {"log_dir": tmp, "wandb_enabled": False, "swanlab_enabled": False,
+               "tensorboard_enabled": False, "mlflow_enabled": False, "monitor_gpus": False,
+               "wandb": {}, "gpu_monitoring": {"collection_interval": 10, "flush_interval": 10},
+               "ranklog": {"rank": 0, "world_size": 1}}  # fmt: skip
+        logger = Logger(cfg)  # type: ignore[arg-type]
         samples = time_calls(
             lambda i: logger.log_metrics(payloads[i % len(payloads)], i, "train", None, True),
             calls * 10,

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Final, Literal, NamedTuple, Protocol, TypeAlias
 
 from ranklog.errors import ConfigError, ExtraMissingError, RanklogWarning
-from ranklog.schemas import Gpu
+from ranklog.schemas import HOST_INDEX, Gpu
 
 __all__ = ["GpuSampler", "GpuSource", "HostMemory", "NvmlSource", "RaySource", "elect_sampler"]
 
@@ -119,7 +119,13 @@ class RaySource:
 
     name = "ray"
 
-    def __init__(self, *, scope: Literal["local", "cluster"] = "local", timeout: float = 2.0):
+    def __init__(
+        self,
+        *,
+        scope: Literal["local", "cluster"] = "local",
+        timeout: float = 2.0,
+        host_memory: bool = False,
+    ):
         try:
             import ray
         except ImportError:
@@ -128,6 +134,9 @@ class RaySource:
 
         self._ray: Any = ray
         self.scope, self.timeout = scope, timeout
+        #: also sample each node's memory, as a Gpu event of index HOST_INDEX (NeMo RL's
+        #: ``ray/node.N.mem_gb``)
+        self.with_host_memory = host_memory
         self.host_memory: list[HostMemory] = []  # of the last sample
         self._open = urllib.request.build_opener(urllib.request.ProxyHandler({})).open
 
@@ -165,6 +174,10 @@ class RaySource:
         if errors and len(errors) == len(targets):
             raise errors[0]
         self.host_memory = memory
+        if self.with_host_memory:
+            ts = time.time()
+            gpus += [Gpu(ts, m.host, HOST_INDEX, mem_used=m.used, mem_total=m.total,
+                         name="host memory") for m in memory]  # fmt: skip
         return gpus
 
     def close(self) -> None: ...

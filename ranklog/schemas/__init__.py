@@ -8,6 +8,7 @@ from ranklog.schemas._codec import DecodeStats, decode_events, encoder
 from ranklog.schemas._events import (
     DEFAULT_METRIC_REDUCE,
     DEFAULT_TIMER_REDUCE,
+    HOST_INDEX,
     KINDS,
     REDUCE_OPS,
     SCHEMA_VERSION,
@@ -32,6 +33,7 @@ from ranklog.schemas._events import (
 __all__ = [
     "DEFAULT_METRIC_REDUCE",
     "DEFAULT_TIMER_REDUCE",
+    "HOST_INDEX",
     "KINDS",
     "REDUCE_OPS",
     "SCHEMA_VERSION",

@@ -22,6 +22,7 @@ import msgspec
 __all__ = [
     "DEFAULT_METRIC_REDUCE",
     "DEFAULT_TIMER_REDUCE",
+    "HOST_INDEX",
     "KINDS",
     "REDUCE_OPS",
     "SCHEMA_VERSION",
@@ -96,8 +97,13 @@ class Timer(EventBase, tag="timer", frozen=True):
     reduce: str = DEFAULT_TIMER_REDUCE
 
 
+#: ``Gpu.index`` of a sample of the host's memory (``mem_used``, ``mem_total``), not a GPU's
+HOST_INDEX: Final = -1
+
+
 class Gpu(EventBase, tag="gpu", frozen=True):
-    """One sample of one GPU; only one process per host samples."""
+    """One sample of one GPU (or, with index :data:`HOST_INDEX`, of the host's memory);
+    only one process per host samples."""
 
     host: str
     index: int

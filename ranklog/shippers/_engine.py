@@ -480,6 +480,31 @@ class Shipper:
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 30.0)
 
+    def _retry_reopen(self) -> None:
+        """Reopen the target after a failure; a reopen that fails too waits for the next try."""
+        if not self._target_ok:
+            return
+        try:
+            self._reopen_target()
+        except (OSError, TransientTargetError) as exc:
+            log.warning("reopening %s failed (%s)", self.target.spec, exc)
+            self._target_ok = False
+
+    def _final_commit(self) -> None:
+        """The last cursor write; a full disk is waited out (up to a minute) before giving up."""
+        backoff = 0.5
+        deadline = time.monotonic() + 60.0
+        while True:
+            try:
+                self._commit()
+                return
+            except OSError as exc:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("cannot write the cursor (%s); retrying in %.1fs", exc, backoff)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
     def run_forever(self, *, once: bool = False, max_seconds: float | None = None) -> int:
         """Ship until done: ``once`` drains what is ready and returns; else follows the job.
 
@@ -499,24 +524,23 @@ class Shipper:
                         if not self._target_ok:
                             raise TransientTargetError(f"{self.target.spec} cannot be opened")
                     progressed, shipped = self.step_once()
+                    if shipped:
+                        self._last_commit = time.monotonic()
+                    elif progressed and time.monotonic() - self._last_commit > 5.0:
+                        self._commit()  # record frames read that hold no step (ends, seals)
+                        self._last_commit = time.monotonic()
                     backoff = 0.0
                 except (OSError, TransientTargetError) as exc:
-                    # target or filesystem trouble: the cursor stays; retry from what the
-                    # target durably holds, as a restarted shipper would
+                    # target or filesystem trouble (a full disk too): the cursor stays; retry
+                    # from what the target durably holds, as a restarted shipper would
                     backoff = min(max(backoff * 2, 0.5), 30.0)
                     log.warning("shipping to %s failed (%s); retrying in %.1fs",
                                 self.target.spec, exc, backoff)  # fmt: skip
                     time.sleep(backoff)
-                    if self._target_ok:
-                        self._reopen_target()
+                    self._retry_reopen()
                     continue
                 if self.progress is not None:
                     self.progress.update(self.status)
-                if shipped:
-                    self._last_commit = time.monotonic()
-                elif progressed and time.monotonic() - self._last_commit > 5.0:
-                    self._commit()  # record frames read that hold no step (ends, seals)
-                    self._last_commit = time.monotonic()
                 if progressed or shipped:
                     continue
                 if once:
@@ -526,7 +550,7 @@ class Shipper:
                 if deadline is not None and time.monotonic() > deadline:
                     break
                 self.tails.wait(1.0)
-            self._commit()
+            self._final_commit()
         finally:
             self.tails.close()
             if self._opened:

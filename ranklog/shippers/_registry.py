@@ -110,23 +110,33 @@ class TargetKind:
     extra: str | None = None
     #: NeMo RL: the logger config's section for this backend (``wandb`` -> ``wandb_enabled``)
     nemo_section: str | None = None
-    #: NeMo RL: the spec's argument from (section, log_dir)
+    #: NeMo RL: the spec's argument from (section, the backend's dir ``log_dir/<section>``)
     nemo_arg: Callable[[Mapping[str, Any], Path], str] | None = field(default=None)
-    #: NeMo RL: option values that follow from (section, log_dir) beyond the ``nemo`` keys
+    #: NeMo RL: option values that follow from (section, backend dir) beyond the ``nemo`` keys
     nemo_options: Callable[[Mapping[str, Any], Path], dict[str, Any]] | None = field(default=None)
 
     def nemo_command(self, cfg: Mapping[str, Any], log_dir: Path) -> list[str] | None:
-        """``--to`` and option flags for NeMo RL's logger config (None: not enabled there)."""
+        """``--to`` and option flags for NeMo RL's logger config (None: not enabled there).
+
+        The backend writes under ``log_dir/<section>``, as NeMo RL's Logger places it.
+        """
         if self.nemo_section is None or not cfg.get(f"{self.nemo_section}_enabled"):
             return None
-        section: Mapping[str, Any] = cfg.get(self.nemo_section) or {}
-        arg = self.nemo_arg(section, log_dir) if self.nemo_arg is not None else ""
+        return self.nemo_backend_command(
+            cfg.get(self.nemo_section) or {}, log_dir / self.nemo_section
+        )
+
+    def nemo_backend_command(self, section: Mapping[str, Any], backend_dir: Path) -> list[str]:
+        """``--to`` and option flags for one NeMo backend section writing under ``backend_dir``."""
+        arg = self.nemo_arg(section, backend_dir) if self.nemo_arg is not None else ""
         values = {o.name: section.get(o.nemo) for o in self.options if o.nemo is not None}
         if self.nemo_options is not None:
-            values.update(self.nemo_options(section, log_dir))
+            values.update(self.nemo_options(section, backend_dir))
         flags = ["--to", f"{self.kind}:{arg}" if arg else self.kind]
         for o in self.options:
             value = values.get(o.name)
+            if isinstance(value, list | tuple):  # NeMo's lists (W&B tags): one flag, commas
+                value = ",".join(map(str, value))
             if value is None or value == "" or value is False:
                 continue
             flags += [o.flag] if value is True else [o.flag, str(value)]

@@ -11,10 +11,23 @@ import math
 import struct
 from collections import Counter
 from dataclasses import dataclass
+from typing import Final
 
+from ranklog.schemas import HOST_INDEX
+from ranklog.shippers._registry import Option
 from ranklog.shippers._target import ImageItem, ShippedStep
 
-__all__ = ["Buckets", "buckets", "gpu_metrics", "image_size", "image_tags", "summary"]
+__all__ = [
+    "GPU_NAMES",
+    "GPU_NAMES_OPTION",
+    "Buckets",
+    "buckets",
+    "gpu_metrics",
+    "image_size",
+    "image_tags",
+    "percentile",
+    "summary",
+]
 
 _PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -49,14 +62,26 @@ def buckets(values: list[float], bins: int = 30) -> Buckets | None:
 
 
 def summary(values: list[float]) -> dict[str, float]:
-    """count, min, max, mean, std of the finite values (what MLflow gets for a histogram)."""
-    finite = [v for v in values if math.isfinite(v)]
+    """count, min, max, mean, std, p50, p90 of the finite values (MLflow's view of a histogram).
+
+    Percentiles interpolate linearly between the two nearest values, as numpy's default.
+    """
+    finite = sorted(v for v in values if math.isfinite(v))
     if not finite:
         return {"count": float(len(values))}
     mean = math.fsum(finite) / len(finite)
     var = math.fsum((v - mean) * (v - mean) for v in finite) / len(finite)
-    return {"count": float(len(finite)), "min": min(finite), "max": max(finite),
-            "mean": mean, "std": math.sqrt(var)}  # fmt: skip
+    return {"count": float(len(finite)), "min": finite[0], "max": finite[-1], "mean": mean,
+            "std": math.sqrt(var), "p50": percentile(finite, 0.5),
+            "p90": percentile(finite, 0.9)}  # fmt: skip
+
+
+def percentile(ordered: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of sorted values, interpolated linearly as numpy's default."""
+    pos = q * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def image_size(data: bytes) -> tuple[int, int, int]:
@@ -74,30 +99,65 @@ def image_tags(images: list[ImageItem]) -> list[str]:
     return [i.name if shared[i.name] == 1 else f"{i.name}/rank{i.rank:05d}" for i in images]
 
 
-def gpu_metrics(step: ShippedStep, style: str) -> dict[str, float]:
+#: the GPU series names a target can use (``--gpu-names``)
+GPU_NAMES: Final = ("ranklog", "nemo")
+#: the option every target with GPU series declares
+GPU_NAMES_OPTION: Final = Option(
+    "gpu_names", "GPU series named as ranklog names them, or as NeMo RL's Ray monitor does "
+    "(ray/node.N.gpu.M.util, ...)", choices=GPU_NAMES,
+)  # fmt: skip
+_GIB: Final = 1024.0**3
+
+
+def gpu_metrics(step: ShippedStep, style: str, *, started: float | None = None) -> dict[str, float]:
     """A step's GPU statistics named the way each ecosystem names them.
 
     ``tensorboard``: ``gpu/<host>/<i>/utilization`` ...; ``mlflow``: MLflow's system
     metrics, ``system/<host>/gpu_<i>_utilization_percentage`` ...; ``wandb``: W&B's,
     ``<host>/gpu.<i>.gpu``, ``<host>/gpu.<i>.memoryAllocatedBytes`` .... Across all GPUs
-    of the job: mean utilisation and peak memory.
+    of the job: mean utilisation and peak memory. ``nemo``: NeMo RL's Ray monitor's,
+    ``ray/node.<n>.gpu.<i>.util`` and ``.mem_gb``, ``ray/node.<n>.mem_gb`` and
+    ``.mem_total_gb`` (the host's memory), nodes numbered in host order, and
+    ``ray/ray_step``: whole seconds from ``started`` (the run's creation) to the step.
     """
     if not step.gpu:
         return {}
+    if style == "nemo":
+        return _nemo_gpu_metrics(step, started)
     names = _GPU_NAMES[style]
     out: dict[str, float] = {}
-    for g in step.gpu:
+    for g in [g for g in step.gpu if g.index != HOST_INDEX]:
         fields = {"util": g.util, "mem": g.mem_used, "temp": g.temp, "power": g.power}
         for field, value in fields.items():
             if value is not None:
                 scale = 1e-6 if style == "mlflow" and field == "mem" else 1.0
                 out[names[field].format(host=g.host, i=g.index)] = float(value) * scale
-    utils = [g.util for g in step.gpu if g.util is not None]
-    mems = [g.mem_used for g in step.gpu if g.mem_used is not None]
+    utils = [g.util for g in step.gpu if g.util is not None and g.index != HOST_INDEX]
+    mems = [g.mem_used for g in step.gpu if g.mem_used is not None and g.index != HOST_INDEX]
     if utils:
         out[names["all_util"]] = math.fsum(utils) / len(utils)
     if mems:
         out[names["all_mem"]] = float(max(mems)) * (1e-6 if style == "mlflow" else 1.0)
+    return out
+
+
+def _nemo_gpu_metrics(step: ShippedStep, started: float | None) -> dict[str, float]:
+    node = {host: n for n, host in enumerate(sorted({g.host for g in step.gpu}))}
+    out: dict[str, float] = {}
+    for g in step.gpu:
+        n = node[g.host]
+        if g.index == HOST_INDEX:
+            if g.mem_used is not None:
+                out[f"ray/node.{n}.mem_gb"] = g.mem_used / _GIB
+            if g.mem_total is not None:
+                out[f"ray/node.{n}.mem_total_gb"] = g.mem_total / _GIB
+            continue
+        if g.util is not None:
+            out[f"ray/node.{n}.gpu.{g.index}.util"] = g.util
+        if g.mem_used is not None:
+            out[f"ray/node.{n}.gpu.{g.index}.mem_gb"] = g.mem_used / _GIB
+    if out and started is not None and math.isfinite(step.ts - started):
+        out["ray/ray_step"] = float(int(step.ts - started))
     return out
 
 

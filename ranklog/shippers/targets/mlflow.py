@@ -55,6 +55,7 @@ from ranklog.errors import ExtraMissingError, TargetError, TransientTargetError
 from ranklog.schemas import ParamValue
 from ranklog.shippers._registry import Option, TargetContext, TargetKind
 from ranklog.shippers._target import ShippedStep, TextItem
+from ranklog.shippers.targets._media import GPU_NAMES_OPTION
 from ranklog.spool import RunInfo
 
 __all__ = ["MARKER", "TARGET", "MlflowTarget", "sanitize_key"]
@@ -99,13 +100,16 @@ def _chunks(items: list[Any], n: int) -> Iterator[list[Any]]:
         yield items[i : i + n]
 
 
-def _with_histograms(step: ShippedStep) -> dict[str, float]:
+def _with_histograms(
+    step: ShippedStep, gpu_names: str = "ranklog", started: float | None = None
+) -> dict[str, float]:
     """The step's metrics plus each histogram's summary (``name/count``, ``/min``, ...)."""
     if not step.histograms and not step.gpu:
         return step.metrics
     from ranklog.shippers.targets._media import gpu_metrics, summary
 
-    out = {**step.metrics, **gpu_metrics(step, "mlflow")}
+    style = "nemo" if gpu_names == "nemo" else "mlflow"
+    out = {**step.metrics, **gpu_metrics(step, style, started=started)}
     for name, values in step.histograms.items():
         out.update({f"{name}/{stat}": v for stat, v in summary(values).items()})
     return out
@@ -167,6 +171,9 @@ class MlflowTarget:
         experiment: str | None = None,
         per_rank: bool = False,
         artifact_root: str | None = None,
+        run_id: str | None = None,
+        image_layout: str = "steps",
+        gpu_names: str = "ranklog",
     ) -> None:
         self.spec = spec or f"mlflow:{uri}"
         self.uri, self._db = uri, None
@@ -179,7 +186,13 @@ class MlflowTarget:
         self.experiment = experiment
         self.per_rank = per_rank
         self.artifact_root = artifact_root
+        #: an existing MLflow run to write into (NeMo's ``run_id``), instead of one found by tag
+        self.given_run_id = run_id
+        #: ``steps``: ``images/step_<step>/<name>``; ``latest``: ``plots/<name>`` (NeMo's)
+        self.image_layout = image_layout
+        self.gpu_names = gpu_names
         self._client: Any = None
+        self._started: float | None = None
         self._exp_id = ""
         self._ranklog_id = ""
         self._name = ""
@@ -202,14 +215,19 @@ class MlflowTarget:
         with _guard("open"):
             self._client = MlflowClient(tracking_uri=self.uri)
             self._ranklog_id = run.run_id
+            self._started = run.created
             self._name = self.run_name or run.name
-            self._exp_id = self._experiment(self.experiment or run.name)
-            runs = self._search()
-            mains = [r for r in runs if r.data.tags.get("ranklog.role") == "main"]
             tags = {"ranklog.role": "main", "ranklog.version": __version__}
             if run.world_size is not None:
                 tags["ranklog.world_size"] = str(run.world_size)
-            main = self._oldest(mains) if mains else self._create(self._name, tags)
+            if self.given_run_id:
+                main = self._adopt(self.given_run_id, tags)
+                runs = self._search()
+            else:
+                self._exp_id = self._experiment(self.experiment or run.name)
+                runs = self._search()
+                mains = [r for r in runs if r.data.tags.get("ranklog.role") == "main"]
+                main = self._oldest(mains) if mains else self._create(self._name, tags)
             self.run_id = main.info.run_id
             self._params = dict(main.data.params)
             self._world = main.data.tags.get("ranklog.world_size", "")
@@ -261,7 +279,8 @@ class MlflowTarget:
             return
         with _guard("write"):
             client = self._client
-            values_of = {s.step: _with_histograms(s) for s in steps}
+            started = self._started
+            values_of = {s.step: _with_histograms(s, self.gpu_names, started) for s in steps}
             names = {n for v in values_of.values() for n in v}
             for s in steps if self.per_rank else ():
                 for values in (s.per_rank or {}).values():
@@ -309,9 +328,10 @@ class MlflowTarget:
 
         from ranklog.shippers.targets._media import image_tags
 
+        top = "plots" if self.image_layout == "latest" else f"images/step_{step.step:08d}"
         for tag, img in zip(image_tags(step.images), step.images, strict=True):
             parts = sanitize_key(tag).split("/")
-            folder = "/".join([f"images/step_{step.step:08d}", *parts[:-1]])
+            folder = "/".join([top, *parts[:-1]])
             with tempfile.TemporaryDirectory() as tmp:
                 path = Path(tmp) / f"{parts[-1]}.{img.format or 'png'}"
                 path.write_bytes(img.data)
@@ -337,6 +357,22 @@ class MlflowTarget:
             raise TargetError(f"MLflow experiment {name!r} is deleted: restore it or choose "
                                "another --experiment")  # fmt: skip
         return str(exp.experiment_id)
+
+    def _adopt(self, run_id: str, tags: dict[str, str]) -> Any:
+        """The existing run ``run_id``, tagged as this ranklog run's main run."""
+        from mlflow.entities import RunTag
+
+        found = self._client.get_run(run_id)
+        owner = found.data.tags.get("ranklog.run_id")
+        if owner not in (None, self._ranklog_id):
+            raise TargetError(f"MLflow run {run_id} holds ranklog run {owner}, not "
+                              f"{self._ranklog_id}: use another run id")  # fmt: skip
+        self._exp_id = str(found.info.experiment_id)
+        if owner is None:
+            new = [RunTag(k, v) for k, v in {"ranklog.run_id": self._ranklog_id, **tags}.items()]
+            self._client.log_batch(run_id, tags=new, synchronous=True)
+            found = self._client.get_run(run_id)
+        return found
 
     def _search(self, extra: str = "") -> list[Any]:
         """Every active run of this ranklog run in the experiment (main and per-rank)."""
@@ -410,13 +446,36 @@ def _build(arg: str, context: TargetContext, options: Mapping[str, Any]) -> Mlfl
         run_name=options.get("run_name"),
         experiment=options.get("experiment"),
         per_rank=context.per_rank,
+        artifact_root=options.get("artifact_location"),
+        run_id=options.get("run_id"),
+        image_layout=options.get("image_layout") or "steps",
+        gpu_names=options.get("gpu_names") or "ranklog",
     )
 
 
-def _nemo_arg(section: Mapping[str, Any], log_dir: Path) -> str:
-    """NeMo RL's tracking URI: the config's, else ``MLFLOW_TRACKING_URI``, else a local store."""
+def _nemo_arg(section: Mapping[str, Any], backend_dir: Path) -> str:
+    """NeMo RL's tracking URI: the config's, else ``MLFLOW_TRACKING_URI``, else a local store.
+
+    (NeMo RL leaves MLflow's own default; ranklog's is a sqlite file in the backend dir,
+    as MLflow's docs advise: the file store breaks on "/" in metric names.)
+    """
     uri = section.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI")
-    return str(uri or f"sqlite:///{(log_dir / 'mlflow.db').resolve()}")
+    return str(uri or f"sqlite:///{(backend_dir / 'mlflow.db').resolve()}")
+
+
+def _nemo_options(section: Mapping[str, Any], backend_dir: Path) -> dict[str, Any]:
+    """NeMo RL's rules: each setting from the config, else its ``MLFLOW_*`` variable; a new
+    experiment's artifacts in ``artifact_location``, else the backend dir; plots at
+    ``plots/<name>.png``; GPU series under the Ray monitor's names."""
+    env = os.environ.get
+    return {
+        "run_id": section.get("run_id") or env("MLFLOW_RUN_ID"),
+        "experiment": section.get("experiment_name") or env("MLFLOW_EXPERIMENT_NAME"),
+        "run_name": section.get("run_name") or env("MLFLOW_RUN_NAME"),
+        "artifact_location": section.get("artifact_location") or backend_dir.resolve().as_uri(),
+        "image_layout": "latest",
+        "gpu_names": "nemo",
+    }
 
 
 TARGET = TargetKind(
@@ -430,8 +489,23 @@ TARGET = TargetKind(
             "run_name", "the backend run's name (default: the spool's run name)", nemo="run_name"
         ),
         Option("experiment", "MLflow experiment (default: the run name)", nemo="experiment_name"),
+        Option(
+            "run_id", "the backend's run id to write into (W&B id, MLflow run id)", nemo="run_id"
+        ),
+        Option(
+            "artifact_location",
+            "artifact location of an MLflow experiment it creates",
+            metavar="URI",
+        ),
+        Option(
+            "image_layout",
+            "MLflow images: images/step_N/NAME per step, or plots/NAME (the latest, as NeMo RL)",
+            choices=("steps", "latest"),
+        ),
+        GPU_NAMES_OPTION,
     ),
     extra="mlflow",
     nemo_section="mlflow",
     nemo_arg=_nemo_arg,
+    nemo_options=_nemo_options,
 )

@@ -47,6 +47,7 @@ from ranklog.errors import ExtraMissingError, TargetError
 from ranklog.schemas import ParamValue
 from ranklog.shippers._registry import Option, TargetContext, TargetKind
 from ranklog.shippers._target import ShippedStep, TextItem
+from ranklog.shippers.targets._media import GPU_NAMES_OPTION
 from ranklog.spool import RunInfo
 
 if TYPE_CHECKING:
@@ -69,8 +70,9 @@ _TB_MODULES: Final = (  # under tensorboard.
 def _build(arg: str, context: TargetContext, options: Mapping[str, Any]) -> TensorBoardTarget:
     _tb()
     return TensorBoardTarget(
-        Path(arg).expanduser(), per_rank=context.per_rank, name=options.get("run_name")
-    )
+        Path(arg).expanduser(), per_rank=context.per_rank, name=options.get("run_name"),
+        gpu_names=options.get("gpu_names") or "ranklog",
+    )  # fmt: skip
 
 
 TARGET = TargetKind(
@@ -78,10 +80,14 @@ TARGET = TargetKind(
     arg="DIR",
     help="TensorBoard event files in DIR (one run; --per-rank adds DIR/rankNNNNN sub-runs)",
     build=_build,
-    options=(Option("run_name", "the backend run's name (default: the spool's run name)"),),
+    options=(
+        Option("run_name", "the backend run's name (default: the spool's run name)"),
+        GPU_NAMES_OPTION,
+    ),
     extra="tensorboard",
     nemo_section="tensorboard",
-    nemo_arg=lambda section, log_dir: str(log_dir / "tensorboard"),
+    nemo_arg=lambda section, backend_dir: str(backend_dir),  # NeMo ignores tensorboard.log_dir
+    nemo_options=lambda section, backend_dir: {"gpu_names": "nemo"},
 )
 
 
@@ -293,9 +299,11 @@ class TensorBoardTarget:
     kind = "tensorboard"
 
     def __init__(
-        self, path: str | os.PathLike[str], *, per_rank: bool = False, name: str | None = None
-    ) -> None:
+        self, path: str | os.PathLike[str], *, per_rank: bool = False, name: str | None = None,
+        gpu_names: str = "ranklog",
+    ) -> None:  # fmt: skip
         self.path, self.per_rank, self.name = Path(path), per_rank, name
+        self.gpu_names = gpu_names
         self.spec = f"tensorboard:{self.path}"
         self._run: RunInfo | None = None
         self._main: _Run | None = None
@@ -334,7 +342,9 @@ class TensorBoardTarget:
                 if s.gpu:
                     from ranklog.shippers.targets._media import gpu_metrics
 
-                    values = {**values, **gpu_metrics(s, "tensorboard")}
+                    style = "nemo" if self.gpu_names == "nemo" else "tensorboard"
+                    started = self._run.created if self._run is not None else None
+                    values = {**values, **gpu_metrics(s, style, started=started)}
                 summary = self._pack(values, main=True) + (_texts(s.texts) if s.texts else b"")
                 if s.histograms or s.images:
                     summary += _media(s)

@@ -73,6 +73,7 @@ from ranklog.errors import ExtraMissingError, TargetError, TransientTargetError
 from ranklog.schemas import ParamValue
 from ranklog.shippers._registry import Option, TargetContext, TargetKind
 from ranklog.shippers._target import ShippedStep
+from ranklog.shippers.targets._media import GPU_NAMES_OPTION
 from ranklog.shippers.targets._wandb_log import LogReader
 from ranklog.spool import RunInfo
 
@@ -131,11 +132,13 @@ def _media(s: ShippedStep) -> dict[str, Any]:
 
 def _build(arg: str, context: TargetContext, options: Mapping[str, Any]) -> WandbTarget:
     _wandb()
-    where = options.get("dir")
+    where, tags = options.get("dir"), options.get("tags")
     return WandbTarget(
         arg, Path(where).expanduser() if where else context.spool, entity=options.get("entity"),
         run_name=options.get("run_name"), group=options.get("group"), mode=options.get("mode"),
-        per_rank=context.per_rank,
+        per_rank=context.per_rank, run_id=options.get("run_id"), resume=options.get("resume"),
+        tags=[t for t in tags.split(",") if t] if tags else None, notes=options.get("notes"),
+        gpu_names=options.get("gpu_names") or "ranklog",
     )  # fmt: skip
 
 
@@ -150,11 +153,18 @@ TARGET = TargetKind(
         Option("group", "W&B group (default: the run name)", nemo="group"),
         Option("mode", "W&B mode", choices=("online", "offline"), nemo="mode"),
         Option("dir", "local directory for W&B's files (default: SPOOL)", metavar="DIR"),
+        Option("run_id", "the backend's run id to write into (W&B id, MLflow run id)", nemo="id"),
+        Option(
+            "resume", "W&B resume mode", choices=("allow", "must", "never", "auto"), nemo="resume"
+        ),
+        Option("tags", "W&B tags, comma-separated", nemo="tags"),
+        Option("notes", "W&B notes", nemo="notes"),
+        GPU_NAMES_OPTION,
     ),
     extra="wandb",
     nemo_section="wandb",
-    nemo_arg=lambda section, log_dir: str(section.get("project") or "nemo-rl"),
-    nemo_options=lambda section, log_dir: {"dir": str(log_dir)},
+    nemo_arg=lambda section, backend_dir: str(section.get("project") or "nemo-rl"),
+    nemo_options=lambda section, backend_dir: {"dir": str(backend_dir), "gpu_names": "nemo"},
 )
 
 
@@ -205,7 +215,57 @@ def _config_set(rec: Any) -> list[tuple[str, Any]]:
     if kind not in ("config", "run"):
         return []
     cfg = rec.config if kind == "config" else rec.run.config
-    return [(i.key or ".".join(i.nested_key), json.loads(i.value_json)) for i in cfg.update]
+    out: list[tuple[str, Any]] = []
+    for item in cfg.update:
+        key = item.key or ".".join(item.nested_key)
+        value = json.loads(item.value_json)
+        out += _flat(key, value) if key != "_wandb" else [(key, value)]
+    return out
+
+
+def _flat(key: str, value: Any) -> list[tuple[str, Any]]:
+    """A nested config item as the dotted params it was made of (see :func:`nest`)."""
+    if isinstance(value, dict) and value:
+        return [p for k, v in value.items() for p in _flat(f"{key}.{k}", v)]
+    if isinstance(value, list) and value:
+        return [p for i, v in enumerate(value) for p in _flat(f"{key}.{i}", v)]
+    return [(key, value)]
+
+
+def nest(params: dict[str, Any]) -> dict[str, Any]:
+    """Dotted params as the nested config they came from: ``a.b`` -> ``{"a": {"b": ...}}``.
+
+    Keys ``0..n-1`` under one parent become a list (a config's list, flattened by index).
+    A key that is both a value and a parent (``a`` and ``a.b``) stays dotted.
+    """
+    tree: dict[str, Any] = {}
+    flat: dict[str, Any] = {}
+    for key, value in params.items():
+        parts = key.split(".")
+        node = tree
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                flat[key] = value
+                break
+            node = child
+        else:
+            if isinstance(node.get(parts[-1]), dict):
+                flat[key] = value
+            else:
+                node[parts[-1]] = value
+    return {**_lists(tree), **flat}
+
+
+def _lists(node: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in node.items():
+        if isinstance(v, dict):
+            v = _lists(v)
+            if v and set(v) == {str(i) for i in range(len(v))}:
+                v = [v[str(i)] for i in range(len(v))]
+        out[k] = v
+    return out
 
 
 class _Held:
@@ -233,12 +293,17 @@ class WandbTarget:
     def __init__(
         self, project: str, dir: str | os.PathLike[str], *, entity: str | None = None,
         run_name: str | None = None, group: str | None = None, mode: str | None = None,
-        per_rank: bool = False,
+        per_rank: bool = False, run_id: str | None = None, resume: str | None = None,
+        tags: list[str] | None = None, notes: str | None = None, gpu_names: str = "ranklog",
     ) -> None:  # fmt: skip
         self.project, self.root = project, Path(dir).absolute()
         self.entity, self.run_name, self.group = entity, run_name, group
         self.mode = mode or default_mode()
         self.per_rank = per_rank
+        #: W&B's run id (default: derived from the ranklog run id), how to resume it
+        self.run_id, self.resume = run_id, resume
+        self.tags, self.notes = tags, notes
+        self.gpu_names = gpu_names
         self.spec = f"wandb:{project}"
         self._run: RunInfo | None = None
         self._held: dict[int | None, _Held] = {}
@@ -248,7 +313,7 @@ class WandbTarget:
 
     def open(self, run: RunInfo) -> int | None:
         self._run, self._held = run, {}
-        base = wandb_run_id(run.run_id)
+        base = self._base(run)
         for key in [k for k in _LIVE if k[0] == str(self.root) and k[1].startswith(base)]:
             with contextlib.suppress(Exception):  # a run a dead target of this process left
                 _LIVE.pop(key).finish()
@@ -264,7 +329,7 @@ class WandbTarget:
             for path in self.root.glob(f"wandb/offline-run-*/run-{base}r*.wandb"):
                 m = pattern.fullmatch(path.name)
                 if m and int(m[1]) not in self._held:
-                    wid = wandb_run_id(run.run_id, int(m[1]))
+                    wid = f"{base}r{int(m[1]):05d}"
                     last, _ = scan_offline(self.root, wid)
                     self._held[int(m[1])] = _Held(wid, int(m[1]), -1 if last is None else last)
         low = min(h.durable for h in self._held.values())
@@ -288,13 +353,17 @@ class WandbTarget:
 
     # -- write ------------------------------------------------------------------------
 
+    def _base(self, run: RunInfo) -> str:
+        """The main run's W&B id: ``--run-id``, else derived from the ranklog run id."""
+        return self.run_id or wandb_run_id(run.run_id)
+
     def write_params(self, params: dict[str, ParamValue]) -> None:
         self._config.update(params)
         main = self._require(None)
         if main.run is None:
             self._start(main)  # the config goes in with init
         else:
-            self._call(main.run.config.update, dict(params), allow_val_change=True)
+            self._call(main.run.config.update, nest(params), allow_val_change=True)
         main.config_wait.update(params)
 
     def write(self, steps: list[ShippedStep]) -> None:
@@ -306,7 +375,7 @@ class WandbTarget:
                     if held is None:
                         assert self._run is not None
                         held = self._held[rank] = _Held(
-                            wandb_run_id(self._run.run_id, rank), rank, -1
+                            f"{self._base(self._run)}r{rank:05d}", rank, -1
                         )
                     self._log(held, dict(values), s.step)
             row: dict[str, Any] = dict(s.metrics)
@@ -321,11 +390,12 @@ class WandbTarget:
             if s.gpu:
                 from ranklog.shippers.targets._media import gpu_metrics
 
-                gpu = gpu_metrics(s, "wandb")
-                row.update(gpu)
                 assert self._run is not None
+                nemo = self.gpu_names == "nemo"
+                gpu = gpu_metrics(s, "nemo" if nemo else "wandb", started=self._run.created)
+                row.update(gpu)
                 runtime = s.ts - self._run.created
-                if gpu and math.isfinite(runtime):
+                if gpu and math.isfinite(runtime) and not nemo:
                     row[GPU_STEP] = round(runtime, 3)
             self._log(main, row, s.step, gpu=(s, gpu) if gpu else None)
 
@@ -338,7 +408,8 @@ class WandbTarget:
         if held.run is None:
             self._start(held)
         if gpu is not None and not held.gpu_keys.issuperset(gpu[1]):
-            for d in gpu_definitions(*gpu):  # before the row: wandb-core applies them on logging
+            defs = NEMO_GPU_DEFINITIONS if self.gpu_names == "nemo" else gpu_definitions(*gpu)
+            for d in defs:  # before the row: wandb-core applies them on logging
                 if d.name not in held.defined:
                     self._call(held.run.define_metric, d.name, **d.options())
                     held.defined.add(d.name)
@@ -355,10 +426,11 @@ class WandbTarget:
         rank = held.rank
         started = self._call(
             wandb.init, project=self.project, entity=self.entity, id=held.wid, dir=str(self.root),
-            mode=self.mode, resume="allow", group=self.group or run.name,
+            mode=self.mode, resume=self.resume or "allow", group=self.group or run.name,
+            tags=self.tags, notes=self.notes,
             name=(self.run_name or run.name) if rank is None else f"rank{rank:05d}",
             job_type=None if rank is None else "rank",
-            config=dict(self._config) if rank is None else None,
+            config=nest(self._config) if rank is None else None,
             settings=wandb.Settings(**{k: v for k, v in _QUIET.items() if k in names}),
         )  # fmt: skip
         held.run = started
@@ -466,6 +538,10 @@ class MetricDef(NamedTuple):
         if self.hidden:
             out["hidden"] = True
         return out
+
+
+#: NeMo RL's definition of its GPU monitor's series (``--gpu-names nemo``)
+NEMO_GPU_DEFINITIONS: Final = (MetricDef("ray/*", "ray/ray_step"),)
 
 
 def escape_dots(name: str) -> str:

@@ -1,0 +1,458 @@
+"""NeMo RL's backend logger classes, over ranklog's spool and shippers.
+
+In NeMo RL each class holds its backend's client in the training process. Here the
+backends live in ``ranklog ship`` processes, so a class is a view: inside a
+:class:`~ranklog.nemo.Logger` it is listed in ``logger.loggers`` and writes through the
+Logger's spool (to every enabled backend); built on its own it starts a spool and one
+shipper for its backend, under ``log_dir`` as NeMo's class writes there.
+:class:`RayGpuMonitorLogger` is NeMo's monitor itself (Ray's metrics agents, buffered,
+flushed to a parent logger); ``Logger`` samples through ranklog's GPU sampler instead.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, ClassVar, NamedTuple
+
+from ranklog.errors import ConfigError
+from ranklog.nemo._config import (
+    GpuMetricSnapshot,
+    MLflowConfig,
+    SwanlabConfig,
+    TensorboardConfig,
+    WandbConfig,
+)
+from ranklog.nemo._session import Session, python_command
+
+__all__ = [
+    "GpuSamplerMonitor",
+    "LoggerInterface",
+    "MLflowLogger",
+    "RayGpuMonitorLogger",
+    "SwanlabLogger",
+    "TensorboardLogger",
+    "WandbLogger",
+]
+
+log = logging.getLogger("ranklog.nemo")
+
+
+class LoggerInterface(abc.ABC):
+    """NeMo RL's logger interface: metrics, hyperparameters, histograms and plots."""
+
+    @abc.abstractmethod
+    def log_metrics(
+        self,
+        metrics: dict[str, Any],
+        step: int,
+        prefix: str | None = "",
+        step_metric: str | None = None,
+        step_finished: bool = False,
+    ) -> None:
+        """Log a dictionary of metrics at ``step``, each name under ``prefix/``."""
+
+    @abc.abstractmethod
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        """Log hyperparameters (a nested config)."""
+
+    @abc.abstractmethod
+    def log_histogram(self, histogram: list[Any], step: int, name: str) -> None:
+        """Log a distribution of values at ``step``."""
+
+    @abc.abstractmethod
+    def log_plot(self, figure: Any, step: int, name: str) -> None:
+        """Log a matplotlib figure at ``step``."""
+
+
+class _BackendLogger(LoggerInterface):
+    """A backend class of NeMo's: the Logger's spool, or one of its own with one shipper."""
+
+    #: the NeMo config section, and ranklog's target kind
+    SECTION: ClassVar[str]
+
+    def __init__(self, cfg: Mapping[str, Any], log_dir: str | None = None) -> None:
+        from ranklog.shippers import target_kinds
+
+        self.cfg = dict(cfg)
+        backend_dir = Path(log_dir or self.SECTION)
+        flags = target_kinds()[self.SECTION].nemo_backend_command(self.cfg, backend_dir)
+        spool = backend_dir / ".ranklog-spool"
+        cmd = [*python_command(), "ship", str(spool), "--quiet", *flags]
+        self._session = Session(spool, [cmd], self.cfg.get("ranklog") or {})
+        self._own_session = True
+        print(f"Initialized {type(self).__name__} at {backend_dir} (ranklog spool {spool})")
+
+    @classmethod
+    def _attached(cls, session: Session, cfg: Mapping[str, Any]) -> Any:
+        """The view of this backend inside a Logger that owns ``session``."""
+        self = cls.__new__(cls)
+        self.cfg = dict(cfg)
+        self._session = session
+        self._own_session = False
+        return self
+
+    def log_metrics(
+        self,
+        metrics: dict[str, Any],
+        step: int,
+        prefix: str | None = "",
+        step_metric: str | None = None,
+        step_finished: bool = False,
+    ) -> None:
+        self._session.log_metrics(metrics, step, prefix, step_metric, step_finished)
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        self._session.log_hyperparams(params)
+
+    def log_histogram(self, histogram: list[Any], step: int, name: str) -> None:
+        self._session.log_histogram(histogram, step, name)
+
+    def log_plot(self, figure: Any, step: int, name: str) -> None:
+        self._session.log_plot(figure, step, name)
+
+    def finish(self) -> None:
+        """On its own: close its spool and wait for its shipper (in a Logger: the Logger's)."""
+        if self._own_session:
+            self._session.finish()
+
+
+class TensorboardLogger(_BackendLogger):
+    """TensorBoard event files under ``log_dir`` (NeMo's Logger: ``<log_dir>/tensorboard``)."""
+
+    SECTION = "tensorboard"
+
+    def __init__(self, cfg: TensorboardConfig, log_dir: str | None = None) -> None:
+        super().__init__(cfg, log_dir)
+
+    #: NeMo's in-process ``SummaryWriter``: the shipper holds the writer here
+    writer: Any = None
+
+    @staticmethod
+    def _coerce_to_scalar(value: Any) -> int | float | bool | str | None:
+        """What TensorBoard can plot: Python scalars as they are, one-element arrays' item."""
+        if isinstance(value, bool | int | float | str):
+            return value
+        item, size = getattr(value, "item", None), getattr(value, "size", None)
+        numel = getattr(value, "numel", None)
+        if callable(numel):
+            size = numel()
+        if callable(item) and (size == 1 or size == ()):
+            out = item()
+            return out if isinstance(out, bool | int | float) else None
+        return None
+
+
+class _RunInfo(NamedTuple):
+    """What is known in-process of the W&B run the shipper writes (``wandb_logger.run``)."""
+
+    id: str | None
+    project: str | None
+    name: str | None
+    dir: str | None
+
+
+class WandbLogger(_BackendLogger):
+    """A W&B run (``cfg`` as NeMo passes it to ``wandb.init``: id, resume, tags, notes ...)."""
+
+    SECTION = "wandb"
+
+    def __init__(self, cfg: WandbConfig, log_dir: str | None = None) -> None:
+        super().__init__(cfg, log_dir)
+        self.run: _RunInfo | None = self._info(log_dir)
+
+    @classmethod
+    def _attached(cls, session: Session, cfg: Mapping[str, Any], log_dir: str | None = None) -> Any:
+        self = super()._attached(session, cfg)
+        self.run = self._info(log_dir)
+        return self
+
+    def _info(self, log_dir: str | None) -> _RunInfo:
+        c = self.cfg
+        return _RunInfo(c.get("id"), c.get("project"), c.get("name"), log_dir)
+
+    def define_metric(self, name: str, step_metric: str | None = None) -> None:
+        """NeMo's GPU x-axis (``ray/*`` against ``ray/ray_step``) is defined by the shipper.
+
+        Other definitions cannot reach the W&B run from here; they are reported once.
+        """
+        if (name, step_metric) != ("ray/*", "ray/ray_step"):
+            log.warning("ranklog.nemo: define_metric(%r, step_metric=%r) is not forwarded to "
+                        "W&B; every value is plotted against the training step", name,
+                        step_metric)  # fmt: skip
+
+    def finish(self) -> None:
+        super().finish()
+        self.run = None
+
+
+class MLflowLogger(_BackendLogger):
+    """An MLflow run (``tracking_uri``, ``run_id``, ``experiment_name``, ``artifact_location``)."""
+
+    SECTION = "mlflow"
+
+    def __init__(self, cfg: MLflowConfig, log_dir: str | None = None) -> None:
+        super().__init__(cfg, log_dir)
+        self.run_id: str | None = self._run_id()
+
+    @classmethod
+    def _attached(cls, session: Session, cfg: Mapping[str, Any]) -> Any:
+        self = super()._attached(session, cfg)
+        self.run_id = self._run_id()
+        return self
+
+    def _run_id(self) -> str | None:
+        """The run id when the config or ``MLFLOW_RUN_ID`` names one (else the shipper's)."""
+        return self.cfg.get("run_id") or os.environ.get("MLFLOW_RUN_ID") or None
+
+    def __del__(self) -> None:
+        session = getattr(self, "_session", None)
+        if session is not None and getattr(self, "_own_session", False):
+            try:
+                session.finish()
+            except Exception as exc:  # at exit: nothing left to tell
+                log.debug("ranklog.nemo: finishing the MLflow logger: %s", exc)
+
+
+class SwanlabLogger(LoggerInterface):
+    """SwanLab: ranklog has no SwanLab target, so construction fails with a clear error."""
+
+    def __init__(self, cfg: SwanlabConfig, log_dir: str | None = None) -> None:
+        raise ConfigError(
+            "logger.swanlab_enabled is true, but ranklog has no SwanLab target: set "
+            "logger.swanlab_enabled=false, or keep NeMo RL's own logger for SwanLab"
+        )
+
+    def log_metrics(
+        self,
+        metrics: dict[str, Any],
+        step: int,
+        prefix: str | None = "",
+        step_metric: str | None = None,
+        step_finished: bool = False,
+    ) -> None:
+        raise ConfigError("SwanlabLogger cannot be built")
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        raise ConfigError("SwanlabLogger cannot be built")
+
+    def log_histogram(self, histogram: list[Any], step: int, name: str) -> None:
+        raise ConfigError("SwanlabLogger cannot be built")
+
+    def log_plot(self, figure: Any, step: int, name: str) -> None:
+        raise ConfigError("SwanlabLogger cannot be built")
+
+
+class GpuSamplerMonitor:
+    """``Logger.gpu_monitor``: ranklog's GPU sampler of the run, with NeMo's monitor's face.
+
+    Samples go into the spool every ``collection_interval`` seconds and reach the
+    backends under NeMo's names (``ray/node.N.gpu.M.util`` ...) with the training steps.
+    """
+
+    metric_prefix = "ray"
+    step_metric = "ray/ray_step"
+
+    def __init__(self, session: Session, collection_interval: float, flush_interval: float):
+        self._session = session
+        self.collection_interval = collection_interval
+        self.flush_interval = flush_interval
+        self.parent_logger = None
+
+    @property
+    def is_running(self) -> bool:
+        """Whether the sampler thread is sampling."""
+        gpu = getattr(self._session.run, "_gpu", None)
+        return gpu is not None and not self._session.run.closed
+
+    def start(self) -> None:
+        """The run started its sampler already."""
+
+    def flush(self) -> None:
+        """Hand what was sampled to the spool now."""
+        if not self._session.run.closed:
+            self._session.run.flush()
+
+    def stop(self) -> None:
+        """Stop sampling (what was sampled is kept)."""
+        self._session.run._stop_gpu()
+
+
+class Sample(NamedTuple):
+    """One Prometheus sample (prometheus_client's ``Sample`` has the same fields)."""
+
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+class RayGpuMonitorLogger:
+    """NeMo RL's GPU monitor: every Ray node's GPUs, buffered, flushed to ``parent_logger``.
+
+    Every ``collection_interval`` s a thread reads each node's metrics agent; every
+    ``flush_interval`` s (and at :meth:`stop`) the buffered snapshots are logged through
+    ``parent_logger.log_metrics`` at step = seconds since :meth:`start`, with that step
+    also under ``step_metric``.
+    """
+
+    def __init__(
+        self,
+        collection_interval: int | float,
+        flush_interval: int | float,
+        metric_prefix: str,
+        step_metric: str,
+        parent_logger: Any = None,
+    ) -> None:
+        self.collection_interval = collection_interval
+        self.flush_interval = flush_interval
+        self.metric_prefix = metric_prefix
+        self.step_metric = step_metric
+        self.parent_logger = parent_logger
+        self.metrics_buffer: list[GpuMetricSnapshot] = []
+        self.last_flush_time = time.time()
+        self.is_running = False
+        self.collection_thread: threading.Thread | None = None
+        self.lock = threading.Lock()
+        self.start_time: float = float("-inf")
+        import urllib.request  # here: it costs ~30 ms to import
+
+        self._open = urllib.request.build_opener(urllib.request.ProxyHandler({})).open
+
+    @staticmethod
+    def _ray() -> Any:
+        import ray
+
+        return ray
+
+    def start(self) -> None:
+        """Start collecting (ValueError when Ray is not initialised in this process)."""
+        if not self._ray().is_initialized():
+            raise ValueError("Ray must be initialized with nemo_rl.distributed.virtual_cluster."
+                             "init_ray() before the GPU logging can begin.")  # fmt: skip
+        if self.is_running:
+            return
+        self.start_time = time.time()
+        self.is_running = True
+        self.collection_thread = threading.Thread(target=self._collection_loop, daemon=True)
+        self.collection_thread.start()
+        print(f"GPU monitoring started with collection interval={self.collection_interval}s, "
+              f"flush interval={self.flush_interval}s")  # fmt: skip
+
+    def stop(self) -> None:
+        """Stop collecting and flush what is buffered."""
+        self.is_running = False
+        if self.collection_thread is not None:
+            self.collection_thread.join(timeout=self.collection_interval * 2)
+        self.flush()
+        print("GPU monitoring stopped")
+
+    def _collection_loop(self) -> None:
+        while self.is_running:
+            try:
+                now = time.time()
+                metrics = self._collect_metrics()
+                if metrics:
+                    with self.lock:
+                        self.metrics_buffer.append(
+                            {"step": int(now - self.start_time), "metrics": metrics}
+                        )
+                now = time.time()
+                if now - self.last_flush_time >= self.flush_interval:
+                    self.flush()
+                    self.last_flush_time = now
+                time.sleep(self.collection_interval)
+            except Exception as exc:
+                print(f"Error in GPU monitoring collection loop or stopped abruptly: {exc}")
+                time.sleep(self.collection_interval)
+
+    def _parse_metric(self, sample: Any, node_idx: int) -> dict[str, Any]:
+        """One sample as ``node.I.gpu.J.util|mem_gb`` or ``node.I.mem_gb|mem_total_gb``."""
+        name, labels, value = sample.name, sample.labels, sample.value
+        if name == "ray_node_gpus_utilization":
+            return {f"node.{node_idx}.gpu.{labels['GpuIndex']}.util": value}
+        if name == "ray_node_gram_used":
+            return {f"node.{node_idx}.gpu.{labels['GpuIndex']}.mem_gb": value / 1024}
+        if name == "ray_node_mem_used":
+            return {f"node.{node_idx}.mem_gb": value / 1024**3}
+        if name == "ray_node_mem_total":
+            return {f"node.{node_idx}.mem_total_gb": value / 1024**3}
+        return {}
+
+    def _parse_gpu_sku(self, sample: Any, node_idx: int) -> dict[str, str]:
+        """``node.I.gpu.J.type``: the device name of a GPU sample."""
+        labels = sample.labels
+        if "GpuIndex" not in labels or "GpuDeviceName" not in labels:
+            return {}
+        if sample.name not in ("ray_node_gpus_utilization", "ray_node_gram_used"):
+            return {}
+        return {f"node.{node_idx}.gpu.{labels['GpuIndex']}.type": labels["GpuDeviceName"]}
+
+    def _collect_gpu_sku(self) -> dict[str, str]:
+        return self._collect(sku=True)
+
+    def _collect_metrics(self) -> dict[str, Any]:
+        return self._collect(metrics=True)
+
+    def _collect(self, metrics: bool = False, sku: bool = False) -> dict[str, Any]:
+        assert metrics ^ sku, "collect either metrics or SKUs"
+        parser = self._parse_metric if metrics else self._parse_gpu_sku
+        try:
+            ray = self._ray()
+            if not ray.is_initialized():
+                print("Ray is not initialized. Cannot collect GPU metrics.")
+                return {}
+            nodes = ray.nodes()
+            if not nodes:
+                print("No Ray nodes found.")
+                return {}
+            addresses = list(dict.fromkeys(
+                f"{n['NodeManagerAddress']}:{n['MetricsExportPort']}"
+                for n in nodes if n.get("MetricsExportPort")
+            ))  # fmt: skip
+            out: dict[str, Any] = {}
+            for idx, address in enumerate(addresses):
+                out.update(self._fetch_and_parse_metrics(idx, address, parser))
+            return out
+        except Exception as exc:
+            print(f"Error collecting GPU metrics: {exc}")
+            return {}
+
+    def _fetch_and_parse_metrics(
+        self, node_idx: int, metric_address: str, parser_fn: Callable[[Any, int], dict[str, Any]]
+    ) -> dict[str, Any]:
+        from ranklog.producer._gpu import parse_prometheus
+
+        try:
+            with self._open(f"http://{metric_address}/metrics", timeout=5.0) as resp:
+                if resp.status != 200:
+                    print(f"Error: Status code {resp.status}")
+                    return {}
+                text = resp.read().decode("utf-8", "replace")
+            out: dict[str, Any] = {}
+            for name, labels, value in parse_prometheus(text):
+                out.update(parser_fn(Sample(name, labels, value), node_idx))
+            return out
+        except Exception as exc:
+            print(f"Error fetching metrics from {metric_address}: {exc}")
+            return {}
+
+    def flush(self) -> None:
+        """Log every buffered snapshot through the parent logger, then empty the buffer."""
+        with self.lock:
+            if not self.metrics_buffer:
+                return
+            if self.parent_logger is not None:
+                for snapshot in self.metrics_buffer:
+                    snapshot["metrics"][self.step_metric] = snapshot["step"]
+                    self.parent_logger.log_metrics(
+                        snapshot["metrics"],
+                        step=snapshot["step"],
+                        prefix=self.metric_prefix,
+                        step_metric=self.step_metric,
+                    )
+            self.metrics_buffer = []
