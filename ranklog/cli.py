@@ -21,6 +21,7 @@ class, never a traceback.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -89,6 +90,18 @@ def _add_shippers(summary: SpoolSummary) -> None:
         )
 
 
+def _long_running() -> None:
+    """Tune the collector for a shipper process, once its backend library is imported.
+
+    What a shipper allocates (events, values, steps) is acyclic and freed by reference
+    counting; what it imported (a backend's modules: MLflow and SQLAlchemy hold about a
+    million objects) stays for good. Frozen, those are never traversed again, and full
+    collections come a hundred times less often: they were a third of MLflow shipping.
+    """
+    gc.freeze()
+    gc.set_threshold(100_000, 50, 100)
+
+
 def _ship(args: argparse.Namespace) -> int:
     from ranklog.shippers import Progress, Shipper, default_name, make_target
     from ranklog.spool import require_run
@@ -107,6 +120,7 @@ def _ship(args: argparse.Namespace) -> int:
             _ship_on_ray(args, spec, name)
             continue
         target = make_target(spec, args.spool, _options(args), per_rank=args.per_rank)
+        _long_running()
         shipper = Shipper(
             args.spool,
             target,
@@ -184,6 +198,7 @@ def _ship_each(args: argparse.Namespace, targets: list[str]) -> int:
 def _compact(args: argparse.Namespace) -> int:
     from ranklog.archive import compact
 
+    _long_running()
     res = compact(args.spool, args.out, delete=args.delete)
     rows = ", ".join(f"{t} {n:,}" for t, n in sorted(res.rows.items())) or "nothing new"
     print(f"compacted {res.files} files into {args.out}: {rows}")
@@ -217,6 +232,7 @@ def _replay(args: argparse.Namespace) -> int:
     code = 0
     for spec in args.to:
         target = make_target(spec, args.dataset, _options(args), per_rank=args.per_rank)
+        _long_running()
         code = max(code, replay(args.dataset, target, steps=args.steps, names=args.names,
                                 per_rank=args.per_rank, relogged=args.relogged))  # fmt: skip
         print(f"replayed {args.dataset} into {spec}")

@@ -34,6 +34,10 @@ def pytest_configure(config: pytest.Config) -> None:
             del os.environ[key]
     os.environ["HOME"] = str(home)
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    # ours, not the caller's: every Ray of the suite binds to 127.0.0.1 (tests/ray_cluster.py
+    # sets it at import, which comes before this hook; without it a test module run alone,
+    # e.g. test_fanin.py, would hang connecting its driver to the head)
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 
 #: fixtures shared by several modules, registered once (one Ray head per session)

@@ -12,6 +12,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -32,6 +33,7 @@ from tensorboard.util import tensor_util
 
 from ranklog.errors import ConfigError, TargetError
 from ranklog.shippers import ShippedStep, Shipper, TextItem
+from ranklog.shippers.targets import tensorboard as tbt
 from ranklog.shippers.targets.tensorboard import HPARAMS_FILE, TensorBoardTarget, crc32c
 from ranklog.spool import RunInfo, read_run
 
@@ -586,6 +588,58 @@ class TestWiring:
             data = rng.randbytes(n)
             assert crc32c(data) == tb_crc32c(data), n
         assert crc32c(b"123456789") == 0xE3069283
+
+    @pytest.mark.parametrize("rows", [None, 64], ids=["table", "pieces"])
+    @pytest.mark.parametrize("per_pass", [None, 1, 5000], ids=["pass", "pass1", "pass5k"])
+    def test_batched_crc32c_matches(
+        self, rows: int | None, per_pass: int | None, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The CRCs of a batch, with numpy (parts over the table's rows in pieces), are exact."""
+        if rows is not None:
+            monkeypatch.setattr(tbt, "_ROWS_MAX", rows)
+            monkeypatch.setattr(tbt, "_rows", [])
+        if per_pass is not None:
+            monkeypatch.setattr(tbt, "_NP_PASS", per_pass)
+        rng = random.Random(7)
+        sizes = [0, 1, 3, 4, 5, 8, 63, 64, 65, 127, 128, 129, 391, 4095, 4096, 4097, 9000]
+        datas = [rng.randbytes(rng.choice(sizes)) for _ in range(120)]
+        datas += [rng.randbytes(tbt._NP_MAX + 1), b"\xff" * 70_000, bytes(5000)]
+        want = [crc32c(d) for d in datas]
+        assert want[:60] == [tb_crc32c(d) for d in datas[:60]]
+        assert tbt._crcs(datas) == want
+        assert tbt._crcs(datas[::-1]) == want[::-1]
+        assert [tbt._crcs([d])[0] for d in datas[:30]] == want[:30]
+        assert tbt._crcs([]) == []
+
+    def test_records_check_with_tensorboard_and_match_python(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Each record's CRCs are TensorBoard's; the bytes are those written without numpy."""
+        monkeypatch.setattr(tbt, "time", SimpleNamespace(time=lambda: RUN.created))
+        names = [f"train/m{k:02d}" for k in range(20)]
+        big = [f"m/{i:03d}" for i in range(400)]  # a record over the numpy table's 4096 rows
+        steps = [_step(s, {n: s + k / 7 for k, n in enumerate(names)}) for s in range(300)]
+        steps += [_step(300, {n: 1.5 for n in big}), _step(301, texts=[TextItem(0, "t", "x")])]
+        files = []
+        for numpy in (True, False):
+            if not numpy:
+                monkeypatch.setattr(tbt, "_numpy", lambda: None)
+            _session(tmp_path / str(numpy), steps, {"lr": 0.1})
+            (session,) = _session_files(tmp_path / str(numpy))
+            files.append(
+                (session.read_bytes(), (tmp_path / str(numpy) / HPARAMS_FILE).read_bytes())
+            )
+        assert files[0] == files[1]
+        data = files[0][0]
+        pos, count = 0, 0
+        while pos < len(data):
+            (size,) = struct.unpack_from("<Q", data, pos)
+            assert struct.unpack_from("<I", data, pos + 8)[0] == masked_crc32c(data[pos : pos + 8])
+            body = data[pos + 12 : pos + 12 + size]
+            assert struct.unpack_from("<I", data, pos + 12 + size)[0] == masked_crc32c(body)
+            pos, count = pos + 16 + size, count + 1
+        assert pos == len(data) and count == 2 + 1 + len(steps)  # version, START, params
+        assert [s for s, _ in tb_back(tmp_path / "True")] == list(range(302))
 
     def test_write_before_open_fails(self, tmp_path: Path) -> None:
         """Writing to a target that is not open is an error, not a silent drop."""

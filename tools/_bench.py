@@ -103,10 +103,15 @@ def clock_overhead_ns(calls: int = 10_000) -> float:
     return statistics.median(samples)
 
 
-def values(rank: int, step: int) -> dict[str, float]:
-    """The 20 values a rank logs for a step: their mean over ranks is predictable."""
+def names(metrics: int) -> tuple[str, ...]:
+    """The metric names of a generated spool with ``metrics`` values per rank and step."""
+    return NAMES if metrics == METRICS else tuple(f"train/m{k:04d}" for k in range(metrics))
+
+
+def values(rank: int, step: int, metrics: int = METRICS) -> dict[str, float]:
+    """The values a rank logs for a step: their mean over ranks is predictable."""
     base = rank + step * 1e-3
-    return {name: base + k * 0.25 for k, name in enumerate(NAMES)}
+    return {name: base + k * 0.25 for k, name in enumerate(names(metrics))}
 
 
 def expected_mean(ranks: int, step: int, k: int) -> float:
@@ -160,8 +165,9 @@ def short(text: str, limit: int = 100) -> str:
 
 
 def write_rank(
-    spool: Path, rank: int, world_size: int, steps: int, *, end: bool = True
-) -> IncarnationWriter | None:
+    spool: Path, rank: int, world_size: int, steps: int, *, end: bool = True,
+    metrics: int = METRICS,
+) -> IncarnationWriter | None:  # fmt: skip
     """One rank's incarnation: rank_start, then frames of STEPS_PER_FRAME steps, rank_end.
 
     With ``end=False`` the rank is still running: no rank_end, no seal, and its writer is
@@ -181,7 +187,7 @@ def write_rank(
         events: list[Event] = []
         for step in range(first, min(first + STEPS_PER_FRAME, steps)):
             ts = t0 + step * 0.1
-            events.append(Metrics(ts, step, values(rank, step)))
+            events.append(Metrics(ts, step, values(rank, step, metrics)))
             events.append(StepEnd(ts + 0.05, step))
         writer.write_events(len(events), [encoder.encode(events)])
     if not end:  # a rank still running: no rank_end, no seal, the file open
@@ -191,12 +197,12 @@ def write_rank(
     return None
 
 
-def write_spool(spool: Path, ranks: int, steps: int) -> None:
+def write_spool(spool: Path, ranks: int, steps: int, metrics: int = METRICS) -> None:
     from ranklog.spool import ensure_run
 
     ensure_run(spool, world_size=ranks)
     for rank in range(ranks):
-        write_rank(spool, rank, ranks, steps)
+        write_rank(spool, rank, ranks, steps, metrics=metrics)
     os.sync()  # the shipper should read from a settled page cache, not compete with writeback
 
 
@@ -241,3 +247,24 @@ def rate(value: float | None) -> str:
 
 def verdict(ok: bool | None) -> str:
     return "n/a" if ok is None else ("PASS" if ok else "FAIL")
+
+
+def write_json(
+    path: Path | None, section: str, rows: Sequence[object], checks: Sequence[object]
+) -> None:
+    """Merge one benchmark's rows and checks into the JSON file at ``path`` (under ``section``).
+
+    Rows and checks are dataclasses or dicts; the file keeps other sections it holds.
+    """
+    if path is None:
+        return
+    from dataclasses import asdict, is_dataclass
+
+    def plain(x: object) -> object:
+        return asdict(x) if is_dataclass(x) and not isinstance(x, type) else x
+
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    data["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(),
+                       "python": platform.python_version()}  # fmt: skip
+    data[section] = {"rows": [plain(r) for r in rows], "checks": [plain(c) for c in checks]}
+    path.write_text(json.dumps(data, indent=1, default=str) + "\n")

@@ -50,6 +50,7 @@ from _bench import (
     time_calls,
     verdict,
     version,
+    write_json,
 )
 
 if TYPE_CHECKING:
@@ -730,6 +731,10 @@ def _p50(rows: Sequence[Row], name: str) -> float | None:
     return next((row.p50_us for row in rows if row.name == name), None)
 
 
+#: the checks of the last _targets call, for --json
+_CHECKS: list[dict[str, object]] = []
+
+
 def _targets(rows: Sequence[Row], imported: ImportResult) -> list[str]:
     log_p50 = _p50(rows, "ranklog log_metrics (step)")
     wandb_p50 = _p50(rows, "wandb run.log (offline)")
@@ -762,6 +767,7 @@ def _targets(rows: Sequence[Row], imported: ImportResult) -> list[str]:
             not imported.heavy,
         ),
     ]
+    _CHECKS[:] = [{"what": what, "figure": got, "ok": ok} for what, got, ok in checks]
     lines = ["", "## Targets", ""]
     lines += [f"- {verdict(ok)}: {what}: {got}" for what, got, ok in checks]
     if ratio is not None:
@@ -800,6 +806,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="where the spools and peer files go (default: the system temp dir)",
     )
+    parser.add_argument("--json", type=Path, default=None, help="merge figures into this file")
     return parser.parse_args(argv)
 
 
@@ -823,6 +830,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines += _table(rows, _p50(rows, "ranklog log_metrics (step)"))
     lines += _targets(rows, imported)
     print("\n".join(lines), flush=True)
+    write_json(args.json, "producer", rows, _CHECKS)
     return 0
 
 

@@ -64,6 +64,7 @@ from _bench import (
     values,
     verdict,
     version,
+    write_json,
     write_rank,
     write_spool,
 )
@@ -79,7 +80,7 @@ PRODUCE_ARG: Final = "--_produce"  # internal: run as one producer rank (latency
 VERSIONS: Final = ("ranklog", "msgspec", "watchdog")
 
 
-TARGET_VALUES_PER_S: Final = 1_000_000
+TARGET_VALUES_PER_S: Final = 5_000_000  # issue 14; wall time here includes the interpreter start
 TARGET_RSS_MB: Final = 300.0
 TARGET_RSS_GROWTH: Final = 1.25  # peak RSS at 4x the steps over peak RSS at 1x
 
@@ -168,6 +169,7 @@ def _bench_throughput(base: Path, ranks: int, steps: int, timeout: float) -> Row
 
 
 TARGET_BYTES_PER_VALUE: Final = 4.0
+TARGET_COMPACT: Final = 3_000_000  # values/s
 
 
 def _bench_archive(base: Path, ranks: int, steps: int, timeout: float) -> tuple[list[Row], float]:
@@ -623,6 +625,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--idle-only", action="store_true", help="only the idle-shipper rows (and their targets)"
     )
+    parser.add_argument("--json", type=Path, default=None, help="merge figures into this file")
     return parser.parse_args(argv)
 
 
@@ -662,16 +665,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines += _targets(small, large, latency)
     lines += _idle_targets(idle)
     comp, rep, live = archive
-    lines += [
-        f"- {verdict((comp.values_per_s or 0) >= TARGET_VALUES_PER_S)}: compaction >= 1 M "
-        f"values/s: {rate(comp.values_per_s)} values/s",
-        f"- {verdict(bytes_per_value <= TARGET_BYTES_PER_VALUE)}: <= "
-        f"{TARGET_BYTES_PER_VALUE:g} bytes per metric value on disk: {bytes_per_value:.2f}",
-        f"- {verdict(rep.ok and (rep.values_per_s or 0) >= (live.values_per_s or 0))}: replay "
-        f"at least as fast as live shipping: {rate(rep.values_per_s)} vs "
-        f"{rate(live.values_per_s)} values/s ({rep.note})",
-    ]
+    archive_checks = [
+        {"what": f"compaction >= {TARGET_COMPACT / 1e6:g} M values/s (wall, interpreter start "
+                 "included)", "figure": f"{rate(comp.values_per_s)} values/s",
+         "ok": (comp.values_per_s or 0) >= TARGET_COMPACT},
+        {"what": f"compaction peak RSS <= {TARGET_RSS_MB:g} MB", "figure": f"{fmt(comp.rss_mb)} MB",
+         "ok": (comp.rss_mb or 0) <= TARGET_RSS_MB},
+        {"what": f"<= {TARGET_BYTES_PER_VALUE:g} bytes per metric value on disk",
+         "figure": f"{bytes_per_value:.2f}", "ok": bytes_per_value <= TARGET_BYTES_PER_VALUE},
+        {"what": "replay at least as fast as live shipping, same data",
+         "figure": f"{rate(rep.values_per_s)} vs {rate(live.values_per_s)} values/s ({rep.note})",
+         "ok": rep.ok and (rep.values_per_s or 0) >= (live.values_per_s or 0)},
+        {"what": f"replay peak RSS <= {TARGET_RSS_MB:g} MB", "figure": f"{fmt(rep.rss_mb)} MB",
+         "ok": (rep.rss_mb or 0) <= TARGET_RSS_MB},
+    ]  # fmt: skip
+    lines += [f"- {verdict(c['ok'])}: {c['what']}: {c['figure']}" for c in archive_checks]
     print("\n".join(lines), flush=True)
+    write_json(args.json, "shipper", rows, archive_checks)
     return 0
 
 

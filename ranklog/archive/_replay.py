@@ -30,6 +30,7 @@ from typing import Final
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 
 from ranklog.archive._manifest import load_manifest, require_manifest
 from ranklog.archive._rows import COLUMNS, read_rows, segment_events
@@ -107,13 +108,12 @@ class _ParquetReader:
         rows: dict[int, int] = defaultdict(int)
         ended = False
         for name, files in self._files.items():
-            t = ds.dataset(files, format="parquet").to_table(
-                columns=["seq", "kind"] if name == "ranks" else ["seq"]
-            )
-            for item in pc.value_counts(t["seq"]).to_pylist():
-                rows[item["values"]] += item["counts"]
-            if name == "ranks":
-                ended = bool(pc.any(pc.equal(t["kind"], "rank_end")).as_py())
+            for path in files:
+                t = pq.read_table(path, columns=["seq", "kind"] if name == "ranks" else ["seq"])
+                for item in pc.value_counts(t["seq"]).to_pylist():
+                    rows[item["values"]] += item["counts"]
+                if name == "ranks":
+                    ended = ended or bool(pc.any(pc.equal(t["kind"], "rank_end")).as_py())
         self._seqs = sorted(rows)
         self._rows = [rows[q] for q in self._seqs]
         self._end_frame = self._last and not ended
@@ -125,7 +125,7 @@ class _ParquetReader:
             self._tables = {}
             for name, files in self._files.items():
                 t = read_rows(files, name, COLUMNS[name])
-                self._tables[name] = (t, [] if t is None else t["seq"].to_pylist())
+                self._tables[name] = (t, [] if t is None else t["seq"].to_numpy().tolist())
         out: dict[str, pa.Table | None] = {}
         for name, (t, seqs) in self._tables.items():
             a, b = bisect.bisect_left(seqs, lo), bisect.bisect_right(seqs, hi)

@@ -53,12 +53,48 @@ def read_rows(
     t = dataset.to_table(columns=[*_KEY, "ts", *columns], filter=where)
     if t.num_rows == 0:
         return None
-    t = t.sort_by([(k, "ascending") for k in _KEY])
+    if not _in_key_order(t):  # compaction writes rows in key order: usually nothing to do
+        t = t.sort_by([(k, "ascending") for k in _KEY])
     return t.set_column(t.schema.get_field_index("ts"), "ts", t["ts"].cast(pa.int64()))
 
 
+def _in_key_order(t: pa.Table) -> bool:
+    """Whether the rows are in (incarnation, segment, seq, idx) order, checked columnar."""
+    if t.num_rows < 2:
+        return True
+    ok: Any = None  # row i <= row i+1 on the keys seen so far (from the last one)
+    for k in reversed(_KEY):
+        col = t[k]
+        lo, hi = col.slice(0, len(col) - 1), col.slice(1)
+        ok = (
+            pc.less_equal(lo, hi)
+            if ok is None
+            else pc.or_(pc.less(lo, hi), pc.and_(pc.equal(lo, hi), ok))
+        )
+    return bool(pc.all(ok).as_py())
+
+
+def _column_list(col: Any) -> list[Any]:
+    """A column as a Python list: numbers through numpy (quicker), strings deduplicated.
+
+    Repeated strings (metric names) become one ``str`` object each, shared by every row:
+    fewer objects, and the engine's dict lookups on them are pointer compares.
+    """
+    if (
+        col.null_count == 0
+        and pa.types.is_primitive(col.type)
+        and not pa.types.is_boolean(col.type)
+    ):
+        return list(col.to_numpy().tolist())
+    if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+        encoded = pc.dictionary_encode(col).combine_chunks()
+        words = encoded.dictionary.to_pylist()
+        return [words[i] if i is not None else None for i in encoded.indices.to_pylist()]
+    return list(col.to_pylist())
+
+
 def _cols(t: pa.Table, *names: str) -> list[list[Any]]:
-    return [t.column(n).to_pylist() for n in names]
+    return [_column_list(t.column(n)) for n in names]
 
 
 def _metrics(

@@ -23,6 +23,7 @@ Incarnations, late and re-logged values: see :mod:`ranklog.shippers._tail`.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import time
@@ -329,6 +330,7 @@ class Shipper:
             return [], self.shipped_upto
         world = max(len(expected), 1)
         marks = [(r, self.views[r].watermark) for r in expected if r in self.views]
+        sorted_marks = sorted(m for _, m in marks)
         out = []
         for step, part in zip(
             ready, self.tails.partials(ready, per_rank=self.per_rank), strict=True
@@ -336,7 +338,10 @@ class Shipper:
             if part is None:  # a tail lost it: read again rather than ship an empty step
                 raise TailRestartedError(f"step {step} is no longer held by a tail")
             # a rank that lost frames of the step is not one that closed it whole
-            closed = sum(1 for r, m in marks if m >= step and r not in part.damaged)
+            closed = len(sorted_marks) - bisect.bisect_left(sorted_marks, step)
+            if part.damaged:
+                lost = set(part.damaged)
+                closed -= sum(1 for r, m in marks if m >= step and r in lost)
             if closed == 0 and part.only_gpu():
                 # GPU samples taken after the last step, until the ranks ended: no step
                 # of training, nothing to ship (the samples stay in the spool and Parquet)

@@ -227,6 +227,14 @@ def _median(values: list[float]) -> float:
     return s[mid] if n % 2 else (s[mid - 1] + s[mid]) / 2
 
 
+_needs_cache: dict[tuple[str, ...], bool] = {}
+
+
 def needs_values(ops: tuple[str, ...]) -> bool:
     """Whether these ops need the values kept (median, exact std)."""
-    return any(op in _NEEDS_VALUES for op in ops)
+    keep = _needs_cache.get(ops)
+    if keep is None:
+        keep = not _NEEDS_VALUES.isdisjoint(ops)
+        if len(_needs_cache) < 4096:
+            _needs_cache[ops] = keep
+    return keep

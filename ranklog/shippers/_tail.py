@@ -458,10 +458,12 @@ class RankTail:
         gap = self.durable_gap
         rgap = self.restore_gap
         nparams = 0  # params events in this frame so far
+        steps = self.steps
         for ev in events:
             if isinstance(ev, STEP_KINDS):
                 step = ev.step
-                own = inc.watermark
+                # inc.watermark, inlined: this runs once per event
+                own = inc.closed if inc.closed >= inc.max_step else inc.max_step - 1
                 if step > max_step:
                     max_step = step
                 if step > inc.max_step:
@@ -478,7 +480,16 @@ class RankTail:
                     if fresh and not gap.holds(step) and not (step > own and rgap.holds(step)):
                         self._late += 1
                     continue
-                self._contribute(step, rank, inc_no, ev, counted=True)
+                # self._contribute(step, rank, inc_no, ev, counted=True), inlined
+                acc = steps.get(step)
+                if acc is None:
+                    steps[step] = acc = StepAcc()
+                contrib = acc.ranks.get(rank)
+                if contrib is None or contrib.incarnation < inc_no:
+                    acc.ranks[rank] = contrib = Contribution(inc_no)
+                if contrib.incarnation == inc_no:
+                    contrib.events.append(ev)
+                    contrib.count += 1
             elif isinstance(ev, Gpu):
                 # a sample belongs to the step this rank is in (its own stream's order)
                 step = ev.step if ev.step is not None else inc.watermark + 1

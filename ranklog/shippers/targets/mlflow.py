@@ -24,11 +24,15 @@
   ``ranklog.run_id``, ``ranklog.role`` = ``rank``, ``ranklog.rank``; named
   ``<run name>-rank<r>``) holding that rank's own values; found again by tag.
 
-Exactly once: for each batch of steps the texts, the child runs' metrics and the run's
-metrics are sent first; only then the marker metric ``ranklog/step`` (value = step)
-of every step. ``open()`` returns the marker's latest value (MLflow's latest metric is
-the one with the highest step), so a step whose requests were only partly stored is
-never reported: it is sent again, and what was stored is repeated exactly.
+Exactly once: for each batch of steps the texts and the child runs' metrics are sent
+first; then the run's metrics, each step's followed by the marker metric ``ranklog/step``
+(value = step) in the same list, cut into requests of 1,000 in order. A store commits
+one request's metrics in one transaction (the SQL store) or in order (the file store),
+and a request is sent only once the one before it returned, so a marker is never stored
+before the metrics it vouches for. ``open()`` returns the marker's latest value
+(MLflow's latest metric is the one with the highest step), so a step whose requests
+were only partly stored is never reported: it is sent again, and what was stored is
+repeated exactly.
 Requests are synchronous and committed by the server when they return; ``flush()``
 has nothing left to do. A server that is down or answers 5xx/429 raises
 :class:`TransientTargetError` after the client's own retries, shortened here (unless
@@ -40,13 +44,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import logging
 import math
 import os
 import re
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final
 
@@ -98,6 +103,29 @@ def _ms(ts: float) -> int:
 def _chunks(items: list[Any], n: int) -> Iterator[list[Any]]:
     for i in range(0, len(items), n):
         yield items[i : i + n]
+
+
+def _rows(
+    metric: Any, steps: list[ShippedStep], values_of: list[dict[str, float]], keys: dict[str, str]
+) -> Iterator[Any]:
+    """The run's ``Metric`` rows of ``steps``: each step's values, then its marker."""
+    for s, values in zip(steps, values_of, strict=True):
+        ts, step = _ms(s.ts), s.step
+        for name, value in values.items():
+            yield metric(keys[name], value, ts, step)
+        yield metric(MARKER, float(step), ts, step)
+
+
+def _rank_rows(
+    metric: Any, steps: list[ShippedStep], rank: int, keys: dict[str, str]
+) -> Iterator[Any]:
+    """Rank ``rank``'s own ``Metric`` rows of ``steps`` (for its child run)."""
+    for s in steps:
+        values = s.per_rank.get(rank) if s.per_rank else None
+        if values:
+            ts, step = _ms(s.ts), s.step
+            for name, value in values.items():
+                yield metric(keys[name], value, ts, step)
 
 
 def _with_histograms(
@@ -280,39 +308,33 @@ class MlflowTarget:
         with _guard("write"):
             client = self._client
             started = self._started
-            values_of = {s.step: _with_histograms(s, self.gpu_names, started) for s in steps}
-            names = {n for v in values_of.values() for n in v}
+            values_of = [_with_histograms(s, self.gpu_names, started) for s in steps]
+            names: set[str] = set()
+            for values in values_of:
+                names.update(values)
             for s in steps if self.per_rank else ():
                 for values in (s.per_rank or {}).values():
                     names.update(values)
-            keys = self._map_keys(sorted(names))
+            self._map_keys(sorted(names.difference(self._keys)))  # only names not seen yet
+            keys = self._keys
             for s in steps:  # texts and images first: the marker vouches for them too
-                for path, text in _text_files(s):
-                    client.log_text(self.run_id, text, path)
-                self._log_images(s)
+                if s.texts:
+                    for path, text in _text_files(s):
+                        client.log_text(self.run_id, text, path)
+                if s.images:
+                    self._log_images(s)
             if self.per_rank:
-                by_rank: dict[int, list[Any]] = {}
-                for s in steps:
-                    for r, values in sorted((s.per_rank or {}).items()):
-                        by_rank.setdefault(r, []).extend(
-                            Metric(keys[n], v, _ms(s.ts), s.step) for n, v in values.items()
-                        )
-                for r, metrics in sorted(by_rank.items()):
-                    self._send(self._child(r), metrics)
+                for r in sorted({r for s in steps if s.per_rank for r in s.per_rank}):
+                    self._send(self._child(r), _rank_rows(Metric, steps, r, keys))
             world = str(steps[-1].world_size)
             if world != self._world:
                 tag = RunTag("ranklog.world_size", world)
                 client.log_batch(self.run_id, tags=[tag], synchronous=True)
                 self._world = world
-            ms = [
-                Metric(keys[n], v, _ms(s.ts), s.step)
-                for s in steps
-                for n, v in values_of[s.step].items()
-            ]
-            self._send(self.run_id, ms)
-            # last: the markers, once everything they vouch for is stored
-            marks = [Metric(MARKER, float(s.step), _ms(s.ts), s.step) for s in steps]
-            self._send(self.run_id, marks)
+            # each step's metrics, then its marker, in the same stream: a request is one
+            # transaction and requests go in order, so a marker is stored with, or after,
+            # every metric it vouches for (and one request per 1,000 metrics, markers too)
+            self._send(self.run_id, _rows(Metric, steps, values_of, keys))
 
     def flush(self) -> None:
         """Nothing to do: every request was committed by the store before it returned."""
@@ -337,8 +359,11 @@ class MlflowTarget:
                 path.write_bytes(img.data)
                 self._client.log_artifact(self.run_id, str(path), folder)
 
-    def _send(self, run_id: str, metrics: list[Any]) -> None:
-        for chunk in _chunks(metrics, _MAX_METRICS):
+    def _send(self, run_id: str, metrics: Iterable[Any]) -> None:
+        """Requests of at most 1,000 metrics, in order, each one's ``Metric`` objects made
+        only when it is sent (a large write never holds them all)."""
+        rows = iter(metrics)
+        while chunk := list(itertools.islice(rows, _MAX_METRICS)):
             self._client.log_batch(run_id, metrics=chunk, synchronous=True)
 
     def _experiment(self, name: str) -> str:

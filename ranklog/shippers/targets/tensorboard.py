@@ -35,6 +35,7 @@ import mmap
 import os
 import socket
 import struct
+import threading
 import time
 from collections.abc import Mapping
 from itertools import count
@@ -60,6 +61,10 @@ _RUN_TAG: Final = "ranklog run "
 _SSI_TAG: Final = "_hparams_/session_start_info"
 _U32, _U64, _F32, _F64 = (struct.Struct(f) for f in ("<I", "<Q", "<f", "<d"))
 _F32_INF: Final = 2.0**128 - 2.0**103  # from here on, float32 rounds to inf
+_NP_MIN: Final = 1024  # CRCs of less data are quicker in Python than numpy's fixed cost
+_NP_PASS: Final = 1 << 18  # bytes per numpy pass (its work arrays: 8 bytes a byte)
+_NP_MAX: Final = 1 << 20  # a longer record gets its CRC in Python (numpy would need 8x it)
+_ROWS_MAX: Final = 1 << 12  # numpy's position table: 4 MiB at most; longer parts go in pieces
 _seq = count()
 _TB_MODULES: Final = (  # under tensorboard.
     "compat.proto.event_pb2 compat.proto.summary_pb2 compat.proto.tensor_pb2 compat.proto.types_pb2"
@@ -130,23 +135,139 @@ def crc32c(data: bytes) -> int:
     return c ^ 0xFFFFFFFF
 
 
-def _masked(data: bytes) -> int:
-    c = crc32c(data)
+@functools.cache
+def _numpy() -> Any:
+    """numpy (a dependency of tensorboard, imported by it already), or None: CRCs in Python."""
+    try:
+        return importlib.import_module("numpy")
+    except ImportError:
+        return None
+
+
+_rows: list[tuple[int, Any, list[list[int]]]] = []  # the one position table, grown on demand
+
+
+def _crc_rows(need: int) -> tuple[int, Any, list[list[int]]]:
+    """``n`` >= ``need`` (at most ``_ROWS_MAX``), ``rows``, ``shift``: numpy's CRC-32C tables.
+
+    ``rows[d * 256 + b]``: the CRC register (from 0) after byte ``b`` and ``d`` zero bytes,
+    ``d < n``. ``shift[j][x]``: a register's byte ``j`` being ``x``, its part of that register
+    after ``n`` zero bytes. (Reflected CRCs: a register's four bytes act as four message bytes.)
+    """
+    if _rows and _rows[0][0] >= min(need, _ROWS_MAX):
+        return _rows[0]
+    np, n = _numpy(), min(_ROWS_MAX, 1 << max(6, (need - 1).bit_length()))
+    t8 = np.array(_crc_tables()[-1], np.uint32)
+    rows = np.empty((n, 256), np.uint32)
+    rows[0] = t8
+    for d in (1, 2, 3):
+        rows[d] = (rows[d - 1] >> 8) ^ t8[rows[d - 1] & 0xFF]
+    m = 4
+    while m < n:  # rows m..2m-1: rows 0..m-1 shifted through m zero bytes
+        src = rows[: min(m, n - m)]
+        acc = rows[m - 1][src & 0xFF]
+        for j in (1, 2, 3):
+            acc ^= rows[m - 1 - j][(src >> (8 * j)) & 0xFF]
+        rows[m : m + len(src)] = acc
+        m += len(src)
+    _rows[:] = [(n, rows.ravel(), [rows[n - 1 - j].tolist() for j in range(4)])]
+    return _rows[0]
+
+
+_scratch = threading.local()  # numpy's work arrays, kept: fresh ones cost page faults
+
+
+def _crcs_numpy(np: Any, parts: list[bytes]) -> list[int]:
+    """CRC-32C of each part (4 bytes or more), all at once: a table look-up per byte, xored."""
+    lens = np.fromiter(map(len, parts), np.int32, len(parts))
+    longest = int(lens.max())
+    n, rows, shift = _crc_rows(longest)
+    starts = np.cumsum(lens, dtype=np.int32)
+    starts -= lens
+    joined = b"".join(parts)
+    work = getattr(_scratch, "work", None)
+    if work is None or work.shape[1] < len(joined):
+        work = np.empty((2, len(joined)), np.int32)
+        if len(joined) <= 2 * _NP_PASS:
+            _scratch.work = work
+    idx, looked_up = work[0, : len(joined)], work[1, : len(joined)].view(np.uint32)
+    idx.fill(-1)
+    idx[starts] = lens - 1
+    np.cumsum(idx, dtype=np.int32, out=idx)  # each byte: how many follow it in its part
+    segs = starts
+    if longest > n:  # parts longer than the table: n-byte pieces from the end, a short one first
+        idx &= n - 1
+        first = idx == n - 1
+        first[starts] = True
+        segs = np.flatnonzero(first)
+    idx <<= 8
+    idx += np.frombuffer(joined, np.uint8)
+    idx[(starts[:, None] + np.arange(4, dtype=np.int32)).ravel()] ^= 0xFF  # the register's
+    rows.take(idx, out=looked_up)  # initial ones: as if xored into a part's first four bytes
+    raw = np.bitwise_xor.reduceat(looked_up, segs).tolist()
+    if len(raw) == len(parts):
+        return [c ^ 0xFFFFFFFF for c in raw]
+    out, end, s0, s1, s2, s3 = [], 0, *shift
+    for size in lens.tolist():
+        at, end = end, end + (size + n - 1) // n
+        c = raw[at]
+        for k in range(at + 1, end):  # the register through n zero bytes, and the next piece
+            c = s0[c & 0xFF] ^ s1[(c >> 8) & 0xFF] ^ s2[(c >> 16) & 0xFF] ^ s3[c >> 24] ^ raw[k]
+        out.append(c ^ 0xFFFFFFFF)
+    return out
+
+
+def _crcs(datas: list[bytes]) -> list[int]:
+    """CRC-32C of each of ``datas``: with numpy in passes of ~256 KiB, else (or when cheaper:
+    little data, a part shorter than 4 bytes or over 1 MiB) with :func:`crc32c`."""
+    np = _numpy()
+    if np is None or sum(map(len, datas)) < _NP_MIN:
+        return [crc32c(d) for d in datas]
+    out, todo, size = [0] * len(datas), list[int](), 0
+    for i, d in enumerate(datas):
+        if 4 <= len(d) <= _NP_MAX:
+            todo.append(i)
+            size += len(d)
+        else:
+            out[i] = crc32c(d)
+        if todo and (size >= _NP_PASS or i == len(datas) - 1):
+            for k, c in zip(todo, _crcs_numpy(np, [datas[k] for k in todo]), strict=True):
+                out[k] = c
+            todo, size = [], 0
+    return out
+
+
+def _mask(c: int) -> int:
     return ((((c >> 15) | (c << 17)) & 0xFFFFFFFF) + 0xA282EAD8) & 0xFFFFFFFF
 
 
-def _record(data: bytes) -> bytes:
-    head = _U64.pack(len(data))
-    return b"".join((head, _U32.pack(_masked(head)), data, _U32.pack(_masked(data))))
+def _masked(data: bytes) -> int:
+    return _mask(_crcs([data])[0])
+
+
+@functools.lru_cache(maxsize=1024)
+def _head(size: int) -> bytes:
+    """A record's length and the masked CRC-32C of that length (12 bytes)."""
+    head = _U64.pack(size)
+    return head + _U32.pack(_mask(crc32c(head)))
+
+
+def _records(datas: list[bytes]) -> bytes:
+    """TFRecord frames of ``datas``, one after another (all the CRCs computed at once)."""
+    out = [b""] * (3 * len(datas))
+    out[0::3] = map(_head, map(len, datas))
+    out[1::3] = datas
+    out[2::3] = map(_U32.pack, map(_mask, _crcs(datas)))
+    return b"".join(out)
 
 
 def _spans(buf: Any, size: int) -> list[tuple[int, int]]:
     """(start, end) of each record's data in ``buf``, up to the first torn or bad record."""
     spans, pos = [], 0
     while pos + 12 <= size:
-        head = buf[pos : pos + 8]
-        end = pos + 16 + _U64.unpack(head)[0]
-        if end > size or _U32.unpack_from(buf, pos + 8)[0] != _masked(head):
+        length = _U64.unpack_from(buf, pos)[0]
+        end = pos + 16 + length
+        if end > size or buf[pos : pos + 12] != _head(length):
             break
         spans.append((pos + 12, end - 4))
         pos = end
@@ -287,7 +408,7 @@ class _Run:
                 with contextlib.suppress(FileExistsError):
                     self.fd = os.open(self.path / f"{name}.{next(_seq)}", flags, 0o644)
             fsync_dir(self.path)
-            data = _record(version) + _record(start) + data
+            data = _records([version, start]) + data
         view = memoryview(data)  # after a failed write the engine re-opens: the tail is cut
         while view:
             view = view[os.write(self.fd, view) :]
@@ -323,20 +444,22 @@ class TensorBoardTarget:
         main = self._require()
         self._params.update(params)
         if ssi := self._save_hparams():
-            main.append(_record(_event(time.time(), 0, ssi)))
+            main.append(_records([_event(time.time(), 0, ssi)]))
 
     def write(self, steps: list[ShippedStep]) -> None:
         """One record per step and run; rank sub-runs are written first, each with one write."""
         main, run_id = self._require(), self._run.run_id if self._run else ""
-        todo: dict[_Run, list[tuple[int, bytes]]] = {}
+        todo: dict[_Run, list[bytes]] = {}
+        lasts: dict[_Run, int] = {}
         for s in steps:
             for rank, values in (s.per_rank or {}).items() if self.per_rank else ():
                 sub = self._ranks.get(rank)
                 if sub is None:
                     sub = self._ranks[rank] = _Run(self.path / f"rank{rank:05d}", run_id)
                 if sub.last is None or s.step > sub.last:
-                    rec = _record(_event(s.ts, s.step, self._pack(values, main=False)))
-                    todo.setdefault(sub, []).append((s.step, rec))
+                    summary = self._pack(values, main=False)
+                    todo.setdefault(sub, []).append(_event(s.ts, s.step, summary))
+                    lasts[sub] = s.step
             if main.last is None or s.step > main.last:  # else held already (never sent)
                 values = s.metrics
                 if s.gpu:
@@ -348,10 +471,11 @@ class TensorBoardTarget:
                 summary = self._pack(values, main=True) + (_texts(s.texts) if s.texts else b"")
                 if s.histograms or s.images:
                     summary += _media(s)
-                todo.setdefault(main, []).append((s.step, _record(_event(s.ts, s.step, summary))))
+                todo.setdefault(main, []).append(_event(s.ts, s.step, summary))
+                lasts[main] = s.step
         for run in sorted(todo, key=lambda r: r is main):
-            run.append(b"".join(rec for _, rec in todo[run]))
-            run.last = todo[run][-1][0]
+            run.append(_records(todo[run]))
+            run.last = lasts[run]
 
     def _pack(self, values: dict[str, float], *, main: bool) -> bytes:
         key = (main, tuple(values))
@@ -412,7 +536,7 @@ class TensorBoardTarget:
             _event(run.created, 0, ssi),
             _event(run.created, 0, config),
         )
-        atomic_write(self.path / HPARAMS_FILE, b"".join(map(_record, data)), mode=0o644)
+        atomic_write(self.path / HPARAMS_FILE, _records(list(data)), mode=0o644)
         return ssi
 
     def _load_hparams(self) -> tuple[dict[str, ParamValue], set[str]]:
