@@ -19,6 +19,13 @@ from ranklog.shippers.targets.jsonl import JsonlTarget
 from .shiphelp import lines, rank
 
 
+#: The kernel's attribute cache on the mount (libfuse's default, set explicitly): a
+#: segment's new size can stay hidden this long after a poll, whatever the shipper does.
+ATTR_TIMEOUT = 1.0
+#: Room for a loaded 2-core machine between the write, the poll and the test's look.
+SLACK = 1.0
+
+
 @pytest.fixture
 def fuse_mount(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     """(directory written by producers, the same directory seen through bindfs)."""
@@ -30,7 +37,7 @@ def fuse_mount(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     under, mnt = tmp_path / "under", tmp_path / "mnt"
     under.mkdir()
     mnt.mkdir()
-    proc = subprocess.run(["bindfs", str(under), str(mnt)], capture_output=True, text=True)
+    proc = subprocess.run(["bindfs", "-o", f"attr_timeout={ATTR_TIMEOUT:g}", str(under), str(mnt)], capture_output=True, text=True)
     if proc.returncode != 0:
         msg = f"bindfs could not mount: {proc.stderr.strip()}"
         if os.environ.get("CI"):
@@ -69,10 +76,11 @@ def test_inotify_sees_nothing_on_the_mount(fuse_mount: tuple[Path, Path]) -> Non
     assert (mnt / "file").stat().st_size == 1000
 
 
-def test_polling_ships_within_poll_plus_one_second(
+def test_polling_ships_within_poll_plus_attribute_cache(
     fuse_mount: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    """The shipper detects the FUSE mount, polls, and ships each step within poll + 1 s."""
+    """The shipper detects the FUSE mount, polls, and ships each step within one poll
+    interval plus the mount's attribute-cache time (plus slack for a loaded machine)."""
     under, mnt = fuse_mount
     spool_under, spool_mnt = under / "spool", mnt / "spool"
     out = tmp_path / "out.jsonl"
@@ -103,4 +111,4 @@ def test_polling_ships_within_poll_plus_one_second(
     assert not thread.is_alive()
     assert [x["step"] for x in lines(out)] == list(range(8))
     latency = {s: seen_at[s] - closed_at[s] for s in closed_at}
-    assert max(latency.values()) <= source.poll_interval + 1.0, latency
+    assert max(latency.values()) <= source.poll_interval + ATTR_TIMEOUT + SLACK, latency
