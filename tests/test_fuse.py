@@ -18,7 +18,6 @@ from ranklog.shippers.targets.jsonl import JsonlTarget
 
 from .shiphelp import lines, rank
 
-
 #: The kernel's attribute cache on the mount (libfuse's default, set explicitly): a
 #: segment's new size can stay hidden this long after a poll, whatever the shipper does.
 ATTR_TIMEOUT = 1.0
@@ -37,7 +36,11 @@ def fuse_mount(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     under, mnt = tmp_path / "under", tmp_path / "mnt"
     under.mkdir()
     mnt.mkdir()
-    proc = subprocess.run(["bindfs", "-o", f"attr_timeout={ATTR_TIMEOUT:g}", str(under), str(mnt)], capture_output=True, text=True)
+    proc = subprocess.run(
+        ["bindfs", "-o", f"attr_timeout={ATTR_TIMEOUT:g}", str(under), str(mnt)],
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         msg = f"bindfs could not mount: {proc.stderr.strip()}"
         if os.environ.get("CI"):

@@ -147,12 +147,23 @@ class TestIncremental:
         entry = next(iter(load_manifest(out).segments.values()))
         assert entry.done and entry.sealed and len(entry.files) >= 4
 
+    @pytest.mark.parametrize(("save_bytes", "dies_at"), [(0, 4), (64 << 20, 1)])
     def test_killed_mid_way(
-        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+        self,
+        spool: Path,
+        tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch,
+        save_bytes: int,
+        dies_at: int,
     ) -> None:
-        """Killed between its files and its manifest, then rerun: equal to an uninterrupted run."""
+        """Killed between its files and its manifest, then rerun: equal to an uninterrupted run.
+
+        With a save after every segment (killed at the fourth), and with the default: one
+        save at the end, so every file written is left unlisted when it dies.
+        """
         import ranklog.archive._compact as parquet
 
+        monkeypatch.setattr(parquet, "SAVE_BYTES", save_bytes)
         _job(spool)
         whole = tmp_path / "whole"
         compact(spool, whole)
@@ -162,13 +173,14 @@ class TestIncremental:
 
         def dying(*args: object) -> None:
             calls["n"] += 1
-            if calls["n"] == 4:
+            if calls["n"] == dies_at:
                 raise KeyboardInterrupt("killed")
             real(*args)  # type: ignore[arg-type]
 
         monkeypatch.setattr(parquet, "save_manifest", dying)
         with pytest.raises(KeyboardInterrupt):
             compact(spool, out)
+        assert any(out.glob("metrics/*.parquet"))  # files were written before it died
         monkeypatch.setattr(parquet, "save_manifest", real)
         compact(spool, out)
         assert _dataset(out) == _dataset(whole)

@@ -54,7 +54,10 @@ log = logging.getLogger("ranklog.compact")
 
 #: frames read per output file: bounds memory, keeps files large enough to scan fast
 CHUNK_BYTES: Final = 64 * 1024 * 1024
-_ROW_GROUP: Final = 1_000_000
+#: spool bytes compacted between two saves of the manifest (and at the end of a run)
+SAVE_BYTES: Final = 64 * 1024 * 1024
+#: rows per row group: replay reads by row group, so this bounds what it decodes at once
+_ROW_GROUP: Final = 16_384
 _ENCODINGS: Final = {
     "seq": "DELTA_BINARY_PACKED",
     "idx": "DELTA_BINARY_PACKED",
@@ -78,6 +81,7 @@ class CompactResult:
 def _write_tables(
     out: Path, key: str, start: int, end: int, tables: dict[str, pa.Table]
 ) -> list[str]:
+    """Each table's file (written and fsync'd; its directory is fsync'd by :class:`_Saver`)."""
     files = []
     for table, data in tables.items():
         rel = f"{table}/{key}-{start:012d}-{end:012d}.parquet"
@@ -85,9 +89,37 @@ def _write_tables(
         path.parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         atomic_write(path, _parquet_writer(data), sync_dir=False)
         files.append(rel)
-    for rel in files:  # the renames are durable before the manifest lists the files
-        fsync_dir((out / rel).parent)
     return files
+
+
+class _Saver:
+    """Saves the manifest every :data:`SAVE_BYTES` of spool compacted, and at the end.
+
+    Before each save, the directories of the files written since the last one are
+    fsync'd: their renames are durable before the manifest lists them. A crash between
+    saves leaves files no manifest lists; the next run removes them and compacts those
+    frames again (:func:`_remove_orphans`).
+    """
+
+    def __init__(self, out: Path, manifest: Manifest) -> None:
+        self.out, self.manifest = out, manifest
+        self.dirs: set[Path] = set()
+        self.pending = 0  # spool bytes compacted since the last save
+
+    def wrote(self, files: list[str], nbytes: int) -> None:
+        self.dirs.update((self.out / rel).parent for rel in files)
+        self.pending += nbytes
+
+    def maybe(self) -> None:
+        if self.pending >= SAVE_BYTES:
+            self.save()
+
+    def save(self) -> None:
+        for d in sorted(self.dirs):
+            fsync_dir(d)
+        self.dirs.clear()
+        save_manifest(self.out, self.manifest)
+        self.pending = 0
 
 
 _DICTIONARY: Final = ("run_id", "name", "reduce", "kind", "host", "status", "format",
@@ -142,6 +174,7 @@ def compact(
     manifest.run_id, manifest.name = run.run_id, run.name
     manifest.world_size, manifest.created = run.world_size, run.created
     result = CompactResult()
+    saver = _Saver(outdir, manifest)
     for rank in layout.ranks():
         segs = layout.segments(rank)
         for i, seg in enumerate(segs):
@@ -151,11 +184,11 @@ def compact(
             if entry.done:
                 continue
             _remove_orphans(outdir, key, entry)
-            _compact_segment(run.run_id, seg, later, outdir, key, entry, result, manifest)
-            save_manifest(outdir, manifest)
+            _compact_segment(run.run_id, seg, later, outdir, key, entry, result, saver)
+            saver.maybe()
     if result.bad:
         manifest.bad += [str(b) for b in result.bad]
-        save_manifest(outdir, manifest)
+    saver.save()
     if delete:
         _delete_verified(layout, run.run_id, outdir, manifest, result)
         save_manifest(outdir, manifest)
@@ -170,8 +203,9 @@ def _compact_segment(
     key: str,
     entry: SegmentEntry,
     result: CompactResult,
-    manifest: Manifest,
+    saver: _Saver,
 ) -> None:
+    manifest = saver.manifest
     reader = SegmentReader(seg.path)
     upto = manifest.relogged_upto(seg.rank, seg.incarnation)
     mark = manifest.mark(seg.id)
@@ -197,6 +231,7 @@ def _compact_segment(
             tables = segment_tables(run_id, seg, res.frames, upto)
             _update_mark(mark, res.frames)
             files = _write_tables(outdir, key, start, res.end, tables)
+            saver.wrote(files, res.end - entry.offset)
             entry.files += files
             for table, data in tables.items():
                 entry.rows[table] = entry.rows.get(table, 0) + data.num_rows

@@ -19,24 +19,23 @@ continued from: the later incarnation's values for those steps.
 
 from __future__ import annotations
 
-import bisect
 import os
 import shutil
 import tempfile
 from collections import defaultdict
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from ranklog.archive._manifest import load_manifest, require_manifest
-from ranklog.archive._rows import COLUMNS, read_rows, segment_events
+from ranklog.archive._rows import COLUMNS, GroupCache, RowGroups, frame_events, read_rows
 from ranklog.archive._tables import TABLES
 from ranklog.errors import ConfigError, SpoolFormatError
-from ranklog.schemas import SCHEMA_VERSION, Event, RankEnd
+from ranklog.schemas import SCHEMA_VERSION, RankEnd
 from ranklog.shippers import Shipper, Target
 from ranklog.shippers._source import SegState
 from ranklog.spool import (
@@ -54,6 +53,8 @@ __all__ = ["ParquetSource", "replay"]
 
 #: rows turned into events per read: the engine reads in bounded slices, as from files
 _ROWS_PER_READ: Final = 8_192  # about what 256 KiB of a segment holds
+#: decoded row groups kept for every segment of a replay together
+_CACHE_BYTES: Final = 96 * 1024 * 1024
 
 
 def _segment_files(dataset: Path) -> dict[SegmentId, dict[str, list[Path]]]:
@@ -72,9 +73,10 @@ def _segment_files(dataset: Path) -> dict[SegmentId, dict[str, list[Path]]]:
 class _ParquetReader:
     """Stands in for a SegmentReader: one original segment, rebuilt from its Parquet files.
 
-    Offsets count frames (``HEADER_SIZE + i`` is the start of frame ``i``). The segment's
-    rows are loaded on first use and turned into events a window of frames at a time, so
-    memory holds one window of Python objects per segment, not the run.
+    Offsets count frames (``HEADER_SIZE + i`` is the start of frame ``i``). Each read
+    takes the next window of frames (about :data:`_ROWS_PER_READ` rows) from the row
+    groups that hold them and turns it into events, so memory holds one window of Python
+    objects per segment and the shared cache of decoded row groups, not the run.
     """
 
     def __init__(
@@ -87,6 +89,7 @@ class _ParquetReader:
         names: str | None,
         cutoff: int | None = None,
         seal_seq: int | None = None,
+        cache: GroupCache | None = None,
     ) -> None:
         self.header: SegmentHeader | None = header
         #: the source segment's seal frame's sequence number, when it had one
@@ -94,7 +97,9 @@ class _ParquetReader:
         self._files, self._last, self._steps, self._names = files, last, steps, names
         self._cutoff = cutoff
         self._loaded = False
-        self._tables: dict[str, tuple[pa.Table | None, list[int]]] | None = None
+        self._tables: dict[str, tuple[pa.Table | None, Any]] | None = None
+        self._groups: dict[str, RowGroups] = {}
+        self._cache = cache if cache is not None else GroupCache(_CACHE_BYTES)
         self._seqs: list[int] = []
         self._rows: list[int] = []
         self._end_frame = False  # a synthetic rank_end frame closes the rank
@@ -105,31 +110,45 @@ class _ParquetReader:
         if self._loaded:
             return
         self._loaded = True
-        rows: dict[int, int] = defaultdict(int)
+        seqs: list[Any] = []
         ended = False
         for name, files in self._files.items():
+            metas = {}
             for path in files:
-                t = pq.read_table(path, columns=["seq", "kind"] if name == "ranks" else ["seq"])
-                for item in pc.value_counts(t["seq"]).to_pylist():
-                    rows[item["values"]] += item["counts"]
+                pf = pq.ParquetFile(path)
+                metas[path] = pf.metadata
+                t = pf.read(columns=["seq", "kind"] if name == "ranks" else ["seq"])
+                seqs.append(t["seq"].to_numpy())
                 if name == "ranks":
                     ended = ended or bool(pc.any(pc.equal(t["kind"], "rank_end")).as_py())
-        self._seqs = sorted(rows)
-        self._rows = [rows[q] for q in self._seqs]
+            groups = RowGroups.of(files, name, COLUMNS[name], self._cache, metas)
+            if groups is not None:  # as compaction writes: read by row group
+                self._groups[name] = groups
+        if seqs:
+            uniq, counts = np.unique(np.concatenate(seqs), return_counts=True)
+            self._seqs, self._rows = list(uniq.tolist()), list(counts.tolist())
         self._end_frame = self._last and not ended
         self.size = HEADER_SIZE + len(self._seqs) + self._end_frame
 
     def _window(self, lo: int, hi: int) -> dict[str, pa.Table | None]:
-        """The segment's rows of frames ``lo..hi`` (its tables are read once, then sliced)."""
-        if self._tables is None:
-            self._tables = {}
-            for name, files in self._files.items():
-                t = read_rows(files, name, COLUMNS[name])
-                self._tables[name] = (t, [] if t is None else t["seq"].to_numpy().tolist())
+        """The segment's rows of frames ``lo..hi``: by row group, or from the whole table."""
         out: dict[str, pa.Table | None] = {}
-        for name, (t, seqs) in self._tables.items():
-            a, b = bisect.bisect_left(seqs, lo), bisect.bisect_right(seqs, hi)
-            out[name] = None if t is None or a == b else t.slice(a, b - a)
+        for name, files in self._files.items():
+            groups = self._groups.get(name)
+            if groups is not None:
+                out[name] = groups.rows(lo, hi)
+                continue
+            if self._tables is None:
+                self._tables = {}
+            if name not in self._tables:  # files out of order: read whole, sorted
+                t = read_rows(files, name, COLUMNS[name])
+                self._tables[name] = (t, None if t is None else t["seq"].to_numpy())
+            t, seqs = self._tables[name]
+            if t is None or seqs is None:
+                out[name] = None
+                continue
+            a, b = np.searchsorted(seqs, [lo, hi + 1]).tolist()
+            out[name] = None if a == b else t.slice(a, b - a)
         return out
 
     def read(
@@ -147,15 +166,12 @@ class _ParquetReader:
         if window:
             h = self.header
             part = self._window(window[0], window[-1])
-            events = segment_events(
+            by_seq = frame_events(
                 part, h.rank, h.run_id, steps=self._steps, names=self._names, cutoff=self._cutoff
             )
-            by_seq: dict[int, list[Event]] = {seq: [] for seq in window}
-            for key, ev in events:
-                by_seq[key[2]].append(ev)
             for i, seq in enumerate(window):
                 pos = HEADER_SIZE + start + i
-                frames.append(Frame(pos, pos + 1, seq, SCHEMA_VERSION, by_seq[seq]))
+                frames.append(Frame(pos, pos + 1, seq, SCHEMA_VERSION, by_seq.get(seq, [])))
         end = HEADER_SIZE + start + len(frames)
         if self._end_frame and end == self.size - 1:
             last_ts = frames[-1].events[-1].ts if frames and frames[-1].events else 0.0
@@ -182,7 +198,10 @@ def _cutoffs(dataset: Path) -> dict[tuple[int, int], int]:
         path = dataset / name
         if not path.is_dir() or not any(path.glob("*.parquet")):
             continue
-        t = ds.dataset(path, format="parquet").to_table(columns=["rank", "incarnation", "step"])
+        t = pa.concat_tables(
+            pq.read_table(f, columns=["rank", "incarnation", "step"])
+            for f in sorted(path.glob("*.parquet"))
+        )
         for row in t.group_by(["rank", "incarnation"]).aggregate([("step", "min")]).to_pylist():
             key = (row["rank"], row["incarnation"])
             starts[key] = min(starts.get(key, row["step_min"]), row["step_min"])
@@ -222,6 +241,7 @@ class ParquetSource:
         manifest = load_manifest(self.dataset)
         last_of_rank = {k.rank: k for k in files}  # sorted: the last key of each rank wins
         cutoffs = _cutoffs(self.dataset) if relogged == "last" else {}
+        cache = GroupCache(_CACHE_BYTES)
         for sid, tables in files.items():
             rank, inc, seg = sid
             header = SegmentHeader(rank, inc, seg, run.created, run.run_id, run.world_size)
@@ -231,6 +251,7 @@ class ParquetSource:
                 dict(tables), header, last=last_of_rank[rank] == sid,
                 steps=steps, names=names, cutoff=cutoffs.get((rank, inc)),
                 seal_seq=entry.next_seq - 1 if sealed and entry is not None else None,
+                cache=cache,
             )  # fmt: skip
             path = self.dataset / sid.stem
             state = SegState(SegmentName(rank, inc, seg, path), sid.key, reader)

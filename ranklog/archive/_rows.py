@@ -1,9 +1,12 @@
 """Rows of a compacted dataset turned back into events, in the order a rank wrote them.
 
 The inverse of :func:`ranklog.archive._tables.segment_tables`: the rows of one
-segment (as :func:`read_rows` reads them, sorted by (incarnation, segment, seq,
-idx)) become the events they came from, each keyed by where it was in the
-segment. Rows of one Metrics event are contiguous and carry the same key.
+segment, sorted by (incarnation, segment, seq, idx), become the events they came
+from, grouped by the frame (``seq``) that held them. Rows of one Metrics event are
+contiguous and carry the same key. Rows are read by Parquet row group
+(:class:`RowGroups`, through a :class:`GroupCache` of bounded size) when the files'
+statistics show them in order, as compaction writes them; otherwise whole
+(:func:`read_rows`) and sorted.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ import json
 from pathlib import Path
 from typing import Any, Final
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 
 from ranklog.archive._tables import SCHEMAS
 from ranklog.schemas import (
@@ -34,28 +38,137 @@ from ranklog.schemas import (
     Timer,
 )
 
-__all__ = ["COLUMNS", "Key", "read_rows", "segment_events"]
+__all__ = ["COLUMNS", "GroupCache", "RowGroups", "frame_events", "read_rows"]
 
-Key = tuple[int, int, int, int]  # incarnation, segment, seq, idx
+Slot = tuple[int, Event]  # an event and its index in its frame
 _KEY: Final = ("incarnation", "segment", "seq", "idx")
 
 
-def read_rows(
-    files: list[Path] | None, table: str, columns: list[str], where: Any = None
-) -> pa.Table | None:
+def _conform(t: pa.Table, table: str, wanted: list[str]) -> pa.Table:
+    """``t`` with the ``wanted`` columns of ``table``'s schema: absent ones as nulls."""
+    schema = SCHEMAS[table]
+    for c in wanted:
+        if c not in t.column_names:
+            t = t.append_column(schema.field(c), pa.nulls(t.num_rows, schema.field(c).type))
+    return t.select(wanted).cast(pa.schema([schema.field(c) for c in wanted]))
+
+
+def _ordered(t: pa.Table) -> pa.Table:
+    """Rows sorted in key order (compaction writes them so: usually nothing to do), ts as int."""
+    if not _in_key_order(t):
+        t = t.sort_by([(k, "ascending") for k in _KEY])
+    return t.set_column(t.schema.get_field_index("ts"), "ts", t["ts"].cast(pa.int64()))
+
+
+def read_rows(files: list[Path] | None, table: str, columns: list[str]) -> pa.Table | None:
     """The rows of ``files`` (one segment's, of ``table``), sorted in write order; None if none.
 
-    Columns a file written by an older release lacks are read as nulls.
+    Columns a file written by an older release lacks are read as nulls. Files are read
+    one by one with ``pyarrow.parquet`` (no dataset discovery, no pandas import).
     """
     if not files:
         return None
-    dataset = ds.dataset(files, format="parquet", schema=SCHEMAS[table])
-    t = dataset.to_table(columns=[*_KEY, "ts", *columns], filter=where)
-    if t.num_rows == 0:
-        return None
-    if not _in_key_order(t):  # compaction writes rows in key order: usually nothing to do
-        t = t.sort_by([(k, "ascending") for k in _KEY])
-    return t.set_column(t.schema.get_field_index("ts"), "ts", t["ts"].cast(pa.int64()))
+    wanted = [*_KEY, "ts", *columns]
+    parts = []
+    for path in files:
+        pf = pq.ParquetFile(path)
+        have = set(pf.schema_arrow.names)
+        t = pf.read(columns=[c for c in wanted if c in have], use_threads=False)
+        parts.append(_conform(t, table, wanted))
+    t = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+    return None if t.num_rows == 0 else _ordered(t)
+
+
+class RowGroups:
+    """One segment's rows of one table, read by Parquet row group, in ``seq`` order.
+
+    For files whose row groups follow each other in ``seq`` (what compaction writes,
+    known from the row groups' statistics alone): :meth:`rows` reads only the row groups
+    that hold the frames asked for. Decoded row groups are shared through a cache of
+    bounded size, so memory stays flat whatever the number of segments.
+    """
+
+    def __init__(self, table: str, columns: list[str], cache: GroupCache) -> None:
+        self._table, self._cache = table, cache
+        self._wanted = [*_KEY, "ts", *columns]
+        #: (path, row group, first seq, last seq), in order
+        self.groups: list[tuple[Path, int, int, int]] = []
+        self._meta: dict[Path, Any] = {}  # each file's footer, parsed once
+
+    @classmethod
+    def of(
+        cls,
+        files: list[Path],
+        table: str,
+        columns: list[str],
+        cache: GroupCache,
+        metas: dict[Path, Any] | None = None,
+    ) -> RowGroups | None:
+        """The row groups of ``files``, or None when their statistics do not show order."""
+        out = cls(table, columns, cache)
+        prev = -1
+        for path in files:
+            meta = metas[path] if metas is not None else pq.ParquetFile(path).metadata
+            out._meta[path] = meta
+            col = meta.schema.names.index("seq")
+            for i in range(meta.num_row_groups):
+                stats = meta.row_group(i).column(col).statistics
+                if stats is None or not stats.has_min_max or stats.min < prev:
+                    return None
+                out.groups.append((path, i, stats.min, stats.max))
+                prev = stats.max
+        return out
+
+    def _group(self, path: Path, i: int) -> pa.Table:
+        key = (str(path), i)
+        t = self._cache.get(key)
+        if t is None:
+            pf = pq.ParquetFile(path, metadata=self._meta.get(path))
+            have = set(pf.schema_arrow.names)
+            cols = [c for c in self._wanted if c in have]
+            t = _ordered(_conform(pf.read_row_group(i, columns=cols, use_threads=False),
+                                  self._table, self._wanted))  # fmt: skip
+            self._cache.put(key, t)
+        return t
+
+    def rows(self, lo: int, hi: int) -> pa.Table | None:
+        """The rows of frames ``lo..hi`` (by ``seq``), in write order; None if none."""
+        parts = []
+        for path, i, first, last in self.groups:
+            if last < lo or first > hi:
+                continue
+            t = self._group(path, i)
+            seqs = t["seq"].to_numpy()
+            if first < lo or last > hi:
+                a, b = np.searchsorted(seqs, [lo, hi + 1]).tolist()
+                t = t.slice(a, b - a)
+            if t.num_rows:
+                parts.append(t)
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+
+
+class GroupCache:
+    """Decoded row groups, least recently used dropped first past ``limit`` bytes."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._items: dict[tuple[str, int], pa.Table] = {}
+        self._bytes = 0
+
+    def get(self, key: tuple[str, int]) -> pa.Table | None:
+        t = self._items.pop(key, None)
+        if t is not None:
+            self._items[key] = t  # most recently used last
+        return t
+
+    def put(self, key: tuple[str, int], t: pa.Table) -> None:
+        self._items[key] = t
+        self._bytes += t.nbytes
+        while self._bytes > self.limit and len(self._items) > 1:
+            old = next(iter(self._items))
+            self._bytes -= self._items.pop(old).nbytes
 
 
 def _in_key_order(t: pa.Table) -> bool:
@@ -88,8 +201,9 @@ def _column_list(col: Any) -> list[Any]:
         return list(col.to_numpy().tolist())
     if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
         encoded = pc.dictionary_encode(col).combine_chunks()
-        words = encoded.dictionary.to_pylist()
-        return [words[i] if i is not None else None for i in encoded.indices.to_pylist()]
+        words = np.array([*encoded.dictionary.to_pylist(), None], dtype=object)
+        codes = encoded.indices.fill_null(len(words) - 1).to_numpy()
+        return list(words[codes].tolist())
     return list(col.to_pylist())
 
 
@@ -97,42 +211,54 @@ def _cols(t: pa.Table, *names: str) -> list[list[Any]]:
     return [_column_list(t.column(n)) for n in names]
 
 
+def _starts(t: pa.Table) -> Any:
+    """Row numbers where a new event starts (its key differs from the row before), plus n."""
+    n = t.num_rows
+    change = np.zeros(max(n - 1, 0), dtype=bool)
+    for k in _KEY:
+        col = t[k].to_numpy()
+        change |= col[1:] != col[:-1]
+    return np.concatenate(([0], np.flatnonzero(change) + 1, [n]))
+
+
 def _metrics(
-    t: pa.Table, step_ok: Any, name_ok: Any, filtered: bool, out: list[tuple[Key, Event]]
+    t: pa.Table, step_ok: Any, name_ok: Any, filtered: bool, out: dict[int, list[Slot]]
 ) -> None:
     """Rows back into Metrics events: rows of one event are contiguous (sorted by key)."""
-    n = t.num_rows
-    a = [t[k] for k in _KEY]
-    change = pc.or_(
-        pc.or_(pc.not_equal(a[0][1:], a[0][:-1]), pc.not_equal(a[1][1:], a[1][:-1])),
-        pc.or_(pc.not_equal(a[2][1:], a[2][:-1]), pc.not_equal(a[3][1:], a[3][:-1])),
-    )
-    starts = [0, *(x + 1 for x in pc.indices_nonzero(change).to_pylist()), n]
-    heads = t.take(pa.array(starts[:-1], pa.int64()))  # one row per event
-    inc, seg, seq, idx, ts, step = _cols(heads, *_KEY, "ts", "step")
+    starts = _starts(t)
+    bounds = starts.tolist()
+    heads = t.take(pa.array(starts[:-1]))  # one row per event
+    seq, idx, ts, step = _cols(heads, "seq", "idx", "ts", "step")
     name, value = _cols(t, "name", "value")
     single = pc.count_distinct(t["reduce"]).as_py() == 1
-    red = [t["reduce"][0].as_py()] * n if single else t["reduce"].to_pylist()
-    for e in range(len(starts) - 1):
-        lo, hi = starts[e], starts[e + 1]
-        if not step_ok(step[e]):
+    red = [] if single else _column_list(t["reduce"])
+    op = t["reduce"][0].as_py() if single else ""
+    spec: str | dict[str, str]
+    for e in range(len(bounds) - 1):
+        lo, hi = bounds[e], bounds[e + 1]
+        s = step[e]
+        if step_ok is not None and not step_ok(s):
             continue
         names, values = name[lo:hi], value[lo:hi]
-        ops = red[lo:hi]
+        ops = None if single else red[lo:hi]
         if filtered:
             picked = [j for j, nm in enumerate(names) if name_ok(nm)]
             if not picked:
                 continue
             names = [names[j] for j in picked]
             values = [values[j] for j in picked]
-            ops = [ops[j] for j in picked]
-        spec: str | dict[str, str] = (
-            ops[0]
-            if single or ops.count(ops[0]) == len(ops)
-            else dict(zip(names, ops, strict=True))
-        )
-        ev = Metrics(ts[e] / 1e6, step[e], dict(zip(names, values, strict=True)), spec)
-        out.append(((inc[e], seg[e], seq[e], idx[e]), ev))
+            ops = None if ops is None else [ops[j] for j in picked]
+        if ops is None:
+            spec = op
+        else:
+            spec = ops[0] if ops.count(ops[0]) == len(ops) else dict(zip(names, ops, strict=True))
+        ev = Metrics(ts[e] / 1e6, s, dict(zip(names, values, strict=True)), spec)
+        q = seq[e]
+        slots = out.get(q)
+        if slots is None:
+            out[q] = [(idx[e], ev)]
+        else:
+            slots.append((idx[e], ev))
 
 
 #: the columns each table is read with (besides the key and ts)
@@ -149,7 +275,7 @@ COLUMNS: Final[dict[str, list[str]]] = {
 }  # fmt: skip
 
 
-def segment_events(
+def frame_events(
     tables: dict[str, pa.Table | None],
     rank: int,
     run_id: str,
@@ -157,9 +283,10 @@ def segment_events(
     steps: tuple[int | None, int | None] | None = None,
     names: str | None = None,
     cutoff: int | None = None,
-) -> list[tuple[Key, Event]]:
-    """Events rebuilt from one rank's rows (tables as :func:`read_rows` reads them), in order.
+) -> dict[int, list[Event]]:
+    """Events rebuilt from one segment's rows (tables as :func:`read_rows` reads them).
 
+    Returns each frame's events (by the frame's ``seq``) in the order they were written.
     With ``cutoff``, step events and step_ends at or after it are left out (the part of an
     incarnation that a later one, resumed from a checkpoint, logged again).
     """
@@ -178,10 +305,19 @@ def segment_events(
     def keep(step: int, name: str) -> bool:
         return step_ok(step) and name_ok(name)
 
-    out: list[tuple[Key, Event]] = []
+    out: dict[int, list[Slot]] = {}
+
+    def put(seq: int, idx: int, ev: Event) -> None:
+        slots = out.get(seq)
+        if slots is None:
+            out[seq] = [(idx, ev)]
+        else:
+            slots.append((idx, ev))
+
     t = tables.get("metrics")
     if t is not None:
-        _metrics(t, step_ok, name_ok, names is not None, out)
+        check = step_ok if cutoff is not None or steps is not None else None
+        _metrics(t, check, name_ok, names is not None, out)
     simple: dict[str, tuple[list[str], Any]] = {  # columns in the order of the fields
         "timers": (["step", "name", "value", "reduce"], Timer),
         "text": (["step", "name", "text"], Text),
@@ -192,62 +328,70 @@ def segment_events(
         t = tables.get(table)
         if t is None:
             continue
-        for inc, seg, seq, idx, ts, *rest in zip(*_cols(t, *_KEY, "ts", *columns), strict=True):
+        for seq, idx, ts, *rest in zip(*_cols(t, "seq", "idx", "ts", *columns), strict=True):
             if keep(rest[0], rest[1]):
-                out.append(((inc, seg, seq, idx), make(ts / 1e6, *rest)))
+                put(seq, idx, make(ts / 1e6, *rest))
     t = tables.get("params")
     if t is not None:
-        grouped: dict[Key, tuple[float, dict[str, ParamValue]]] = {}
-        for inc, seg, seq, idx, ts, name, value in zip(
-            *_cols(t, *_KEY, "ts", "name", "value"), strict=True
+        grouped: dict[tuple[int, int], tuple[float, dict[str, ParamValue]]] = {}
+        for seq, idx, ts, name, value in zip(
+            *_cols(t, "seq", "idx", "ts", "name", "value"), strict=True
         ):
-            grouped.setdefault((inc, seg, seq, idx), (ts / 1e6, {}))[1][name] = json.loads(value)
-        out += [(k, Params(ts, values)) for k, (ts, values) in grouped.items()]
+            grouped.setdefault((seq, idx), (ts / 1e6, {}))[1][name] = json.loads(value)
+        for (seq, idx), (ts, values) in grouped.items():
+            put(seq, idx, Params(ts, values))
     gpu_cols = COLUMNS["gpu"]
     t = tables.get("gpu")
     if t is not None:
-        for inc, seg, seq, idx, ts, host, index, util, used, total, temp, power, step, gname in zip(
-            *_cols(t, *_KEY, "ts", *gpu_cols), strict=True
+        for seq, idx, ts, host, index, util, used, total, temp, power, step, gname in zip(
+            *_cols(t, "seq", "idx", "ts", *gpu_cols), strict=True
         ):
-            gpu = Gpu(ts / 1e6, host, index, util, used, total, temp, power, step, gname or "")
-            out.append(((inc, seg, seq, idx), gpu))
-    rank_cols = COLUMNS["ranks"]
+            put(seq, idx, Gpu(ts / 1e6, host, index, util, used, total, temp, power, step,
+                              gname or ""))  # fmt: skip
     t = tables.get("ranks")
     if t is not None:
-        for (
-            inc,
-            seg,
-            seq,
-            idx,
-            ts,
-            kind,
-            step,
-            world,
-            local,
-            host,
-            pid,
-            version,
-            status,
-            code,
-            events,
-        ) in zip(*_cols(t, *_KEY, "ts", *rank_cols), strict=True):
-            key = (inc, seg, seq, idx)
-            s = ts / 1e6
-            if kind == "step_end":
-                if cutoff is None or step < cutoff:
-                    out.append((key, StepEnd(s, step, -1 if events is None else events)))
-            elif kind == "rank_start":
-                out.append(
-                    (
-                        key,
-                        RankStart(
-                            s, run_id, rank, world, local, host or "", pid or 0, inc, version or ""
-                        ),
-                    )
-                )
-            elif kind == "heartbeat":
-                out.append((key, Heartbeat(s)))
-            elif kind == "rank_end":
-                out.append((key, RankEnd(s, status or "", code)))
-    out.sort(key=lambda e: e[0])
-    return out
+        _ranks(t, rank, run_id, cutoff, put)
+    return {seq: _in_order(slots) for seq, slots in out.items()}
+
+
+def _in_order(slots: list[Slot]) -> list[Event]:
+    """A frame's events by their index in the frame (tables were read one after another)."""
+    if len(slots) > 1:
+        slots.sort(key=_first)
+    return [ev for _, ev in slots]
+
+
+def _first(slot: Slot) -> int:
+    return slot[0]
+
+
+def _ranks(t: pa.Table, rank: int, run_id: str, cutoff: int | None, put: Any) -> None:
+    """Rows of the ranks table back into step_end, rank_start, heartbeat, rank_end events."""
+    rank_cols = COLUMNS["ranks"]
+    for (
+        inc,
+        seq,
+        idx,
+        ts,
+        kind,
+        step,
+        world,
+        local,
+        host,
+        pid,
+        version,
+        status,
+        code,
+        events,
+    ) in zip(*_cols(t, "incarnation", "seq", "idx", "ts", *rank_cols), strict=True):
+        s = ts / 1e6
+        if kind == "step_end":
+            if cutoff is None or step < cutoff:
+                put(seq, idx, StepEnd(s, step, -1 if events is None else events))
+        elif kind == "rank_start":
+            put(seq, idx, RankStart(s, run_id, rank, world, local, host or "", pid or 0, inc,
+                                    version or ""))  # fmt: skip
+        elif kind == "heartbeat":
+            put(seq, idx, Heartbeat(s))
+        elif kind == "rank_end":
+            put(seq, idx, RankEnd(s, status or "", code))

@@ -13,6 +13,7 @@ import json
 from collections.abc import Callable
 from typing import Any, Final
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -123,7 +124,9 @@ def segment_tables(
     for frame in frames:
         for idx, ev in enumerate(frame.events):
             if type(ev) is Metrics:
-                metrics.add(frame.seq, idx, ev)
+                metrics.events.append(ev)
+                metrics.seq.append(frame.seq)
+                metrics.idx.append(idx)
             elif type(ev) is StepEnd:  # one per step and rank: the common case, columnar
                 ends[0].append(frame.seq)
                 ends[1].append(idx)
@@ -135,7 +138,7 @@ def segment_tables(
                 key["seq"], key["idx"], key["ts"] = frame.seq, idx, _us(ev.ts)
                 _ADD[type(ev)](out, ev, key)
     tables = {t: c.table(t) for t, c in out.items() if len(c)}
-    if metrics.rows:
+    if metrics.events and metrics.rows:
         tables["metrics"] = metrics.table(run_id, seg)
     if ends[0]:
         step_ends = _step_end_table(run_id, seg, *ends)
@@ -177,70 +180,51 @@ def _step_end_table(
 
 
 class _MetricColumns:
-    """The metrics table, built per event and expanded to one row per value in Arrow."""
+    """The metrics table: events collected as they come, turned into columns at once.
+
+    The columns are built by comprehensions over all events (one pass per column, no
+    per-event call) and expanded to one row per value with numpy.
+    """
 
     def __init__(self) -> None:
+        self.events: list[Metrics] = []
         self.seq: list[int] = []
         self.idx: list[int] = []
-        self.ts: list[int] = []
-        self.step: list[int] = []
-        self.reduce: list[str] = []
-        self.row_event: list[int] = []
-        self.names: list[str] = []
-        self.values: list[float] = []
-        self.per_name_ops: list[str] | None = None  # when some event reduces per name
-        self.rows = 0
 
-    def add(self, seq: int, idx: int, ev: Metrics) -> None:
-        n = len(ev.values)
-        k = len(self.seq)
-        self.seq.append(seq)
-        self.idx.append(idx)
-        self.ts.append(_us(ev.ts))
-        self.step.append(ev.step)
-        red = ev.reduce
-        if isinstance(red, str):
-            self.reduce.append(red)
-            if self.per_name_ops is not None:
-                self.per_name_ops.extend([red] * n)
-        else:
-            self.reduce.append("")
-            if self.per_name_ops is None:  # switch to one op per row
-                self.per_name_ops = [self.reduce[e] for e in self.row_event]
-            self.per_name_ops.extend(red.get(name, "mean") for name in ev.values)
-        self.row_event.extend([k] * n)
-        self.names.extend(ev.values)
-        self.values.extend(ev.values.values())
-        self.rows += n
+    @property
+    def rows(self) -> int:
+        return sum([len(ev.values) for ev in self.events])
 
     def table(self, run_id: str, seg: SegmentName) -> pa.Table:
-        events = pa.table(
-            {
-                "seq": pa.array(self.seq, pa.int64()),
-                "idx": pa.array(self.idx, pa.int32()),
-                "ts": pa.array(self.ts, pa.int64()).cast(_TS),
-                "step": pa.array(self.step, pa.int64()),
-                "reduce": pa.array(self.reduce, pa.string()),
-            }
-        ).take(pa.array(self.row_event, pa.int32()))
-        n = self.rows
-        reduce = (
-            events["reduce"]
-            if self.per_name_ops is None
-            else pa.array(self.per_name_ops, pa.string())
-        )
+        evs = self.events
+        counts = np.fromiter((len(ev.values) for ev in evs), np.int64, len(evs))
+        n = int(counts.sum())
+        row_event = np.repeat(np.arange(len(evs), dtype=np.int64), counts)
+        reds = [ev.reduce for ev in evs]
+        if all(type(r) is str for r in reds):
+            reduce = pa.array(reds, pa.string()).take(row_event)
+        else:  # some event reduces per name: one op per row
+            reduce = pa.array(
+                [
+                    r if isinstance(r, str) else r.get(name, "mean")
+                    for ev, r in zip(evs, reds, strict=True)
+                    for name in ev.values
+                ],
+                pa.string(),
+            )
+        ts = pa.array([round(ev.ts * 1_000_000) for ev in evs], pa.int64()).cast(_TS)
         return pa.table(
             [
                 pa.repeat(pa.scalar(run_id, pa.string()), n),
                 pa.repeat(pa.scalar(seg.rank, pa.int32()), n),
                 pa.repeat(pa.scalar(seg.incarnation, pa.int32()), n),
                 pa.repeat(pa.scalar(seg.segment, pa.int32()), n),
-                events["seq"],
-                events["idx"],
-                events["ts"],
-                events["step"],
-                pa.array(self.names, pa.string()),
-                pa.array(self.values, pa.float64()),
+                pa.array(np.asarray(self.seq, np.int64)[row_event]),
+                pa.array(np.asarray(self.idx, np.int32)[row_event]),
+                ts.take(row_event),
+                pa.array(np.fromiter((ev.step for ev in evs), np.int64, len(evs))[row_event]),
+                pa.array([k for ev in evs for k in ev.values], pa.string()),
+                pa.array([v for ev in evs for v in ev.values.values()], pa.float64()),
                 reduce,
             ],
             schema=SCHEMAS["metrics"].remove(SCHEMAS["metrics"].get_field_index("relogged")),
