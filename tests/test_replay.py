@@ -68,16 +68,20 @@ class TestEquivalence:
 
 
 class TestReading:
+    @pytest.mark.parametrize("rows_per_read", [8192, 1])
     def test_row_groups_with_a_cache_that_holds_one(
-        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rows_per_read: int
     ) -> None:
-        """Row groups of 7 rows read back through a one-group cache replay byte for byte."""
+        """Row groups of 7 rows (frames cut by their ends) replay byte for byte, a cache
+        holding one group: reads aligned to the groups, and reads of a row budget smaller
+        than a group (as for datasets with large row groups)."""
         import ranklog.archive._compact as compact_mod
         import ranklog.archive._replay as replay_mod
         from ranklog.archive._rows import RowGroups
 
         monkeypatch.setattr(compact_mod, "_ROW_GROUP", 7)
         monkeypatch.setattr(replay_mod, "_CACHE_BYTES", 1)
+        monkeypatch.setattr(replay_mod, "_ROWS_PER_READ", rows_per_read)
         _job(spool)
         live, again = tmp_path / "live.jsonl", tmp_path / "replay.jsonl"
         ship(spool, live)

@@ -57,7 +57,7 @@ CHUNK_BYTES: Final = 64 * 1024 * 1024
 #: spool bytes compacted between two saves of the manifest (and at the end of a run)
 SAVE_BYTES: Final = 64 * 1024 * 1024
 #: rows per row group: replay reads by row group, so this bounds what it decodes at once
-_ROW_GROUP: Final = 16_384
+_ROW_GROUP: Final = 8_192
 _ENCODINGS: Final = {
     "seq": "DELTA_BINARY_PACKED",
     "idx": "DELTA_BINARY_PACKED",

@@ -19,6 +19,7 @@ continued from: the later incarnation's values for those steps.
 
 from __future__ import annotations
 
+import bisect
 import os
 import shutil
 import tempfile
@@ -54,7 +55,7 @@ __all__ = ["ParquetSource", "replay"]
 #: rows turned into events per read: the engine reads in bounded slices, as from files
 _ROWS_PER_READ: Final = 8_192  # about what 256 KiB of a segment holds
 #: decoded row groups kept for every segment of a replay together
-_CACHE_BYTES: Final = 96 * 1024 * 1024
+_CACHE_BYTES: Final = 32 * 1024 * 1024
 
 
 def _segment_files(dataset: Path) -> dict[SegmentId, dict[str, list[Path]]]:
@@ -151,16 +152,31 @@ class _ParquetReader:
             out[name] = None if a == b else t.slice(a, b - a)
         return out
 
+    def _stop(self, start: int) -> int:
+        """Where the read of frames from index ``start`` ends (exclusive).
+
+        At the end of the metrics row group that holds frame ``start`` when that group is
+        of moderate size (what compaction writes): every group is then decoded once.
+        Otherwise after about :data:`_ROWS_PER_READ` rows.
+        """
+        groups = self._groups.get("metrics")
+        if groups is not None and start < len(self._seqs):
+            hi = groups.end_of_group(self._seqs[start], 4 * _ROWS_PER_READ)
+            if hi is not None:
+                return max(bisect.bisect_right(self._seqs, hi), start + 1)
+        stop, budget = start, 0
+        while stop < len(self._seqs) and (stop == start or budget < _ROWS_PER_READ):
+            budget += self._rows[stop]
+            stop += 1
+        return stop
+
     def read(
         self, offset: int = 0, *, writer_gone: bool = False, max_bytes: int | None = None
     ) -> ReadResult:
         self.load()
         assert self.header is not None
         start = max(offset, HEADER_SIZE) - HEADER_SIZE
-        stop, budget = start, 0
-        while stop < len(self._seqs) and (stop == start or budget < _ROWS_PER_READ):
-            budget += self._rows[stop]
-            stop += 1
+        stop = self._stop(start)
         window = self._seqs[start:stop]
         frames: list[Frame] = []
         if window:

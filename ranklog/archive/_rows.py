@@ -91,8 +91,8 @@ class RowGroups:
     def __init__(self, table: str, columns: list[str], cache: GroupCache) -> None:
         self._table, self._cache = table, cache
         self._wanted = [*_KEY, "ts", *columns]
-        #: (path, row group, first seq, last seq), in order
-        self.groups: list[tuple[Path, int, int, int]] = []
+        #: (path, row group, first seq, last seq, rows), in order
+        self.groups: list[tuple[Path, int, int, int, int]] = []
         self._meta: dict[Path, Any] = {}  # each file's footer, parsed once
 
     @classmethod
@@ -115,35 +115,66 @@ class RowGroups:
                 stats = meta.row_group(i).column(col).statistics
                 if stats is None or not stats.has_min_max or stats.min < prev:
                     return None
-                out.groups.append((path, i, stats.min, stats.max))
+                rows = meta.row_group(i).num_rows
+                out.groups.append((path, i, stats.min, stats.max, rows))
                 prev = stats.max
         return out
 
-    def _group(self, path: Path, i: int) -> pa.Table:
-        key = (str(path), i)
-        t = self._cache.get(key)
-        if t is None:
-            pf = pq.ParquetFile(path, metadata=self._meta.get(path))
-            have = set(pf.schema_arrow.names)
-            cols = [c for c in self._wanted if c in have]
-            t = _ordered(_conform(pf.read_row_group(i, columns=cols, use_threads=False),
-                                  self._table, self._wanted))  # fmt: skip
-            self._cache.put(key, t)
-        return t
+    def end_of_group(self, seq: int, most: int) -> int | None:
+        """The last ``seq`` to read with ``seq`` so that a read ends where a row group does.
+
+        That is the last frame of the row group holding ``seq``, or the one before it when
+        that frame goes on into the next group; a read that starts with such a frame takes
+        the next group too. None when no group holds ``seq`` or a group has more than
+        ``most`` rows.
+        """
+        groups = self.groups
+        for k, (_, _, first, last, rows) in enumerate(groups):
+            if last < seq:
+                continue
+            if first > seq or rows > most:
+                return None
+            while k + 1 < len(groups) and groups[k + 1][2] == last:  # frame `last` spans
+                if last - 1 >= seq:
+                    return last - 1
+                k += 1  # the read starts with the spanning frame: on to the next group
+                if groups[k][4] > most:
+                    return None
+                last = groups[k][3]
+            return last
+        return None
+
+    def _decode(self, path: Path, i: int) -> pa.Table:
+        pf = pq.ParquetFile(path, metadata=self._meta.get(path))
+        have = set(pf.schema_arrow.names)
+        cols = [c for c in self._wanted if c in have]
+        t = pf.read_row_group(i, columns=cols, use_threads=False)
+        return _ordered(_conform(t, self._table, self._wanted))
 
     def rows(self, lo: int, hi: int) -> pa.Table | None:
-        """The rows of frames ``lo..hi`` (by ``seq``), in write order; None if none."""
+        """The rows of frames ``lo..hi`` (by ``seq``), in write order; None if none.
+
+        Reads go forward: what a group holds past ``hi`` is kept in the cache for the next
+        read (usually a few rows: a frame cut by the group's end), the rest let go.
+        """
         parts = []
-        for path, i, first, last in self.groups:
+        for path, i, first, last, _ in self.groups:
             if last < lo or first > hi:
                 continue
-            t = self._group(path, i)
-            seqs = t["seq"].to_numpy()
-            if first < lo or last > hi:
-                a, b = np.searchsorted(seqs, [lo, hi + 1]).tolist()
-                t = t.slice(a, b - a)
-            if t.num_rows:
-                parts.append(t)
+            key = (str(path), i)
+            t = self._cache.get(key)
+            if t is None:
+                t = self._decode(path, i)
+            a, b = np.searchsorted(t["seq"].to_numpy(), [lo, hi + 1]).tolist()
+            if b < t.num_rows:
+                rest = t.slice(b)
+                if 2 * rest.num_rows < t.num_rows:  # a copy: let the group's buffers go
+                    rest = t.take(pa.array(np.arange(b, t.num_rows)))
+                self._cache.put(key, rest)
+            else:
+                self._cache.drop(key)
+            if b > a:
+                parts.append(t.slice(a, b - a))
         if not parts:
             return None
         return parts[0] if len(parts) == 1 else pa.concat_tables(parts)
@@ -163,7 +194,13 @@ class GroupCache:
             self._items[key] = t  # most recently used last
         return t
 
+    def drop(self, key: tuple[str, int]) -> None:
+        t = self._items.pop(key, None)
+        if t is not None:
+            self._bytes -= t.nbytes
+
     def put(self, key: tuple[str, int], t: pa.Table) -> None:
+        self.drop(key)
         self._items[key] = t
         self._bytes += t.nbytes
         while self._bytes > self.limit and len(self._items) > 1:
