@@ -68,13 +68,18 @@ class TestEquivalence:
 
 
 class TestReading:
-    @pytest.mark.parametrize("rows_per_read", [8192, 1])
-    def test_row_groups_with_a_cache_that_holds_one(
-        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rows_per_read: int
+    @pytest.mark.parametrize(("rows_per_read", "by_group"), [(8192, True), (1, False)])
+    def test_small_row_groups_and_a_cache_that_holds_one(
+        self,
+        spool: Path,
+        tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch,
+        rows_per_read: int,
+        by_group: bool,
     ) -> None:
-        """Row groups of 7 rows (frames cut by their ends) replay byte for byte, a cache
-        holding one group: reads aligned to the groups, and reads of a row budget smaller
-        than a group (as for datasets with large row groups)."""
+        """Row groups of 7 rows (frames cut by their ends) replay byte for byte with a cache
+        that holds one group: read by group, and, when a group is larger than four reads
+        (datasets compacted with large row groups), read whole."""
         import ranklog.archive._compact as compact_mod
         import ranklog.archive._replay as replay_mod
         from ranklog.archive._rows import RowGroups
@@ -86,19 +91,67 @@ class TestReading:
         live, again = tmp_path / "live.jsonl", tmp_path / "replay.jsonl"
         ship(spool, live)
         compact(spool, tmp_path / "pq")
-        made: list[RowGroups] = []
+        made: list[RowGroups | None] = []
         real_of = RowGroups.of
 
         def spy(*args: object, **kwargs: object) -> RowGroups | None:
             got = real_of(*args, **kwargs)  # type: ignore[arg-type]
-            if got is not None:
-                made.append(got)
+            made.append(got)
             return got
 
         monkeypatch.setattr(RowGroups, "of", spy)
         replay(tmp_path / "pq", JsonlTarget(again))
         assert live.read_bytes() == again.read_bytes()
-        assert made and max(len(g.groups) for g in made) > 10  # the row-group path ran
+        if by_group:
+            assert max(len(g.firsts) for g in made if g is not None) > 10
+        else:
+            assert any(g is None for g in made)  # groups of 7 rows > 4 reads of 1: whole
+
+    def test_reads_stay_small_when_metrics_are_sparse(
+        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A read aligned to a metrics row group still stops after 4 reads' worth of rows
+        of every table (one metric every 50 steps, 6 timers every step)."""
+        import ranklog.archive._replay as replay_mod
+        from ranklog.archive import _rows
+
+        monkeypatch.setattr(replay_mod, "_ROWS_PER_READ", 64)
+        run = rank(spool, 0, 1)
+        for s in range(400):
+            if s % 50 == 0:
+                run.log_metrics({"loss": float(s)}, step=s)
+            for t in range(6):
+                run.log_timing(f"t{t}", 0.1 * t, step=s)
+            run.step_end(s)
+        run.close()
+        live, again = tmp_path / "live.jsonl", tmp_path / "replay.jsonl"
+        ship(spool, live)
+        compact(spool, tmp_path / "pq")
+        sizes: list[int] = []
+        real = _rows.frame_events
+
+        def spy(tables: dict[str, object], *args: object, **kwargs: object) -> object:
+            sizes.append(sum(t.num_rows for t in tables.values() if t is not None))  # type: ignore[attr-defined]
+            return real(tables, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(replay_mod, "frame_events", spy)
+        replay(tmp_path / "pq", JsonlTarget(again))
+        assert live.read_bytes() == again.read_bytes()
+        assert len(sizes) > 5 and max(sizes) <= 4 * 64 + 7  # + the rows of one frame
+
+    def test_files_the_manifest_does_not_list_are_left_out(
+        self, spool: Path, tmp_path: Path
+    ) -> None:
+        """A file a crashed compaction wrote but never listed is not replayed."""
+        _job(spool)
+        live, again = tmp_path / "live.jsonl", tmp_path / "replay.jsonl"
+        ship(spool, live)
+        compact(spool, tmp_path / "pq")
+        one = sorted((tmp_path / "pq" / "metrics").glob("*.parquet"))[0]
+        stem, _, _ = one.stem.rpartition("-")
+        (one.parent / f"{stem}-999999999999.parquet").write_bytes(one.read_bytes())
+        replay(tmp_path / "pq", JsonlTarget(again))
+        assert live.read_bytes() == again.read_bytes()
 
     def test_files_out_of_order_are_read_whole(self, spool: Path, tmp_path: Path) -> None:
         """Row groups whose seq ranges do not follow each other are not read by group."""
@@ -115,8 +168,8 @@ class TestReading:
         files = sorted((tmp_path / "pq" / "metrics").glob("*.parquet"))
         assert len(files) == 2
         cache = GroupCache(1 << 20)
-        assert RowGroups.of(files, "metrics", COLUMNS["metrics"], cache) is not None
-        assert RowGroups.of(files[::-1], "metrics", COLUMNS["metrics"], cache) is None
+        assert RowGroups.of(files, "metrics", COLUMNS["metrics"], cache, 1 << 20) is not None
+        assert RowGroups.of(files[::-1], "metrics", COLUMNS["metrics"], cache, 1 << 20) is None
 
 
 class TestSelection:

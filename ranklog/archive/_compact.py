@@ -101,10 +101,11 @@ class _Saver:
     frames again (:func:`_remove_orphans`).
     """
 
-    def __init__(self, out: Path, manifest: Manifest) -> None:
-        self.out, self.manifest = out, manifest
+    def __init__(self, out: Path, manifest: Manifest, result: CompactResult) -> None:
+        self.out, self.manifest, self.result = out, manifest, result
         self.dirs: set[Path] = set()
         self.pending = 0  # spool bytes compacted since the last save
+        self._bad = 0  # damaged ranges of this run already in the manifest
 
     def wrote(self, files: list[str], nbytes: int) -> None:
         self.dirs.update((self.out / rel).parent for rel in files)
@@ -118,6 +119,9 @@ class _Saver:
         for d in sorted(self.dirs):
             fsync_dir(d)
         self.dirs.clear()
+        bad = self.result.bad
+        self.manifest.bad += [str(b) for b in bad[self._bad :]]
+        self._bad = len(bad)
         save_manifest(self.out, self.manifest)
         self.pending = 0
 
@@ -174,7 +178,7 @@ def compact(
     manifest.run_id, manifest.name = run.run_id, run.name
     manifest.world_size, manifest.created = run.world_size, run.created
     result = CompactResult()
-    saver = _Saver(outdir, manifest)
+    saver = _Saver(outdir, manifest, result)
     for rank in layout.ranks():
         segs = layout.segments(rank)
         for i, seg in enumerate(segs):
@@ -186,8 +190,6 @@ def compact(
             _remove_orphans(outdir, key, entry)
             _compact_segment(run.run_id, seg, later, outdir, key, entry, result, saver)
             saver.maybe()
-    if result.bad:
-        manifest.bad += [str(b) for b in result.bad]
     saver.save()
     if delete:
         _delete_verified(layout, run.run_id, outdir, manifest, result)

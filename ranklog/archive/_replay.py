@@ -19,7 +19,6 @@ continued from: the later incarnation's values for those steps.
 
 from __future__ import annotations
 
-import bisect
 import os
 import shutil
 import tempfile
@@ -58,11 +57,17 @@ _ROWS_PER_READ: Final = 8_192  # about what 256 KiB of a segment holds
 _CACHE_BYTES: Final = 32 * 1024 * 1024
 
 
-def _segment_files(dataset: Path) -> dict[SegmentId, dict[str, list[Path]]]:
-    """Each source segment -> table -> its Parquet files (names start with the segment's stem)."""
+def _segment_files(dataset: Path, listed: set[str]) -> dict[SegmentId, dict[str, list[Path]]]:
+    """Each source segment -> table -> its Parquet files (names start with the segment's stem).
+
+    Only files the manifest lists: a file a crashed compaction wrote but never listed is
+    not part of the dataset (the next compaction removes it and writes its range again).
+    """
     out: dict[SegmentId, dict[str, list[Path]]] = defaultdict(lambda: defaultdict(list))
     for name in TABLES:
         for path in sorted((dataset / name).glob("*.parquet")):
+            if f"{name}/{path.name}" not in listed:
+                continue
             try:
                 seg = SegmentId.parse(path.name)
             except SpoolFormatError:
@@ -101,8 +106,9 @@ class _ParquetReader:
         self._tables: dict[str, tuple[pa.Table | None, Any]] | None = None
         self._groups: dict[str, RowGroups] = {}
         self._cache = cache if cache is not None else GroupCache(_CACHE_BYTES)
-        self._seqs: list[int] = []
-        self._rows: list[int] = []
+        #: each frame's seq, and the rows (all tables) up to and with it: 16 bytes a frame
+        self._seqs: Any = np.zeros(0, np.int64)
+        self._cum: Any = np.zeros(0, np.int64)
         self._end_frame = False  # a synthetic rank_end frame closes the rank
         self.size = HEADER_SIZE
 
@@ -122,12 +128,13 @@ class _ParquetReader:
                 seqs.append(t["seq"].to_numpy())
                 if name == "ranks":
                     ended = ended or bool(pc.any(pc.equal(t["kind"], "rank_end")).as_py())
-            groups = RowGroups.of(files, name, COLUMNS[name], self._cache, metas)
+            most = 4 * _ROWS_PER_READ  # larger groups (older datasets): read whole
+            groups = RowGroups.of(files, name, COLUMNS[name], self._cache, most, metas)
             if groups is not None:  # as compaction writes: read by row group
                 self._groups[name] = groups
         if seqs:
             uniq, counts = np.unique(np.concatenate(seqs), return_counts=True)
-            self._seqs, self._rows = list(uniq.tolist()), list(counts.tolist())
+            self._seqs, self._cum = uniq.astype(np.int64), np.cumsum(counts, dtype=np.int64)
         self._end_frame = self._last and not ended
         self.size = HEADER_SIZE + len(self._seqs) + self._end_frame
 
@@ -155,20 +162,27 @@ class _ParquetReader:
     def _stop(self, start: int) -> int:
         """Where the read of frames from index ``start`` ends (exclusive).
 
-        At the end of the metrics row group that holds frame ``start`` when that group is
-        of moderate size (what compaction writes): every group is then decoded once.
-        Otherwise after about :data:`_ROWS_PER_READ` rows.
+        At the end of the metrics row group that holds frame ``start`` (each group is then
+        decoded once), but never past 4 x :data:`_ROWS_PER_READ` rows of all tables (sparse
+        metrics among many other rows); without metrics row groups, after about
+        :data:`_ROWS_PER_READ` rows.
         """
+        n = len(self._seqs)
+        if start >= n:
+            return start
+        base = int(self._cum[start - 1]) if start else 0  # rows before frame `start`
+
+        def after(rows: int) -> int:  # the stop once `rows` rows are read
+            return int(np.searchsorted(self._cum, base + rows, side="left")) + 1
+
         groups = self._groups.get("metrics")
-        if groups is not None and start < len(self._seqs):
-            hi = groups.end_of_group(self._seqs[start], 4 * _ROWS_PER_READ)
-            if hi is not None:
-                return max(bisect.bisect_right(self._seqs, hi), start + 1)
-        stop, budget = start, 0
-        while stop < len(self._seqs) and (stop == start or budget < _ROWS_PER_READ):
-            budget += self._rows[stop]
-            stop += 1
-        return stop
+        hi = groups.end_of_group(int(self._seqs[start])) if groups is not None else None
+        if hi is None:
+            stop = after(_ROWS_PER_READ)
+        else:
+            stop = min(int(np.searchsorted(self._seqs, hi, side="right")),
+                       after(4 * _ROWS_PER_READ))  # fmt: skip
+        return max(min(stop, n), start + 1)
 
     def read(
         self, offset: int = 0, *, writer_gone: bool = False, max_bytes: int | None = None
@@ -177,7 +191,7 @@ class _ParquetReader:
         assert self.header is not None
         start = max(offset, HEADER_SIZE) - HEADER_SIZE
         stop = self._stop(start)
-        window = self._seqs[start:stop]
+        window: list[int] = self._seqs[start:stop].tolist()
         frames: list[Frame] = []
         if window:
             h = self.header
@@ -199,11 +213,11 @@ class _ParquetReader:
             res.more, res.pending = True, self.size - end
         else:
             res.seal, res.seal_seq = {"reason": "replay"}, self._seal_seq
-            self._tables = None  # read to the end: let the rows go
+            self._tables, self._groups = None, {}  # read to the end: let it all go
         return res
 
 
-def _cutoffs(dataset: Path) -> dict[tuple[int, int], int]:
+def _cutoffs(dataset: Path, listed: set[str]) -> dict[tuple[int, int], int]:
     """(rank, incarnation) -> the step a later incarnation of the rank resumed from.
 
     That incarnation's values from there on are what training actually continued from;
@@ -211,13 +225,12 @@ def _cutoffs(dataset: Path) -> dict[tuple[int, int], int]:
     """
     starts: dict[tuple[int, int], int] = {}
     for name in ("metrics", "timers", "text"):
-        path = dataset / name
-        if not path.is_dir() or not any(path.glob("*.parquet")):
+        files = sorted(f for f in (dataset / name).glob("*.parquet")
+                       if f"{name}/{f.name}" in listed)  # fmt: skip
+        if not files:
             continue
-        t = pa.concat_tables(
-            pq.read_table(f, columns=["rank", "incarnation", "step"])
-            for f in sorted(path.glob("*.parquet"))
-        )
+        t = pa.concat_tables(pq.read_table(f, columns=["rank", "incarnation", "step"])
+                             for f in files)  # fmt: skip
         for row in t.group_by(["rank", "incarnation"]).aggregate([("step", "min")]).to_pylist():
             key = (row["rank"], row["incarnation"])
             starts[key] = min(starts.get(key, row["step_min"]), row["step_min"])
@@ -253,10 +266,11 @@ class ParquetSource:
         #: a replay of some names only lacks events that step_end counts: no counts check
         self.verify_counts = names is None
         self.step_range = steps
-        files = _segment_files(self.dataset)
         manifest = load_manifest(self.dataset)
+        listed = {f for entry in manifest.segments.values() for f in entry.files}
+        files = _segment_files(self.dataset, listed)
         last_of_rank = {k.rank: k for k in files}  # sorted: the last key of each rank wins
-        cutoffs = _cutoffs(self.dataset) if relogged == "last" else {}
+        cutoffs = _cutoffs(self.dataset, listed) if relogged == "last" else {}
         cache = GroupCache(_CACHE_BYTES)
         for sid, tables in files.items():
             rank, inc, seg = sid

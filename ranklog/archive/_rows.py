@@ -11,6 +11,7 @@ statistics show them in order, as compaction writes them; otherwise whole
 
 from __future__ import annotations
 
+import bisect
 import fnmatch
 import json
 from pathlib import Path
@@ -91,9 +92,12 @@ class RowGroups:
     def __init__(self, table: str, columns: list[str], cache: GroupCache) -> None:
         self._table, self._cache = table, cache
         self._wanted = [*_KEY, "ts", *columns]
-        #: (path, row group, first seq, last seq, rows), in order
-        self.groups: list[tuple[Path, int, int, int, int]] = []
-        self._meta: dict[Path, Any] = {}  # each file's footer, parsed once
+        #: per row group, in order: its file, its index there, first and last seq, rows
+        self.paths: list[Path] = []
+        self.index: list[int] = []
+        self.firsts: list[int] = []
+        self.lasts: list[int] = []
+        self.sizes: list[int] = []
 
     @classmethod
     def of(
@@ -102,53 +106,56 @@ class RowGroups:
         table: str,
         columns: list[str],
         cache: GroupCache,
+        most: int,
         metas: dict[Path, Any] | None = None,
     ) -> RowGroups | None:
-        """The row groups of ``files``, or None when their statistics do not show order."""
+        """The row groups of ``files``; None when their statistics do not show them in
+        ``seq`` order, or a group has more than ``most`` rows (read such files whole)."""
         out = cls(table, columns, cache)
         prev = -1
         for path in files:
             meta = metas[path] if metas is not None else pq.ParquetFile(path).metadata
-            out._meta[path] = meta
             col = meta.schema.names.index("seq")
             for i in range(meta.num_row_groups):
-                stats = meta.row_group(i).column(col).statistics
+                group = meta.row_group(i)
+                stats = group.column(col).statistics
                 if stats is None or not stats.has_min_max or stats.min < prev:
                     return None
-                rows = meta.row_group(i).num_rows
-                out.groups.append((path, i, stats.min, stats.max, rows))
+                if group.num_rows > most:
+                    return None
+                out.paths.append(path)
+                out.index.append(i)
+                out.firsts.append(stats.min)
+                out.lasts.append(stats.max)
+                out.sizes.append(group.num_rows)
                 prev = stats.max
         return out
 
-    def end_of_group(self, seq: int, most: int) -> int | None:
+    def end_of_group(self, seq: int) -> int | None:
         """The last ``seq`` to read with ``seq`` so that a read ends where a row group does.
 
         That is the last frame of the row group holding ``seq``, or the one before it when
         that frame goes on into the next group; a read that starts with such a frame takes
-        the next group too. None when no group holds ``seq`` or a group has more than
-        ``most`` rows.
+        the next group too. None when no group holds ``seq``.
         """
-        groups = self.groups
-        for k, (_, _, first, last, rows) in enumerate(groups):
-            if last < seq:
-                continue
-            if first > seq or rows > most:
-                return None
-            while k + 1 < len(groups) and groups[k + 1][2] == last:  # frame `last` spans
-                if last - 1 >= seq:
-                    return last - 1
-                k += 1  # the read starts with the spanning frame: on to the next group
-                if groups[k][4] > most:
-                    return None
-                last = groups[k][3]
-            return last
-        return None
+        firsts, lasts = self.firsts, self.lasts
+        k = bisect.bisect_left(lasts, seq)  # the first group that ends at or after seq
+        if k == len(lasts) or firsts[k] > seq:
+            return None
+        last = lasts[k]
+        while k + 1 < len(lasts) and firsts[k + 1] == last:  # frame `last` spans groups
+            if last - 1 >= seq:
+                return last - 1
+            k += 1  # the read starts with the spanning frame: on to the next group
+            last = lasts[k]
+        return last
 
-    def _decode(self, path: Path, i: int) -> pa.Table:
-        pf = pq.ParquetFile(path, metadata=self._meta.get(path))
+    def _decode(self, k: int) -> pa.Table:
+        path = self.paths[k]
+        pf = pq.ParquetFile(path, metadata=self._cache.footer(path))
         have = set(pf.schema_arrow.names)
         cols = [c for c in self._wanted if c in have]
-        t = pf.read_row_group(i, columns=cols, use_threads=False)
+        t = pf.read_row_group(self.index[k], columns=cols, use_threads=False)
         return _ordered(_conform(t, self._table, self._wanted))
 
     def rows(self, lo: int, hi: int) -> pa.Table | None:
@@ -158,13 +165,12 @@ class RowGroups:
         read (usually a few rows: a frame cut by the group's end), the rest let go.
         """
         parts = []
-        for path, i, first, last, _ in self.groups:
-            if last < lo or first > hi:
-                continue
-            key = (str(path), i)
+        k = bisect.bisect_left(self.lasts, lo)
+        while k < len(self.lasts) and self.firsts[k] <= hi:
+            key = (str(self.paths[k]), self.index[k])
             t = self._cache.get(key)
             if t is None:
-                t = self._decode(path, i)
+                t = self._decode(k)
             a, b = np.searchsorted(t["seq"].to_numpy(), [lo, hi + 1]).tolist()
             if b < t.num_rows:
                 rest = t.slice(b)
@@ -175,6 +181,7 @@ class RowGroups:
                 self._cache.drop(key)
             if b > a:
                 parts.append(t.slice(a, b - a))
+            k += 1
         if not parts:
             return None
         return parts[0] if len(parts) == 1 else pa.concat_tables(parts)
@@ -183,10 +190,22 @@ class RowGroups:
 class GroupCache:
     """Decoded row groups, least recently used dropped first past ``limit`` bytes."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, footers: int = 256) -> None:
         self.limit = limit
         self._items: dict[tuple[str, int], pa.Table] = {}
         self._bytes = 0
+        self._footers: dict[Path, Any] = {}  # parsed Parquet footers, the latest used
+        self._most_footers = footers
+
+    def footer(self, path: Path) -> Any:
+        """``path``'s parsed footer: kept for the last files used, parsed again otherwise."""
+        meta = self._footers.pop(path, None)
+        if meta is None:
+            meta = pq.ParquetFile(path).metadata
+            while len(self._footers) >= self._most_footers:
+                del self._footers[next(iter(self._footers))]
+        self._footers[path] = meta
+        return meta
 
     def get(self, key: tuple[str, int]) -> pa.Table | None:
         t = self._items.pop(key, None)
