@@ -115,6 +115,7 @@ class RowGroups:
         prev = -1
         for path in files:
             meta = metas[path] if metas is not None else pq.ParquetFile(path).metadata
+            cache.footer(path, meta)
             col = meta.schema.names.index("seq")
             for i in range(meta.num_row_groups):
                 group = meta.row_group(i)
@@ -197,13 +198,16 @@ class GroupCache:
         self._footers: dict[Path, Any] = {}  # parsed Parquet footers, the latest used
         self._most_footers = footers
 
-    def footer(self, path: Path) -> Any:
-        """``path``'s parsed footer: kept for the last files used, parsed again otherwise."""
+    def footer(self, path: Path, parsed: Any = None) -> Any:
+        """``path``'s parsed footer (``parsed``, when given, is it): kept for the last files
+        used, parsed again otherwise."""
         meta = self._footers.pop(path, None)
+        if parsed is not None:
+            meta = parsed
         if meta is None:
             meta = pq.ParquetFile(path).metadata
-            while len(self._footers) >= self._most_footers:
-                del self._footers[next(iter(self._footers))]
+        while len(self._footers) >= self._most_footers:
+            del self._footers[next(iter(self._footers))]
         self._footers[path] = meta
         return meta
 
