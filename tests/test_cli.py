@@ -163,6 +163,29 @@ def _hashes(*paths: Path) -> list[str]:
     return [default_name(f"jsonl:{p}").partition("-")[2] for p in paths]
 
 
+class TestProcess:
+    def test_compact_and_replay_never_import_pandas(self, spool: Path, tmp_path: Path) -> None:
+        """Compaction and replay skip pyarrow's pandas import; pandas still works after."""
+        _small_spool(spool)
+        code = (
+            "import sys\n"
+            "from ranklog.cli import main\n"
+            f"main(['compact', {str(spool)!r}, '--out', {str(tmp_path / 'pq')!r}])\n"
+            f"main(['replay', {str(tmp_path / 'pq')!r}, '--to',"
+            f" 'jsonl:{tmp_path / 'out.jsonl'}'])\n"
+            "print('pandas imported:', 'pandas' in sys.modules)\n"
+            "import pyarrow as pa\n"
+            "print('to_pandas:', pa.table({'a': [1, 2]}).to_pandas().shape)\n"
+        )
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=python_env(), timeout=120, check=False)  # fmt: skip
+        assert p.returncode == 0, p.stderr
+        assert "pandas imported: False" in p.stdout
+        assert "to_pandas: (2, 1)" in p.stdout
+        steps = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+        assert [x.get("step") for x in steps] == [None, 0, 1, 2, 3]  # params, then the steps
+
+
 class TestErrors:
     """Each subcommand, given a bad path or option: one line on stderr, the tree's exit code."""
 

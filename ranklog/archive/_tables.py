@@ -98,7 +98,11 @@ class _Columns:
         schema = SCHEMAS[table]
         if table in STEP_TABLES:  # relogged is added by segment_tables
             schema = schema.remove(schema.get_field_index("relogged"))
-        return pa.Table.from_pydict(self.cols, schema=schema)
+        cols: dict[str, Any] = dict(self.cols)
+        # ints -> timestamp by a cast: converting them straight to a zoned timestamp type
+        # costs a one-off ~0.2 s in pyarrow (time zone machinery)
+        cols["ts"] = pa.array(cols["ts"], pa.int64()).cast(_TS)
+        return pa.Table.from_pydict(cols, schema=schema)
 
     def __len__(self) -> int:
         return len(self.cols["rank"])
