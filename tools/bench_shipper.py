@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -170,6 +171,7 @@ def _bench_throughput(base: Path, ranks: int, steps: int, timeout: float) -> Row
 
 TARGET_BYTES_PER_VALUE: Final = 4.0
 TARGET_COMPACT: Final = 3_000_000  # values/s
+ARCHIVE_ROUNDS: Final = 3  # live, compact and replay, interleaved; medians
 
 
 def _bench_archive(base: Path, ranks: int, steps: int, timeout: float) -> tuple[list[Row], float]:
@@ -180,20 +182,29 @@ def _bench_archive(base: Path, ranks: int, steps: int, timeout: float) -> tuple[
         tmp = Path(name)
         spool, pq, live, again = tmp / "spool", tmp / "pq", tmp / "live.jsonl", tmp / "replay.jsonl"
         write_spool(spool, ranks, steps)
-        ship = run_measured(_ship_cmd(spool, live, "--once"), tmp, timeout)
-        comp = run_measured(
-            [sys.executable, "-m", "ranklog.cli", "compact", str(spool), "--out", str(pq)],
-            tmp,
-            timeout,
-        )
-        metrics_bytes = sum(p.stat().st_size for p in (pq / "metrics").glob("*.parquet"))
-        total_bytes = sum(p.stat().st_size for p in pq.rglob("*.parquet"))
-        rep = run_measured(
-            [sys.executable, "-m", "ranklog.cli", "replay", str(pq), "--to", f"jsonl:{again}"],
-            tmp,
-            timeout,
-        )
-        same = live.is_file() and again.is_file() and live.read_bytes() == again.read_bytes()
+        ships, comps, reps = [], [], []
+        same = True
+        for _ in range(ARCHIVE_ROUNDS):  # interleaved rounds, medians: the machine is noisy
+            for path in (live, again):
+                path.unlink(missing_ok=True)
+            shutil.rmtree(spool / "cursors", ignore_errors=True)
+            shutil.rmtree(spool / "leases", ignore_errors=True)
+            shutil.rmtree(pq, ignore_errors=True)
+            ships.append(run_measured(_ship_cmd(spool, live, "--once"), tmp, timeout))
+            comps.append(run_measured(
+                [sys.executable, "-m", "ranklog.cli", "compact", str(spool), "--out", str(pq)],
+                tmp, timeout,
+            ))  # fmt: skip
+            metrics_bytes = sum(p.stat().st_size for p in (pq / "metrics").glob("*.parquet"))
+            total_bytes = sum(p.stat().st_size for p in pq.rglob("*.parquet"))
+            reps.append(run_measured(
+                [sys.executable, "-m", "ranklog.cli", "replay", str(pq), "--to", f"jsonl:{again}"],
+                tmp, timeout,
+            ))  # fmt: skip
+            same = same and live.is_file() and again.is_file()
+            same = same and live.read_bytes() == again.read_bytes()
+        ship, comp, rep = (sorted(r, key=lambda x: x.wall_s)[len(r) // 2]
+                           for r in (ships, comps, reps))  # fmt: skip
     rows = []
     for label, run, extra in (
         ("compact (parquet)", comp,
