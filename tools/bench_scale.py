@@ -214,11 +214,12 @@ SPECS: Final = {
 
 
 @contextlib.contextmanager
-def _tuned(kind: str) -> Iterator[None]:
-    """The collector tuned as `ranklog ship` tunes its process, for the client's run too:
-    the backend imported, everything frozen, full collections rare."""
-    importlib.import_module({"mlflow": "mlflow", "tensorboard": "tensorboard",
-                             "wandb": "wandb"}[kind])  # fmt: skip
+def _tuned(kind: str | None = None) -> Iterator[None]:
+    """The collector tuned as `ranklog ship` tunes its process, for what runs in this one
+    (a backend's own client, the profile): the backend imported, everything frozen, full
+    collections rare."""
+    if kind is not None:
+        importlib.import_module(kind)
     gc.collect()
     gc.freeze()
     before = gc.get_threshold()
@@ -324,7 +325,8 @@ def _profile(base: Path, ranks: int, steps: int, top: int = 12) -> list[str]:
         shipper = Shipper(str(tmp / "spool"), JsonlTarget(tmp / "out.jsonl"), name="p",
                           dead_after=3600, start_grace=0)  # fmt: skip
         prof = cProfile.Profile()
-        prof.runcall(shipper.run_forever, once=True)
+        with _tuned():
+            prof.runcall(shipper.run_forever, once=True)
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
     body = [line for line in out.getvalue().splitlines() if line.strip()][-top - 1 :]
