@@ -179,6 +179,8 @@ ALLOWED_RAISES: dict[tuple[str, str], str] = {
     ("ranklog/spool/_writer.py", "OSError"): "a short write, caught at once like any failed write",
     ("ranklog/cli.py", "ValueError"): "a bad --steps value, caught at once for argparse",
     ("ranklog/cli.py", "ArgumentTypeError"): "argparse's protocol: a usage error, exit 2",
+    ("ranklog/cli.py", "ImportError"): "an import hook's protocol: pandas shown absent to "
+    "pyarrow's one optional check, in compact/replay processes",
     ("ranklog/producer/_gpu.py", "ValueError"): "an unreadable Prometheus line, caught by the "
     "GPU sampler (which backs off and warns once)",
     ("ranklog/nemo/__main__.py", "SystemExit"): "`python -m ranklog.nemo` without a script",
