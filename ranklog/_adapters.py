@@ -9,12 +9,24 @@ process exits. :class:`OpenStep` does that for one rank.
 from __future__ import annotations
 
 import atexit
+import os
 from typing import TYPE_CHECKING
+
+from ranklog.errors import ConfigError
+from ranklog.producer._run import SPOOL_ENV, Reduce
 
 if TYPE_CHECKING:
     from ranklog.producer import Run
 
-__all__ = ["OpenStep", "is_scalar"]
+__all__ = ["OpenStep", "Reduce", "is_scalar", "spool_of"]
+
+
+def spool_of(spool: str | os.PathLike[str] | None, who: str) -> str | os.PathLike[str]:
+    """``spool``, else ``$RANKLOG_SPOOL``; a ConfigError naming ``who`` when neither is set."""
+    spool = spool or os.environ.get(SPOOL_ENV)
+    if not spool:
+        raise ConfigError(f"{who} needs a spool: pass {who}(PATH) or set ${SPOOL_ENV}")
+    return spool
 
 
 class OpenStep:

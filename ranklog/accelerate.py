@@ -37,8 +37,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import ranklog
-from ranklog._adapters import OpenStep, is_scalar
-from ranklog.errors import ConfigError, ExtraMissingError
+from ranklog._adapters import OpenStep, Reduce, is_scalar, spool_of
+from ranklog.errors import ExtraMissingError
 
 try:
     from accelerate.tracking import GeneralTracker
@@ -48,8 +48,6 @@ except ImportError as exc:  # pragma: no cover - exercised without the extra
 __all__ = ["RanklogTracker", "log"]
 
 _log = logging.getLogger("ranklog.accelerate")
-
-Reduce = str | tuple[str, ...] | Mapping[str, str | tuple[str, ...]]
 
 
 class RanklogTracker(GeneralTracker):  # type: ignore[misc]  # accelerate has no type hints
@@ -79,10 +77,7 @@ class RanklogTracker(GeneralTracker):  # type: ignore[misc]  # accelerate has no
         **init_kwargs: Any,
     ) -> None:
         super().__init__()
-        spool = spool or os.environ.get("RANKLOG_SPOOL")
-        if not spool:
-            raise ConfigError("RanklogTracker needs a spool: pass RanklogTracker(PATH) "
-                              "or set $RANKLOG_SPOOL")  # fmt: skip
+        spool = spool_of(spool, "RanklogTracker")
         self._spool = spool
         self._run_name = run_name
         self._reduce = reduce

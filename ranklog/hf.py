@@ -44,8 +44,9 @@ from pathlib import Path
 from typing import Any
 
 import ranklog
-from ranklog._adapters import OpenStep, is_scalar
+from ranklog._adapters import OpenStep, Reduce, is_scalar
 from ranklog.errors import ExtraMissingError
+from ranklog.producer._run import SPOOL_ENV
 
 try:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -55,8 +56,6 @@ except ImportError as exc:  # pragma: no cover - exercised without the extra
 __all__ = ["RanklogCallback", "metric_name"]
 
 log = logging.getLogger("ranklog.hf")
-
-Reduce = str | tuple[str, ...] | Mapping[str, str | tuple[str, ...]]
 
 
 def metric_name(key: str) -> str:
@@ -186,7 +185,7 @@ class RanklogCallback(TrainerCallback):
 
     def _open_run(self, args: TrainingArguments) -> ranklog.Run:
         if self._run is None:
-            spool = self._spool or os.environ.get("RANKLOG_SPOOL")
+            spool = self._spool or os.environ.get(SPOOL_ENV)
             spool = spool or Path(args.output_dir or ".") / "ranklog"
             # Accelerate without a distributed setup says "process 0 of 1" on every
             # process: then the launcher's variables (torchrun, SLURM) say who is who

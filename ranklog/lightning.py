@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import ranklog
-from ranklog._adapters import OpenStep
-from ranklog.errors import ConfigError, ExtraMissingError
+from ranklog._adapters import OpenStep, Reduce, spool_of
+from ranklog.errors import ExtraMissingError
 from ranklog.spool import RunInfo, ensure_run
 
 try:
@@ -49,8 +49,6 @@ except ImportError as exc:  # pragma: no cover - exercised without the extra
     raise ExtraMissingError("lightning", "lightning") from exc
 
 __all__ = ["RanklogLogger"]
-
-Reduce = str | tuple[str, ...] | Mapping[str, str | tuple[str, ...]]
 
 
 class RanklogLogger(Logger):
@@ -79,10 +77,7 @@ class RanklogLogger(Logger):
         **init_kwargs: Any,
     ) -> None:
         super().__init__()
-        spool = spool or os.environ.get("RANKLOG_SPOOL")
-        if not spool:
-            raise ConfigError("RanklogLogger needs a spool: pass RanklogLogger(PATH) "
-                              "or set $RANKLOG_SPOOL")  # fmt: skip
+        spool = spool_of(spool, "RanklogLogger")
         self._spool = Path(spool)
         self._name = name
         self._save_dir = None if save_dir is None else os.fspath(save_dir)

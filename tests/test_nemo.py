@@ -171,7 +171,8 @@ class TestHelpers:
 
     def test_summarize_list(self) -> None:
         """mean/p50/p90/max of the numbers (bools and strings left out), as numpy computes."""
-        np = pytest.importorskip("numpy")
+        import numpy as np
+
         s = nemo._summarize_list
         assert s([1, 2, 3, 4]) == pytest.approx({"mean": 2.5, "p50": 2.5, "p90": 3.7, "max": 4.0})
         assert s([5.0]) == {"mean": 5.0, "p50": 5.0, "p90": 5.0, "max": 5.0}
@@ -274,7 +275,8 @@ class TestTimer:
 
     def test_std_and_median_match_numpy(self) -> None:
         """std is numpy's (population) deviation; median numpy's."""
-        np = pytest.importorskip("numpy")
+        import numpy as np
+
         t = nemo_timer.Timer()
         for v in (1.0, 2.0, 4.0, 8.0):
             t.record("x", v)
@@ -343,12 +345,14 @@ class TestTimer:
 class TestPlots:
     @pytest.fixture(autouse=True)
     def _agg(self) -> None:
-        matplotlib = pytest.importorskip("matplotlib")
+        import matplotlib
+
         matplotlib.use("Agg")
 
     def test_token_mult_prob_error_figure(self) -> None:
         """One figure, five lines, NeMo's labels, handed to log_plot under the given name."""
-        np = pytest.importorskip("numpy")
+        import numpy as np
+
         got: list[tuple[Any, int, str]] = []
         gen = np.log(np.linspace(0.3, 0.9, 10))[None, :]
         prev = gen.copy()
@@ -408,7 +412,8 @@ class TestJsonl:
                                              "val_data_step1.jsonl")  # fmt: skip
             logger.log_batched_dict_as_jsonl({"content": ["c"], "rewards": [2.0]},
                                              "val_data_step1.jsonl")  # fmt: skip
-            np = pytest.importorskip("numpy")
+            import numpy as np
+
             batch = {"ids": np.array([[1, 2], [3, 4]]), "o": [object(), 1]}
             logger.log_batched_dict_as_jsonl(batch, "sub/train.jsonl")
         finally:
@@ -436,7 +441,8 @@ class TestLoggerSpool:
 
     def test_values_by_kind(self, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
         """Numbers, strings, nested dicts, lists and figures each take their path."""
-        np = pytest.importorskip("numpy")
+        import numpy as np
+
         logger = nemo.Logger(no_backends(tmp_path))  # type: ignore[arg-type]
         with caplog.at_level(logging.WARNING, "ranklog.nemo"):
             logger.log_metrics({"loss": np.float32(0.5), "ok": True, "n": np.array([3]),
@@ -501,7 +507,8 @@ class TestLoggerSpool:
 
     def test_plots_and_histograms(self, tmp_path: Path) -> None:
         """log_plot is an image; log_histogram a histogram (an empty one logs 0)."""
-        matplotlib = pytest.importorskip("matplotlib")
+        import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 

@@ -45,6 +45,17 @@ Slot = tuple[int, Event]  # an event and its index in its frame
 _KEY: Final = ("incarnation", "segment", "seq", "idx")
 
 
+def _read(pf: pq.ParquetFile, table: str, wanted: list[str], group: int | None = None) -> pa.Table:
+    """The ``wanted`` columns of ``table`` from ``pf`` (one row group, or all of it)."""
+    have = set(pf.schema_arrow.names)
+    cols = [c for c in wanted if c in have]
+    if group is None:
+        t = pf.read(columns=cols, use_threads=False)
+    else:
+        t = pf.read_row_group(group, columns=cols, use_threads=False)
+    return _conform(t, table, wanted)
+
+
 def _conform(t: pa.Table, table: str, wanted: list[str]) -> pa.Table:
     """``t`` with the ``wanted`` columns of ``table``'s schema: absent ones as nulls."""
     schema = SCHEMAS[table]
@@ -70,12 +81,7 @@ def read_rows(files: list[Path] | None, table: str, columns: list[str]) -> pa.Ta
     if not files:
         return None
     wanted = [*_KEY, "ts", *columns]
-    parts = []
-    for path in files:
-        pf = pq.ParquetFile(path)
-        have = set(pf.schema_arrow.names)
-        t = pf.read(columns=[c for c in wanted if c in have], use_threads=False)
-        parts.append(_conform(t, table, wanted))
+    parts = [_read(pq.ParquetFile(path), table, wanted) for path in files]
     t = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
     return None if t.num_rows == 0 else _ordered(t)
 
@@ -154,10 +160,7 @@ class RowGroups:
     def _decode(self, k: int) -> pa.Table:
         path = self.paths[k]
         pf = pq.ParquetFile(path, metadata=self._cache.footer(path))
-        have = set(pf.schema_arrow.names)
-        cols = [c for c in self._wanted if c in have]
-        t = pf.read_row_group(self.index[k], columns=cols, use_threads=False)
-        return _ordered(_conform(t, self._table, self._wanted))
+        return _ordered(_read(pf, self._table, self._wanted, self.index[k]))
 
     def rows(self, lo: int, hi: int) -> pa.Table | None:
         """The rows of frames ``lo..hi`` (by ``seq``), in write order; None if none.

@@ -70,7 +70,42 @@ class LoggerInterface(abc.ABC):
         """Log a matplotlib figure at ``step``."""
 
 
-class _BackendLogger(LoggerInterface):
+class OnSession(LoggerInterface):
+    """LoggerInterface's calls, each handed to ``self._session`` (a :class:`Session`)."""
+
+    _session: Session
+
+    def log_metrics(
+        self,
+        metrics: dict[str, Any],
+        step: int,
+        prefix: str | None = "",
+        step_metric: str | None = None,
+        step_finished: bool = False,
+    ) -> None:
+        """Log ``metrics`` at ``step`` under ``prefix/`` to every backend.
+
+        Numbers are metrics (mean across ranks), strings text, numeric lists histograms,
+        figures images, nested dicts flattened with ``/``; anything else is skipped with
+        one warning naming the key. ``step_finished=True`` (or a ``timing/train`` call,
+        or a later step) closes the step: the shippers forward it.
+        """
+        self._session.log_metrics(metrics, step, prefix, step_metric, step_finished)
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        """Log the config: flattened with "." (lists by index); W&B shows it nested."""
+        self._session.log_hyperparams(params)
+
+    def log_histogram(self, histogram: list[Any], step: int, name: str) -> None:
+        """Log a distribution: TensorBoard/W&B histogram, MLflow ``/mean,/p50,/p90,/max``."""
+        self._session.log_histogram(histogram, step, name)
+
+    def log_plot(self, figure: Any, step: int, name: str) -> None:
+        """Log a matplotlib figure: TensorBoard/W&B image, MLflow ``plots/<name>.png``."""
+        self._session.log_plot(figure, step, name)
+
+
+class _BackendLogger(OnSession):
     """A backend class of NeMo's: the Logger's spool, or one of its own with one shipper."""
 
     #: the NeMo config section, and ranklog's target kind
@@ -96,25 +131,6 @@ class _BackendLogger(LoggerInterface):
         self._session = session
         self._own_session = False
         return self
-
-    def log_metrics(
-        self,
-        metrics: dict[str, Any],
-        step: int,
-        prefix: str | None = "",
-        step_metric: str | None = None,
-        step_finished: bool = False,
-    ) -> None:
-        self._session.log_metrics(metrics, step, prefix, step_metric, step_finished)
-
-    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
-        self._session.log_hyperparams(params)
-
-    def log_histogram(self, histogram: list[Any], step: int, name: str) -> None:
-        self._session.log_histogram(histogram, step, name)
-
-    def log_plot(self, figure: Any, step: int, name: str) -> None:
-        self._session.log_plot(figure, step, name)
 
     def finish(self) -> None:
         """On its own: close its spool and wait for its shipper (in a Logger: the Logger's)."""

@@ -25,6 +25,7 @@ from ranklog.nemo._backends import (
     GpuSamplerMonitor,
     LoggerInterface,
     MLflowLogger,
+    OnSession,
     SwanlabLogger,
     TensorboardLogger,
     WandbLogger,
@@ -38,7 +39,7 @@ __all__ = ["Logger"]
 log = logging.getLogger("ranklog.nemo")
 
 
-class Logger(LoggerInterface):
+class Logger(OnSession):
     """NeMo RL's ``Logger`` on top of ranklog: the same config, every method NeMo calls."""
 
     def __init__(self, cfg: LoggerConfig) -> None:
@@ -109,37 +110,6 @@ class Logger(LoggerInterface):
         if samples > 0:  # every step with text (validation samples) and every partial step
             cmds.append([*base, "--to", f"console:{10**9}", "--samples", str(samples)])
         return cmds
-
-    # -- LoggerInterface ----------------------------------------------------------------
-
-    def log_metrics(
-        self,
-        metrics: dict[str, Any],
-        step: int,
-        prefix: str | None = "",
-        step_metric: str | None = None,
-        step_finished: bool = False,
-    ) -> None:
-        """Log ``metrics`` at ``step`` under ``prefix/`` to every backend.
-
-        Numbers are metrics (mean across ranks), strings text, numeric lists histograms,
-        figures images, nested dicts flattened with ``/``; anything else is skipped with
-        one warning naming the key. ``step_finished=True`` (or a ``timing/train`` call,
-        or a later step) closes the step: the shippers forward it.
-        """
-        self._session.log_metrics(metrics, step, prefix, step_metric, step_finished)
-
-    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
-        """Log the config: flattened with "." (lists by index); W&B shows it nested."""
-        self._session.log_hyperparams(params)
-
-    def log_histogram(self, histogram: list[Any], step: int, name: str) -> None:
-        """Log a distribution: TensorBoard/W&B histogram, MLflow ``/mean,/p50,/p90,/max``."""
-        self._session.log_histogram(histogram, step, name)
-
-    def log_plot(self, figure: Any, step: int, name: str) -> None:
-        """Log a matplotlib figure: TensorBoard/W&B image, MLflow ``plots/<name>.png``."""
-        self._session.log_plot(figure, step, name)
 
     # -- NeMo's own plots and files -----------------------------------------------------
 

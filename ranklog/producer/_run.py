@@ -46,6 +46,8 @@ from ranklog.spool import DEFAULT_SEGMENT_BYTES, IncarnationWriter, SpoolLayout,
 __all__ = ["Durability", "Run", "init"]
 
 Durability = Literal["buffered", "step", "fsync"]
+#: a cross-rank reduction: one op, several, or per name (names left out: ``mean``)
+Reduce = str | tuple[str, ...] | Mapping[str, str | tuple[str, ...]]
 SPOOL_ENV: Final = "RANKLOG_SPOOL"
 MAX_TEXT_BYTES: Final = 8 * 1024 * 1024
 MAX_HISTOGRAM_VALUES: Final = 1_000_000
@@ -204,7 +206,7 @@ class Run:
         step: int,
         *,
         prefix: str | None = None,
-        reduce: str | tuple[str, ...] | Mapping[str, str | tuple[str, ...]] = "mean",
+        reduce: Reduce = "mean",
     ) -> None:
         """Log values for ``step``; across ranks each is reduced with ``reduce``.
 
@@ -266,7 +268,9 @@ class Run:
         if type(step) is not int or not 0 <= step <= MAX_STEP:
             step = check_step(step)
         if name not in self._timer_names:
-            self._timer_names.add(check_name("timer", name))
+            check_name("timer", name)
+            if len(self._timer_names) < _NAME_CACHE_MAX:  # bounded, as the metric names
+                self._timer_names.add(name)
         if type(seconds) is not float:
             seconds = as_float(name, seconds)
         if step <= self._closed_step:
