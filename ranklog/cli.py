@@ -3,10 +3,11 @@
 ::
 
     ranklog ship SPOOL --to TARGET [--to TARGET ...] [--once] [--poll S] [--dead-after S]
-                 [--name N] [--per-rank] [--ray [ADDRESS]] [target options]
+                 [--name N] [--per-rank] [--late count|ship] [--ray [ADDRESS]]
+                 [target options]
     ranklog compact SPOOL --out DIR [--delete]
     ranklog replay DIR --to TARGET [--to TARGET ...] [--steps A:B] [--names GLOB]
-                   [--relogged first|last] [target options]
+                   [--relogged first|last] [--late count|ship] [target options]
     ranklog inspect SPOOL [--json]
     ranklog report DIR --out report.html
     ranklog demo [--out DIR] [--ranks N] [--steps N]
@@ -163,6 +164,7 @@ def _ship(args: argparse.Namespace) -> int:
             per_rank=args.per_rank,
             progress=None if args.quiet else Progress(),
             lease_ttl=args.lease_ttl,
+            late=args.late,
         )
         code = max(code, shipper.run_forever(once=args.once))
     return code
@@ -185,6 +187,7 @@ def _ship_on_ray(args: argparse.Namespace, spec: str, name: str) -> None:
         once=args.once,
         quiet=args.quiet,
         lease_ttl=args.lease_ttl,
+        late=args.late,
     )
 
 
@@ -202,7 +205,7 @@ def _ship_each(args: argparse.Namespace, targets: list[str]) -> int:
     from ranklog.shippers import all_options
 
     flags = ["--dead-after", str(args.dead_after), "--start-grace", str(args.start_grace)]
-    flags += ["--lease-ttl", str(args.lease_ttl)]
+    flags += ["--lease-ttl", str(args.lease_ttl), "--late", args.late]
     flags += ["--once"] * args.once + ["--quiet"] * args.quiet + ["--per-rank"] * args.per_rank
     if args.poll is not None:
         flags += ["--poll", str(args.poll)]
@@ -266,7 +269,8 @@ def _replay(args: argparse.Namespace) -> int:
         target = make_target(spec, args.dataset, _options(args), per_rank=args.per_rank)
         _long_running()
         code = max(code, replay(args.dataset, target, steps=args.steps, names=args.names,
-                                per_rank=args.per_rank, relogged=args.relogged))  # fmt: skip
+                                per_rank=args.per_rank, relogged=args.relogged,
+                                late=args.late))  # fmt: skip
         print(f"replayed {args.dataset} into {spec}")
     return code
 
@@ -298,14 +302,21 @@ def _to_help() -> str:
 
 
 def _target_flags(p: argparse.ArgumentParser) -> None:
-    """``--to``, ``--per-rank`` and every option the targets declare."""
+    """``--to``, ``--per-rank``, ``--late`` and every option the targets declare."""
     from ranklog.shippers import all_options
+    from ranklog.shippers._tail import LATE_POLICIES
 
     p.add_argument("--to", action="append", required=True, metavar="TARGET", help=_to_help())
     p.add_argument(
         "--per-rank", action="store_true",
         help="also log each rank's own values (TensorBoard rankNNNNN/ sub-runs, MLflow child "
         "runs, one W&B run per rank grouped by run name)",
+    )  # fmt: skip
+    p.add_argument(
+        "--late", choices=LATE_POLICIES, default="count",
+        help="values logged for a step after it was closed (or re-logged after a restart): "
+        "count them only (default), or ship them too, at their own step, right after the "
+        "step their rank was in (as a program logging to the backend directly would)",
     )  # fmt: skip
     group = p.add_argument_group("target options (each target uses those it declares)")
     for name, (opt, kinds) in all_options().items():

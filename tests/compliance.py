@@ -49,6 +49,8 @@ class Backend:
     read_params: Callable[[Path], dict[str, Any]] | None = None
     #: how the backend stores a parameter's value (MLflow: as text)
     param: Callable[[ParamValue], Any] = field(default=lambda value: value)
+    #: the target takes late values (``takes_late``); else the engine leaves them out
+    late: bool = True
 
 
 def make_spool(spool: Path) -> None:
@@ -64,6 +66,59 @@ def make_spool(spool: Path) -> None:
                 run.log_text("val/sample_0", "prompt -> answer", step=s)
             run.step_end(s)
         run.close()
+
+
+def make_late_spool(spool: Path) -> None:
+    """:func:`make_spool`'s job, plus values logged for steps their rank had closed.
+
+    After closing each step ``s`` with ``s % 10 == 9`` every rank logs ``val/acc`` for
+    ``s`` (the last one after the last step: its carrier holds nothing else); after
+    closing step 30, ``val/old`` for step 5.
+    """
+    import warnings
+
+    for r in range(RANKS):
+        run = rank(spool, r, RANKS)
+        run.log_hyperparams(PARAMS)
+        for s in range(STEPS):
+            run.log_metrics({"loss": r + s / 1000}, step=s)
+            run.log_metrics({"tokens": 100.0 + r + s}, step=s, reduce=("sum", "max"))
+            run.log_timing("step_time", 0.01 * (r + 1) + s / 1e4, step=s)
+            run.step_end(s)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if s % 10 == 9:
+                    run.log_metrics({"val/acc": r + s}, step=s)
+                if s == 30:
+                    run.log_metrics({"val/old": float(r)}, step=5)
+        run.close()
+
+
+def expected_late(step: int) -> dict[str, float]:
+    """The late values :func:`make_late_spool` logged for ``step``, reduced."""
+    out = {}
+    if step % 10 == 9:
+        out["val/acc"] = math.fsum(r + step for r in range(RANKS)) / RANKS
+    if step == 5:
+        out["val/old"] = math.fsum(range(RANKS)) / RANKS
+    return out
+
+
+def check_late(backend: Backend, work: Path) -> None:
+    """Each step's values and its late values exactly once, wherever the backend put them."""
+    merged: dict[int, dict[str, float]] = {}
+    for step, metrics in backend.read_back(work):
+        into = merged.setdefault(step, {})
+        twice = into.keys() & metrics.keys()
+        assert not twice, f"step {step}: {sorted(twice)} held twice"
+        into.update(metrics)
+    assert sorted(merged) == list(range(STEPS)), sorted(merged)
+    for step, metrics in merged.items():
+        want = expected(step) | (expected_late(step) if backend.late else {})
+        want = {backend.key(k): v for k, v in want.items()}
+        assert sorted(metrics) == sorted(want), f"step {step}: names {sorted(metrics)}"
+        for name, value in want.items():
+            assert metrics[name] == pytest.approx(value, rel=backend.rel, abs=0), (step, name)
 
 
 def expected(step: int) -> dict[str, float]:
@@ -143,6 +198,7 @@ class KillSwitch:
         self.after = after
         self.kind = inner.kind
         self.spec = inner.spec
+        self.takes_late = getattr(inner, "takes_late", False)
         self.method = method
         self.n = n
         self.dead = False
@@ -176,12 +232,12 @@ class KillSwitch:
             self.inner.close()
 
 
-def shipper(spool: Path, target: Target) -> Shipper:
-    return Shipper(str(spool), target, name="compliance", dead_after=3600, start_grace=0)
+def shipper(spool: Path, target: Target, late: str = "count") -> Shipper:
+    return Shipper(str(spool), target, name="compliance", dead_after=3600, start_grace=0, late=late)
 
 
-def run_once(spool: Path, target: Target) -> None:
-    shipper(spool, target).run_forever(once=True)
+def run_once(spool: Path, target: Target, late: str = "count") -> None:
+    shipper(spool, target, late).run_forever(once=True)
 
 
 def kill_and_restart(
@@ -193,6 +249,7 @@ def kill_and_restart(
     monkeypatch: pytest.MonkeyPatch,
     *,
     after: bool = False,
+    late: str = "count",
 ) -> None:
     """Ship with small batches, die at the n-th ``method`` call, restart, finish."""
     import ranklog.shippers._engine as engine
@@ -210,13 +267,13 @@ def kill_and_restart(
 
         monkeypatch.setattr(engine, "save_cursor", dying_save)
         with pytest.raises(Killed):
-            run_once(spool, backend.make(work))
+            run_once(spool, backend.make(work), late)
         monkeypatch.setattr(engine, "save_cursor", real)
     else:
         with pytest.raises(Killed):
             target = KillSwitch(backend.make(work), method, n, after=after)
-            run_once(spool, target)  # type: ignore[arg-type]
-    run_once(spool, backend.make(work))
+            run_once(spool, target, late)  # type: ignore[arg-type]
+    run_once(spool, backend.make(work), late)
 
 
 def chaos(

@@ -9,7 +9,17 @@ import pytest
 
 from ranklog.shippers.targets.jsonl import JsonlTarget, read_jsonl
 
-from .compliance import Backend, Flaky, chaos, check, kill_and_restart, make_spool, run_once
+from .compliance import (
+    Backend,
+    Flaky,
+    chaos,
+    check,
+    check_late,
+    kill_and_restart,
+    make_late_spool,
+    make_spool,
+    run_once,
+)
 from .example_target.csv_target import CsvTarget
 
 
@@ -43,7 +53,8 @@ BACKENDS = [
     Backend("jsonl", lambda work: JsonlTarget(work / "out.jsonl"), _jsonl_back,
             read_params=_jsonl_params),
     # the example of docs/targets.md: a plug-in passes the same suite
-    Backend("csv-example", lambda work: CsvTarget(work / "out.csv", ";"), _csv_back),
+    Backend("csv-example", lambda work: CsvTarget(work / "out.csv", ";"), _csv_back,
+            late=False),
 ]  # fmt: skip
 
 
@@ -126,3 +137,36 @@ class TestCompliance:
         run_once(made, flaky)  # type: ignore[arg-type]
         assert flaky.failed == 1
         check(backend, work)
+
+
+class TestLateCompliance:
+    """``--late ship``: late values reach a target once too, whatever is killed when."""
+
+    def test_every_late_value_once(self, backend: Backend, spool: Path, work: Path) -> None:
+        """A plain run, then one without the cursor: each step's values and late values once."""
+        make_late_spool(spool)
+        run_once(spool, backend.make(work), "ship")
+        check_late(backend, work)
+        (spool / "cursors" / "compliance.json").unlink()
+        run_once(spool, backend.make(work), "ship")
+        check_late(backend, work)
+
+    @pytest.mark.parametrize(
+        ("method", "n", "after"),
+        [("write", 3, True), ("write", 9, False), ("flush", 4, True), ("commit", 3, False),
+         ("commit", 9, False)],
+    )  # fmt: skip
+    def test_killed_anywhere(
+        self,
+        backend: Backend,
+        spool: Path,
+        work: Path,
+        method: str,
+        n: int,
+        after: bool,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        """Killed before or after a call, then restarted: late values once, steps once."""
+        make_late_spool(spool)
+        kill_and_restart(backend, spool, work, method, n, monkeypatch, after=after, late="ship")
+        check_late(backend, work)

@@ -30,7 +30,7 @@ from ranklog.spool import read_run
 
 from .conftest import ROOT
 from .ray_cluster import RayHead, ray_env
-from .shiphelp import reduce_step
+from .shiphelp import lines, reduce_step
 
 WORLD = 16
 
@@ -192,8 +192,12 @@ def write_mixed(spool: Path) -> None:
 class InProcessTails(RayTails):
     """The fan-in's root side over TailReader objects in this process: restarts on demand."""
 
-    def __init__(self, spool: Path, readers: int, faults: dict[tuple[str, int], int]) -> None:
-        super().__init__(str(spool), "fan", FanIn(readers=readers), poll=None, dead_after=3600)
+    def __init__(
+        self, spool: Path, readers: int, faults: dict[tuple[str, int], int], late: str = "count"
+    ) -> None:
+        super().__init__(
+            str(spool), "fan", FanIn(readers=readers), poll=None, dead_after=3600, late=late
+        )
         self.faults = faults  # (method, nth call) -> reader that starts a new life first
         self.calls: dict[str, int] = {}
 
@@ -204,7 +208,7 @@ class InProcessTails(RayTails):
         self._committed = [cursor.last_step] * len(self.readers)
 
     def _life(self, i: int) -> TailReader:
-        return TailReader(self.spool, self.name, (i, self.layout.readers), None, 3600)
+        return TailReader(self.spool, self.name, (i, self.layout.readers), None, 3600, self.late)
 
     def _all(self, method: str, *args: Any, readers: list[Any] | None = None) -> list[Any]:
         self.calls[method] = n = self.calls.get(method, 0) + 1
@@ -220,13 +224,13 @@ class InProcessTails(RayTails):
         self.readers = []
 
 
-def ship_in_process(spool: Path, out: Path, tails: Any = None) -> Any:
+def ship_in_process(spool: Path, out: Path, tails: Any = None, late: str = "count") -> Any:
     from ranklog.shippers import Shipper
     from ranklog.shippers.targets.jsonl import JsonlTarget
 
     name = "fan" if tails is not None else "one"
     shipper = Shipper(str(spool), JsonlTarget(out), name=name, dead_after=3600, start_grace=0,
-                      tails=tails)  # fmt: skip
+                      tails=tails, late=late)  # fmt: skip
     shipper.run_forever(once=True)
     return shipper
 
@@ -234,6 +238,7 @@ def ship_in_process(spool: Path, out: Path, tails: Any = None) -> Any:
 class TestFanInRounds:
     """The fan-in's rounds without Ray: readers in this process, restarted at chosen calls."""
 
+    @pytest.mark.parametrize("late", ["count", "ship"])
     @pytest.mark.parametrize(
         "faults",
         [{}, {("poll", 2): 0}, {("partials", 1): 1}, {("partials", 2): 0}, {("commit", 1): 1},
@@ -241,7 +246,11 @@ class TestFanInRounds:
         ids=["none", "poll", "partials-1", "partials-2", "commit", "commit-then-poll"],
     )  # fmt: skip
     def test_restarts_change_nothing(
-        self, tmp_path: Path, faults: dict[tuple[str, int], int], monkeypatch: pytest.MonkeyPatch
+        self,
+        tmp_path: Path,
+        faults: dict[tuple[str, int], int],
+        late: str,
+        monkeypatch: pytest.MonkeyPatch,
     ) -> None:
         """Readers restarted at any call: output and counters equal the single shipper's."""
         import ranklog.shippers._engine as engine
@@ -249,9 +258,14 @@ class TestFanInRounds:
         monkeypatch.setattr(engine, "BATCH_STEPS", 4)  # many rounds, many commits
         spool = tmp_path / "spool"
         write_mixed(spool)
-        one = ship_in_process(spool, tmp_path / "one.jsonl")
-        fan = ship_in_process(spool, tmp_path / "fan.jsonl", InProcessTails(spool, 2, faults))
+        one = ship_in_process(spool, tmp_path / "one.jsonl", late=late)
+        tails = InProcessTails(spool, 2, faults, late)
+        fan = ship_in_process(spool, tmp_path / "fan.jsonl", tails, late=late)
         assert (tmp_path / "fan.jsonl").read_bytes() == (tmp_path / "one.jsonl").read_bytes()
+        carried = [x for x in lines(tmp_path / "one.jsonl") if "shipped_with" in x]
+        assert [(x["step"], x["shipped_with"]) for x in carried] == (
+            [(3, 11), (9, 13), (10, 13), (11, 13), (12, 13)] if late == "ship" else []
+        )
         assert (fan.stats.late_events, fan.stats.relogged_events) == (
             one.stats.late_events, one.stats.relogged_events,
         ) == (1, 4)  # fmt: skip

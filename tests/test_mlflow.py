@@ -112,7 +112,8 @@ def read_back(uri: str) -> list[tuple[int, dict[str, float]]]:
     hist = history(client, run.info.run_id, sorted(run.data.metrics))
     marked = hist.pop(MARKER, {})
     steps = sorted({s for h in hist.values() for s in h})
-    assert steps == sorted(marked), "a step without its marker, or a marker without its step"
+    # a marker without values: a step that only carried late values (``--late ship``)
+    assert set(steps) <= set(marked), "a step without its marker"
     return [(s, {k: h[s] for k, h in hist.items() if s in h}) for s in steps]
 
 
@@ -144,6 +145,10 @@ def work(tmp_path: Path) -> Path:
 def made(spool: Path) -> Path:
     make_spool(spool)
     return spool
+
+
+class TestLateCompliance(tc.TestLateCompliance):
+    """tests/test_compliance.py's late-value tests, run against MLflow on sqlite."""
 
 
 class TestCompliance(tc.TestCompliance):

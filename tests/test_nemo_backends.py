@@ -104,6 +104,11 @@ class TestTensorBoard:
         grad = {e.step: e.value for e in acc.Scalars("train/grad_norm")}
         assert grad == pytest.approx({s: 0.25 for s in STEPS})
 
+    def test_a_value_after_step_finished_lands(self, grpo: Run) -> None:
+        """A value logged at step 20 after step_finished is at step 20, once, as with NeMo."""
+        got = [(e.step, e.value) for e in tb(grpo.exp).Scalars("validation/final_accuracy")]
+        assert got == [(20, pytest.approx(0.7))]
+
     def test_plots_and_histograms(self, grpo: Run) -> None:
         """Token-mult-prob-error plots at steps 7 and 14; timelines at 10, 20; histograms."""
         acc = tb(grpo.exp)
@@ -124,6 +129,12 @@ class TestMLflow:
         history = client.get_metric_history(run.info.run_id, "train/loss")
         assert sorted(m.step for m in history) == list(STEPS)
         assert {m.step: m.value for m in history} == pytest.approx({s: loss(s) for s in STEPS})
+
+    def test_a_value_after_step_finished_lands(self, mlrun: tuple[Any, Any]) -> None:
+        """The value logged after step 20 was finished is at step 20, once."""
+        client, run = mlrun
+        history = client.get_metric_history(run.info.run_id, "validation/final_accuracy")
+        assert [(m.step, m.value) for m in history] == [(20, pytest.approx(0.7))]
 
     def test_lists_summarised_as_nemo(self, mlrun: tuple[Any, Any]) -> None:
         """Per-worker lists merged, then /mean, /p50, /p90, /max (NeMo's MLflow summary)."""
@@ -184,6 +195,12 @@ class TestWandb:
         losses = {r["_step"]: r["train/loss"] for r in rows if "train/loss" in r}
         assert losses == pytest.approx({s: loss(s) for s in STEPS})
         assert sorted(r["_step"] for r in rows if "validation/accuracy" in r) == VAL_STEPS
+
+    def test_a_value_after_step_finished_is_dropped(self, wandb_file: Path) -> None:
+        """As wandb.log after commit=True: a step below the run's current one is not kept."""
+        from ranklog.shippers.targets._wandb_log import history_rows
+
+        assert not [r for r in history_rows(wandb_file) if "validation/final_accuracy" in r]
 
 
 class TestFilesAndConsole:

@@ -43,16 +43,20 @@ def _job(spool: Path) -> None:
 
 
 class TestEquivalence:
-    def test_jsonl_byte_for_byte(self, spool: Path, tmp_path: Path) -> None:
+    @pytest.mark.parametrize("late", ["count", "ship"])
+    def test_jsonl_byte_for_byte(self, spool: Path, tmp_path: Path, late: str) -> None:
         """Live shipping and replay after compaction write the same JSONL bytes."""
         _job(spool)
         live, again = tmp_path / "live.jsonl", tmp_path / "replay.jsonl"
-        ship(spool, live)
+        ship(spool, live, late=late)
         compact(spool, tmp_path / "pq")
-        replay(tmp_path / "pq", JsonlTarget(again))
+        replay(tmp_path / "pq", JsonlTarget(again), late=late)
         assert live.read_bytes() == again.read_bytes()
-        got = lines(live)
+        got = [x for x in lines(live) if "shipped_with" not in x]
         assert [x["step"] for x in got] == list(range(45))
+        carried = [(x["step"], x["shipped_with"]) for x in lines(live) if "shipped_with" in x]
+        # steps 35..39 logged again after the requeue (the late 1e9 died unflushed with rank 2)
+        assert carried == ([(s, 40) for s in range(35, 40)] if late == "ship" else [])
         assert got[3]["metrics"]["loss"] == pytest.approx((0 + 1 + 2 + 3) / 4 + 0.03)  # no 1e9
         assert got[38]["metrics"]["loss"] == pytest.approx((0 + 1 + 2 + 3) / 4 + 0.38)  # first kept
 

@@ -172,6 +172,10 @@ class TestTensorBoardCompliance(tc.TestCompliance):
     """tests/test_compliance.py's exactly-once tests, for ``tensorboard:DIR``."""
 
 
+class TestTensorBoardLateCompliance(tc.TestLateCompliance):
+    """tests/test_compliance.py's late-value tests, for ``tensorboard:DIR``."""
+
+
 # -- values, text, hyperparameters ----------------------------------------------------------
 
 

@@ -36,6 +36,8 @@ from .compliance import (
     Killed,
     KillSwitch,
     check,
+    check_late,
+    make_late_spool,
     make_spool,
     run_once,
 )
@@ -244,6 +246,19 @@ class TestCompliance(tc.TestCompliance):
         run_once(made, WANDB.make(work))
         assert len(_logs(work)) == 3  # steps 0-24, 25-49, 50-59: one run directory each
         check(WANDB, work)
+
+    def test_late_values_are_left_out_once_warned(
+        self, spool: Path, work: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """``--late ship``: W&B cannot take a step below its current one, so it gets none."""
+        import dataclasses
+
+        make_late_spool(spool)
+        with caplog.at_level("WARNING", logger="ranklog.ship"):
+            run_once(spool, WANDB.make(work), "ship")
+        check_late(dataclasses.replace(WANDB, late=False), work)
+        warned = [r for r in caplog.records if "W&B cannot log a step below" in r.message]
+        assert len(warned) == 1
 
 
 def _rich_spool(spool: Path) -> None:

@@ -320,11 +320,13 @@ def replay(
     names: str | None = None,
     per_rank: bool = False,
     relogged: str = "first",
+    late: str = "count",
 ) -> int:
     """Ship a dataset into ``target`` (a Target object) as live shipping would have.
 
     ``relogged="last"`` rebuilds instead the branch training continued from after a
     restart: for steps a rank logged again, the later incarnation's values count.
+    ``late="ship"`` ships late and re-logged values as ``ranklog ship --late ship`` does.
     """
     dataset = Path(dataset)
     manifest = require_manifest(dataset)
@@ -334,8 +336,9 @@ def replay(
         write_run(scratch, run)
         source = ParquetSource(dataset, run, steps=steps, names=names, relogged=relogged)
         shipper = Shipper(
-            str(scratch), target, name="replay", start_grace=0, per_rank=per_rank, source=source
-        )
+            str(scratch), target, name="replay", start_grace=0, per_rank=per_rank,
+            source=source, late=late,
+        )  # fmt: skip
         return shipper.run_forever(once=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

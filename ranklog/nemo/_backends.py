@@ -28,7 +28,7 @@ from ranklog.nemo._config import (
     TensorboardConfig,
     WandbConfig,
 )
-from ranklog.nemo._session import Session, python_command
+from ranklog.nemo._session import Session, ship_command
 
 __all__ = [
     "GpuSamplerMonitor",
@@ -118,8 +118,8 @@ class _BackendLogger(OnSession):
         backend_dir = Path(log_dir or self.SECTION)
         flags = target_kinds()[self.SECTION].nemo_backend_command(self.cfg, backend_dir)
         spool = backend_dir / ".ranklog-spool"
-        cmd = [*python_command(), "ship", str(spool), "--quiet", *flags]
-        self._session = Session(spool, [cmd], self.cfg.get("ranklog") or {})
+        own = self.cfg.get("ranklog") or {}
+        self._session = Session(spool, [[*ship_command(spool, own), *flags]], own)
         self._own_session = True
         print(f"Initialized {type(self).__name__} at {backend_dir} (ranklog spool {spool})")
 

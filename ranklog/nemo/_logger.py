@@ -32,7 +32,7 @@ from ranklog.nemo._backends import (
 )
 from ranklog.nemo._config import LoggerConfig, SwanlabConfig
 from ranklog.nemo._plots import plot_per_worker_timeline, plot_token_mult_prob_error
-from ranklog.nemo._session import Session, python_command, write_batched_jsonl, write_string_lines
+from ranklog.nemo._session import Session, ship_command, write_batched_jsonl, write_string_lines
 
 __all__ = ["Logger"]
 
@@ -100,7 +100,7 @@ class Logger(OnSession):
         from ranklog.shippers import target_kinds
 
         log_dir = Path(cfg["log_dir"])
-        base = [*python_command(), "ship", str(log_dir / "spool"), "--quiet"]
+        base = ship_command(log_dir / "spool", cfg.get("ranklog") or {})
         cmds: list[list[str]] = []
         for kind in target_kinds().values():
             flags = kind.nemo_command(cfg, log_dir)

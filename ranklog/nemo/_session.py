@@ -36,7 +36,7 @@ from ranklog.nemo._helpers import flatten_dict, merge_generation_logger_workers
 from ranklog.producer import Run
 from ranklog.producer._values import as_float, check_name, check_step
 
-__all__ = ["Session", "write_batched_jsonl", "write_string_lines"]
+__all__ = ["Session", "ship_command", "write_batched_jsonl", "write_string_lines"]
 
 log = logging.getLogger("ranklog.nemo")
 
@@ -264,6 +264,12 @@ def write_string_lines(lines: Sequence[str], path: Path) -> None:
     print(f"Logged data to {path}")
 
 
-def python_command() -> list[str]:
-    """The interpreter and module that start a shipper: this Python, ``ranklog.cli``."""
-    return [sys.executable, "-m", "ranklog.cli"]
+def ship_command(spool: Path, own: Mapping[str, Any]) -> list[str]:
+    """``ranklog ship SPOOL`` as this Python runs it, quiet, late values shipped.
+
+    NeMo's backends take values logged for a step after ``step_finished`` (validation at
+    the end, a relaunch logging its resume step again): so do the shippers, unless the
+    ``ranklog`` section says ``late: count``.
+    """
+    late = str(own.get("late", "ship"))
+    return [sys.executable, "-m", "ranklog.cli", "ship", str(spool), "--quiet", "--late", late]

@@ -258,7 +258,8 @@ class Run:
             self._late_warned = True
             warnings.warn(
                 f"ranklog: rank {self.rank} logged step {step} after closing step "
-                f"{self._closed_step}; it is recorded and reported as late",
+                f"{self._closed_step}; it is recorded and reported as late "
+                "(and shipped by `ranklog ship --late ship`)",
                 RanklogWarning,
                 stacklevel=3,
             )

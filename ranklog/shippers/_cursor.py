@@ -37,6 +37,10 @@ class SegmentCursor(msgspec.Struct, forbid_unknown_fields=False):
     done: bool = False
     #: the sequence number of the frame expected at ``offset`` (-1: unknown)
     seq: int = -1
+    #: the incarnation's highest step_end and step event before ``offset`` (None: not
+    #: saved): a restarted shipper re-reads from there with the very watermark it had
+    closed: int | None = None
+    max_step: int | None = None
 
 
 class IncState(msgspec.Struct, forbid_unknown_fields=False):

@@ -38,7 +38,15 @@ from ranklog.shippers._progress import Progress, Status
 from ranklog.shippers._registry import default_name
 from ranklog.shippers._source import Source, SpoolSource
 from ranklog.shippers._steps import StepPartial
-from ranklog.shippers._tail import NO_GAP, RankTail, RankView, StepGap, TailCommit, TailPoll
+from ranklog.shippers._tail import (
+    NO_GAP,
+    RankTail,
+    RankView,
+    StepGap,
+    TailCommit,
+    TailPoll,
+    check_late,
+)
 from ranklog.shippers._target import ShippedStep, Target
 from ranklog.spool import BadRange, RunInfo, read_run
 
@@ -97,9 +105,10 @@ class Tails(Protocol):
 class LocalTails:
     """One :class:`RankTail` over every rank, in the shipper's own process."""
 
-    def __init__(self, source: Source, *, dead_after: float) -> None:
+    def __init__(self, source: Source, *, dead_after: float, late: str = "count") -> None:
         self.source = source
         self.dead_after = dead_after
+        self.late = late
         self.tail: RankTail | None = None
 
     @property
@@ -109,7 +118,7 @@ class LocalTails:
 
     def open(self, run: RunInfo, cursor: Cursor | None) -> None:
         """Make the tail; restore it from ``cursor``."""
-        self.tail = RankTail(self.source, run, dead_after=self.dead_after)
+        self.tail = RankTail(self.source, run, dead_after=self.dead_after, late=self.late)
         if cursor is not None:
             self.tail.restore(cursor)
 
@@ -156,6 +165,7 @@ class Shipper:
         source: Source | None = None,
         tails: Tails | None = None,
         lease_ttl: float = DEFAULT_TTL,
+        late: str = "count",
     ) -> None:
         self.spool = spool
         self.target = target
@@ -165,7 +175,7 @@ class Shipper:
         self.per_rank = per_rank
         if tails is None:
             src = source if source is not None else SpoolSource(spool, poll=poll)
-            tails = LocalTails(src, dead_after=dead_after)
+            tails = LocalTails(src, dead_after=dead_after, late=check_late(late))
         self.tails: Tails = tails
         self.progress = progress
         #: every rank seen, as of the last read round
@@ -188,6 +198,7 @@ class Shipper:
         self._last_commit = time.monotonic()
         self._target_ok = False
         self._opened = False
+        self._late_warned = False
         #: one shipper per (spool, target): held while running
         self.lease = Lease(spool, default_name(target.spec), target=target.spec, ttl=lease_ttl)
 
@@ -342,11 +353,18 @@ class Shipper:
             if part.damaged:
                 lost = set(part.damaged)
                 closed -= sum(1 for r, m in marks if m >= step and r in lost)
-            if closed == 0 and part.only_gpu():
-                # GPU samples taken after the last step, until the ranks ended: no step
-                # of training, nothing to ship (the samples stay in the spool and Parquet)
-                continue
-            out.append(part.finish(closed=closed, world_size=world))
+            # Nothing to ship of the step itself: GPU samples taken after the last step,
+            # until the ranks ended (they stay in the spool and Parquet), or nothing but
+            # the late values it carries
+            if not ((closed == 0 or part.ranks == 0) and part.only_gpu()):
+                out.append(part.finish(closed=closed, world_size=world))
+            if part.late:
+                if getattr(self.target, "takes_late", False):
+                    out.extend(part.shipped_late(world))
+                elif not self._late_warned:
+                    self._late_warned = True
+                    log.warning("%s does not take late values (no takes_late): they are left "
+                                "out, counted as late", self.target.spec)  # fmt: skip
         return out, ready[-1]
 
     def _ship(self, steps: list[ShippedStep], *, final: bool = False, through: int = -1) -> None:
@@ -362,6 +380,9 @@ class Shipper:
         sent = 0
         chunk: list[ShippedStep] = []
         for s in steps:
+            if s.carrier is not None:  # late values: right after their carrier
+                chunk.append(s)
+                continue
             group: dict[str, ParamValue] = {}
             while sent < len(due) and due[sent][0] <= s.step:
                 group[due[sent][1]] = due[sent][2]
@@ -384,8 +405,9 @@ class Shipper:
         done = set(map(id, due[:sent]))
         self.params_due = [d for d in self.params_due if id(d) not in done]
         for s in steps:
-            self.stats.steps_shipped += 1
-            self.stats.partial_steps += not s.complete
+            if s.carrier is None:
+                self.stats.steps_shipped += 1
+                self.stats.partial_steps += not s.complete
         top = max(through, steps[-1].step if steps else -1)
         if top > self.shipped_upto:
             self.shipped_upto = top

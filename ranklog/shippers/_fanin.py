@@ -108,7 +108,13 @@ class TailReader:
     """
 
     def __init__(
-        self, spool: str, name: str, shard: tuple[int, int], poll: float | None, dead_after: float
+        self,
+        spool: str,
+        name: str,
+        shard: tuple[int, int],
+        poll: float | None,
+        dead_after: float,
+        late: str = "count",
     ) -> None:
         self.token = uuid.uuid4().hex  # a new one per life of the actor
         self.tail = RankTail(
@@ -116,6 +122,7 @@ class TailReader:
             read_run(spool),
             dead_after=dead_after,
             shard=shard,
+            late=late,
         )
         self.restored = False
 
@@ -165,10 +172,11 @@ class RayTails:
         *,
         poll: float | None,
         dead_after: float,
+        late: str = "count",
     ) -> None:
         self.spool, self.name, self.layout = spool, name, layout
         self.poll_interval = poll if poll is not None else 1.0
-        self._poll, self.dead_after = poll, dead_after
+        self._poll, self.dead_after, self.late = poll, dead_after, late
         self.readers: list[Any] = []
         self._tokens: list[str] = []
         self.cursor: Cursor | None = None
@@ -197,7 +205,7 @@ class RayTails:
                 max_restarts=self.layout.max_restarts,
                 max_task_retries=-1,
                 scheduling_strategy="SPREAD",
-            ).remote(self.spool, self.name, (i, n), self._poll, self.dead_after)
+            ).remote(self.spool, self.name, (i, n), self._poll, self.dead_after, self.late)
             self.readers.append(handle)
         self._tokens = [""] * n
         self._committed = [self.cursor.last_step] * n
@@ -348,7 +356,9 @@ class ShipRoot:
         logging.basicConfig(level=logging.INFO, format="ranklog: %(message)s", stream=sys.stderr)
         kw = dict(shipper_kw)
         name, poll = kw.pop("name"), kw.pop("poll")
-        tails = RayTails(spool, name, layout, poll=poll, dead_after=kw["dead_after"])
+        tails = RayTails(
+            spool, name, layout, poll=poll, dead_after=kw["dead_after"], late=kw["late"]
+        )
         shipper = Shipper(
             spool,
             make_target(spec, spool, options, per_rank=kw["per_rank"]),
@@ -381,6 +391,7 @@ def ship_on_ray(
     once: bool,
     quiet: bool,
     lease_ttl: float = DEFAULT_TTL,
+    late: str = "count",
 ) -> dict[str, int]:
     """Connect to Ray (``address``; None: ``RAY_ADDRESS`` or a local instance), ship, return."""
     try:
@@ -412,6 +423,7 @@ def ship_on_ray(
             "start_grace": start_grace,
             "per_rank": per_rank,
             "lease_ttl": lease_ttl,
+            "late": late,
         }
         spool = str(Path(spool).resolve())
         result: dict[str, int] = ray.get(

@@ -88,8 +88,13 @@ class SegState:
     consumed_seq: int | None = None
     #: its place in its incarnation's sequence was checked (a missing segment before it)
     placed: bool = False
-    #: frames read but not yet consumed: (end, max step in frame, holds params, next seq)
-    frames: list[tuple[int, int, bool, int | None]] = field(default_factory=list)
+    #: frames read but not yet consumed: (end, max step in frame, holds params, next seq,
+    #: the incarnation's (closed, max step) after it)
+    frames: list[tuple[int, int, bool, int | None, int, int]] = field(default_factory=list)
+    #: the incarnation's (closed, max step) at ``consumed`` (None: not known)
+    consumed_state: tuple[int, int] | None = None
+    #: ... as a committed cursor saved it: the state re-reading starts from
+    restore_state: tuple[int, int] | None = None
 
 
 class Source(Protocol):

@@ -44,6 +44,9 @@ class Contribution:
     events: list[Contributed] = field(default_factory=list)
     #: step events among them (what the rank's step_end counts)
     count: int = 0
+    #: values for steps the rank had closed, logged while it was in this one (each keeps
+    #: its own step): shipped with this step when late values are shipped (``late="ship"``)
+    late: list[StepEvent] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -141,6 +144,8 @@ class StepPartial:
     per_rank: dict[int, dict[str, float]] | None = None
     #: ranks left out because frames of theirs for the step were lost (sorted)
     damaged: list[int] = field(default_factory=list)
+    #: late values that travel with this step, by the earlier step they were logged for
+    late: dict[int, StepPartial] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -161,9 +166,10 @@ class StepPartial:
         named_specs: dict[str, tuple[int, str]] = {}
         timers: dict[str, list[float]] = {}
         timer_specs: dict[str, tuple[int, str]] = {}
-        order = sorted(r for r in acc.ranks if r not in acc.damaged)
+        order = sorted(r for r in acc.ranks if r not in acc.damaged and acc.ranks[r].events)
         out = cls(step, ranks=len(order), per_rank={} if per_rank else None)
         out.damaged = sorted(acc.damaged)
+        out.late = _late_partials(acc, per_rank=per_rank, exact=exact)
         slowest = out.slowest
         ts = 0.0
         #: (rank, event) of each Metrics event, in rank order: reduced after the loop
@@ -230,6 +236,17 @@ class StepPartial:
             or self.damaged
         )  # fmt: skip
 
+    def shipped_late(self, world_size: int) -> list[ShippedStep]:
+        """The late values this step carries, one step each, in step order."""
+        out = []
+        for step in sorted(self.late):
+            part = self.late[step]
+            shipped = part.finish(closed=world_size, world_size=world_size)
+            shipped.ranks = part.ranks
+            shipped.carrier = self.step
+            out.append(shipped)
+        return out
+
     def merge(self, other: StepPartial) -> StepPartial:
         """The partial of both rank sets together (they must be disjoint)."""
         out = StepPartial(
@@ -257,6 +274,10 @@ class StepPartial:
         out.gpus = sorted(self.gpus + other.gpus, key=lambda g: g[0])
         if self.per_rank is not None or other.per_rank is not None:
             out.per_rank = {**(self.per_rank or {}), **(other.per_rank or {})}
+        out.late = dict(self.late)
+        for step, part in other.late.items():
+            held = out.late.get(step)
+            out.late[step] = part if held is None else held.merge(part)
         return out
 
     def finish(self, *, closed: int, world_size: int) -> ShippedStep:
@@ -302,6 +323,27 @@ class StepPartial:
             ],
             per_rank=per_rank,
         )
+
+
+def _late_partials(acc: StepAcc, *, per_rank: bool, exact: bool) -> dict[int, StepPartial]:
+    """The late values of ``acc``'s ranks, summarised per step they were logged for."""
+    by_step: dict[int, StepAcc] = {}
+    for rank in sorted(acc.ranks):
+        contrib = acc.ranks[rank]
+        if not contrib.late or rank in acc.damaged:
+            continue
+        for ev in contrib.late:
+            sub = by_step.get(ev.step)
+            if sub is None:
+                by_step[ev.step] = sub = StepAcc()
+            own = sub.ranks.get(rank)
+            if own is None:
+                sub.ranks[rank] = own = Contribution(contrib.incarnation)
+            own.events.append(ev)
+    return {
+        step: StepPartial.build(step, sub, per_rank=per_rank, exact=exact)
+        for step, sub in sorted(by_step.items())
+    }
 
 
 def _spec(reduce: str | dict[str, str], name: str) -> str:

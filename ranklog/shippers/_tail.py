@@ -23,13 +23,25 @@ import time
 from dataclasses import dataclass, field
 from typing import Final, NamedTuple
 
-from ranklog.schemas import STEP_KINDS, Event, Gpu, Params, ParamValue, RankEnd, RankStart, StepEnd
+from ranklog.errors import ConfigError
+from ranklog.schemas import (
+    STEP_KINDS,
+    Event,
+    Gpu,
+    Params,
+    ParamValue,
+    RankEnd,
+    RankStart,
+    StepEnd,
+    StepEvent,
+)
 from ranklog.shippers._cursor import Cursor, IncState, SegmentCursor
 from ranklog.shippers._source import SegState, Source
 from ranklog.shippers._steps import Contributed, Contribution, StepAcc, StepPartial
 from ranklog.spool import HEADER_SIZE, NO_STEP, BadRange, RunInfo
 
 __all__ = [
+    "LATE_POLICIES",
     "MAX_PENDING_STEPS",
     "NO_GAP",
     "ROUND_BYTES",
@@ -50,6 +62,15 @@ MAX_PENDING_STEPS: Final = 1024
 #: at most this many steps are marked partial after one gap in a rank's frames
 MAX_TAINTED_STEPS: Final = 100_000
 _STEPPED: Final = (*STEP_KINDS, StepEnd)
+#: what a shipper does with late and re-logged values: count them only, or ship them too
+LATE_POLICIES: Final = ("count", "ship")
+
+
+def check_late(late: str) -> str:
+    """``late`` if it is a known policy; else ConfigError."""
+    if late not in LATE_POLICIES:
+        raise ConfigError(f"late must be one of {', '.join(LATE_POLICIES)}, got {late!r}")
+    return late
 
 
 class StepGap(NamedTuple):
@@ -174,10 +195,14 @@ class RankTail:
         *,
         dead_after: float,
         shard: tuple[int, int] | None = None,
+        late: str = "count",
     ) -> None:
         self.source = source
         self.run = run
         self.dead_after = dead_after
+        #: ship late and re-logged values with the next step of their rank ("ship"), or
+        #: only count them ("count")
+        self.ship_late = check_late(late) == "ship"
         #: (i, n): this tail holds the ranks r with r % n == i (None: all ranks)
         self.shard = shard
         self._saved: dict[str, SegmentCursor] = {}
@@ -243,6 +268,8 @@ class RankTail:
                 seg.seen = saved.seen
                 seg.exhausted = saved.done
                 seg.next_seq = seg.consumed_seq = saved.seq if saved.seq >= 0 else None
+                if saved.closed is not None and saved.max_step is not None:
+                    seg.restore_state = seg.consumed_state = (saved.closed, saved.max_step)
             elif seg.name.segment == 1:
                 seg.next_seq = 0  # an incarnation's frames are numbered from 0
             rank = self.ranks.setdefault(seg.name.rank, RankState())
@@ -272,12 +299,20 @@ class RankTail:
                     continue
                 if not seg.placed and seg.offset <= HEADER_SIZE:
                     self._place(rank, segs, i)
+                inc = state.incs.setdefault(seg.name.incarnation, IncState())
+                if seg.restore_state is not None:  # where the committed cursor left it
+                    inc.closed, inc.max_step = seg.restore_state
+                    seg.restore_state = None
+                elif seg.consumed_state is None:
+                    seg.consumed_state = (inc.closed, inc.max_step)
                 for frame in res.frames:
                     self._sequence(rank, seg, frame.seq)
                     if self._damaged_from:
                         self._damage_until(rank, seg.name.incarnation, frame.events)
                     max_step, holds = self._apply(rank, seg, frame.events, frame.end)
-                    seg.frames.append((frame.end, max_step, holds, seg.next_seq))
+                    seg.frames.append(
+                        (frame.end, max_step, holds, seg.next_seq, inc.closed, inc.max_step)
+                    )
                 if res.bad:
                     self._report_bad(res.bad, seg)
                 seg.offset = res.end
@@ -292,6 +327,7 @@ class RankTail:
                     seg.exhausted = True
                     if not seg.frames:
                         seg.consumed = seg.offset
+                        seg.consumed_state = (inc.closed, inc.max_step)
                     continue
                 break  # a live tail
         return progressed
@@ -473,12 +509,16 @@ class RankTail:
                 if step <= prev_closed:  # closed by an earlier incarnation: re-logged
                     if fresh and step > gap.upto:
                         self._relogged += 1
+                    if self.ship_late and (t := self._carry(rank, inc_no, ev, own, prev_closed)):
+                        max_step = max(max_step, t)
                     continue
                 if step <= own or step <= shipped_upto:
                     # Late: this rank had closed the step already (its own watermark: the
                     # same verdict whatever order ranks are read in), or it was shipped.
                     if fresh and not gap.holds(step) and not (step > own and rgap.holds(step)):
                         self._late += 1
+                    if self.ship_late and (t := self._carry(rank, inc_no, ev, own, prev_closed)):
+                        max_step = max(max_step, t)
                     continue
                 # self._contribute(step, rank, inc_no, ev, counted=True), inlined
                 acc = steps.get(step)
@@ -486,7 +526,7 @@ class RankTail:
                     steps[step] = acc = StepAcc()
                 contrib = acc.ranks.get(rank)
                 if contrib is None or contrib.incarnation < inc_no:
-                    acc.ranks[rank] = contrib = Contribution(inc_no)
+                    acc.ranks[rank] = contrib = _replaced(contrib, inc_no)
                 if contrib.incarnation == inc_no:
                     contrib.events.append(ev)
                     contrib.count += 1
@@ -522,6 +562,32 @@ class RankTail:
                 holds = holds or effective > shipped_upto
         return max_step, holds
 
+    def _carry(self, rank: int, inc_no: int, ev: StepEvent, own: int, prev_closed: int) -> int:
+        """Put a late value with the next step its rank closes; that step (0: none).
+
+        The carrier is the step after the rank's watermark when it logged the value (its
+        own, or the one its earlier incarnation reached): a fact of the rank's stream, so
+        live shipping, a restarted shipper and replay all pick the same one. A carrier
+        already shipped (the rank was released, or the carrier was shipped by a process
+        that died before committing) takes nothing: the value stays counted as late.
+        """
+        carrier = max(own, prev_closed) + 1
+        if (
+            carrier <= self.shipped_upto
+            or self.durable_gap.holds(carrier)
+            or self.restore_gap.holds(carrier)
+        ):
+            return 0
+        acc = self.steps.get(carrier)
+        if acc is None:
+            self.steps[carrier] = acc = StepAcc()
+        contrib = acc.ranks.get(rank)
+        if contrib is None or contrib.incarnation < inc_no:
+            acc.ranks[rank] = contrib = _replaced(contrib, inc_no)
+        if contrib.incarnation == inc_no:
+            contrib.late.append(ev)
+        return carrier
+
     def _contribute(
         self, step: int, rank: int, inc_no: int, ev: Contributed, *, counted: bool
     ) -> None:
@@ -534,7 +600,7 @@ class RankTail:
             self.steps[step] = acc = StepAcc()
         contrib = acc.ranks.get(rank)
         if contrib is None or contrib.incarnation < inc_no:
-            acc.ranks[rank] = contrib = Contribution(inc_no)
+            acc.ranks[rank] = contrib = _replaced(contrib, inc_no)
         if contrib.incarnation == inc_no:
             contrib.events.append(ev)
             contrib.count += counted
@@ -602,20 +668,24 @@ class RankTail:
         for seg in self.source.segments.values():
             frames = seg.frames
             n = 0
-            for end, max_step, holds, next_seq in frames:
+            for end, max_step, holds, next_seq, closed, top in frames:
                 if max_step > shipped_upto or (holds and params_pending):
                     break
                 seg.consumed, seg.consumed_seq = end, next_seq
+                seg.consumed_state = (closed, top)
                 n += 1
             if n:
                 del frames[:n]
             if seg.exhausted and not frames:
                 seg.consumed, seg.consumed_seq = seg.offset, seg.next_seq
+            state = seg.consumed_state
             segments[seg.key] = SegmentCursor(
                 offset=seg.consumed,
                 seen=max(seg.offset, seg.seen),
                 done=seg.exhausted and not frames,
                 seq=-1 if seg.consumed_seq is None else seg.consumed_seq,
+                closed=None if state is None else state[0],
+                max_step=None if state is None else state[1],
             )
         ranks = {
             str(r): {str(k): v for k, v in s.incs.items()} for r, s in sorted(self.ranks.items())
@@ -624,3 +694,12 @@ class RankTail:
         self._late = self._relogged = 0
         self._bad = []
         return out
+
+
+def _replaced(old: Contribution | None, inc_no: int) -> Contribution:
+    """A new incarnation's contribution: the step's values start again, late ones stay.
+
+    Late values are for steps closed already: the incarnation that logged them and then
+    died before closing another step still logged them, once.
+    """
+    return Contribution(inc_no, late=old.late if old is not None else [])

@@ -12,6 +12,11 @@ A shipper drives a target like this::
 The engine never sends a step at or below ``last`` or below a step already
 sent, so a target needs no deduplication of its own; it must only report
 ``last`` truthfully after any crash (a torn write counts as not written).
+The one exception is a *late* step (``carrier`` set, only with ``--late ship``):
+values for an earlier step, which follow their carrier step in the same
+``write``; a target that can store them at their own step does (TensorBoard,
+MLflow, JSONL), one that cannot write a step it has passed leaves them out, as
+its own client would (W&B). A carrier counts as held once its late steps are.
 Errors raised by ``write``/``flush`` are retried with backoff by the engine,
 with the cursor held back.
 """
@@ -82,6 +87,11 @@ class ShippedStep(msgspec.Struct):
     gpu: list[GpuStat] = msgspec.field(default_factory=list)
     #: each rank's own values (``--per-rank``): rank -> name -> value
     per_rank: dict[int, dict[str, float]] | None = None
+    #: None for a step shipped once it was complete. Otherwise these are *late* values
+    #: (``ranklog ship --late ship``): logged for ``step`` after it had been closed and
+    #: shipped, and sent, reduced across the ranks that logged them, right after step
+    #: ``carrier`` (the step those ranks were in; itself shipped only if it holds values)
+    carrier: int | None = None
 
 
 class Target(Protocol):
@@ -91,6 +101,8 @@ class Target(Protocol):
     kind: str
     #: the spec it was made from, e.g. "jsonl:/tmp/out.jsonl"
     spec: str
+    # Optional: ``takes_late = True`` says the target handles late steps (``carrier``
+    # set); the engine leaves them out, with a warning, for a target that does not say so.
 
     def open(self, run: RunInfo) -> int | None:
         """Prepare to receive steps; return the last step durably held (None: none)."""

@@ -47,6 +47,8 @@ class ConsoleTarget:
     """Prints each shipped step; never durable."""
 
     kind = "console"
+    #: late values (``--late ship``) are handled: see :class:`~ranklog.shippers.Target`
+    takes_late = True
 
     def __init__(self, *, samples: int = 2, every: int = 1, stream: TextIO | None = None) -> None:
         self.samples = samples
@@ -71,11 +73,13 @@ class ConsoleTarget:
 
     def write(self, steps: list[ShippedStep]) -> None:
         for s in steps:
-            if s.step % self.every == 0 or not s.complete or s.texts:
+            if s.step % self.every == 0 or not s.complete or s.texts or s.carrier is not None:
                 self._step(s)
 
     def _step(self, s: ShippedStep) -> None:
         flag = "" if s.complete else "  PARTIAL"
+        if s.carrier is not None:
+            flag = f"  LATE (with step {s.carrier})"
         parts = [f"step {s.step:>6}", f"ranks {s.ranks}/{s.world_size}{flag}"]
         for name in sorted(s.metrics):
             if name.endswith("/slowest_rank"):

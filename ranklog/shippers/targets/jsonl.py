@@ -10,8 +10,11 @@ histograms as ``"histograms": {name: {count, min, max, mean, std}}`` of their fi
 values (:func:`~ranklog.shippers.targets._media.summary`, as MLflow gets them) and images as
 ``"images": [{"rank", "name", "format", "bytes"}]`` (their contents stay in the spool);
 hyperparameters are one line ``{"params": {...}}`` before the step that follows
-them. NaN and infinities are written as the JSON extensions ``NaN``,
-``Infinity`` and ``-Infinity`` (Python's ``json`` reads them back).
+them. Late values (``--late ship``) are a line of the step they were logged for,
+with ``"shipped_with": S`` last: the step they were shipped with, whose line (if it
+holds values of its own) comes just before. NaN and infinities are written as the
+JSON extensions ``NaN``, ``Infinity`` and ``-Infinity`` (Python's ``json`` reads
+them back).
 
 The last durable step is read back from the file itself; a torn last line (a
 crash mid-write) is cut off on open, so the file stays valid JSONL.
@@ -69,6 +72,8 @@ def step_line(s: ShippedStep) -> dict[str, Any]:
         ]
     if s.per_rank is not None:
         obj["per_rank"] = {str(r): v for r, v in sorted(s.per_rank.items())}
+    if s.carrier is not None:
+        obj["shipped_with"] = s.carrier
     return obj
 
 
@@ -80,6 +85,8 @@ class JsonlTarget:
     """
 
     kind = "jsonl"
+    #: late values (``--late ship``) are handled: see :class:`~ranklog.shippers.Target`
+    takes_late = True
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -151,11 +158,16 @@ def _repair_and_last_step(path: Path) -> int | None:
         except ValueError:
             continue
         if isinstance(obj, dict) and isinstance(obj.get("step"), int):
-            return int(obj["step"])
+            return _held(obj)
     if size > _TAIL:  # no step line in the last MiB: read it all (rare: huge params/texts)
-        steps = [s["step"] for s in read_jsonl(path) if "step" in s]
+        steps = [_held(s) for s in read_jsonl(path) if "step" in s]
         return steps[-1] if steps else None
     return None
+
+
+def _held(line: dict[str, Any]) -> int:
+    """The step a line shows held: its own, or for late values the step they came with."""
+    return int(line.get("shipped_with", line["step"]))
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -108,12 +108,24 @@ def _chunks(items: list[Any], n: int) -> Iterator[list[Any]]:
 def _rows(
     metric: Any, steps: list[ShippedStep], values_of: list[dict[str, float]], keys: dict[str, str]
 ) -> Iterator[Any]:
-    """The run's ``Metric`` rows of ``steps``: each step's values, then its marker."""
+    """The run's ``Metric`` rows of ``steps``: each step's values, then its marker.
+
+    Late values (``carrier`` set) go at their own step, before the marker of the step
+    they came with: the marker vouches for them too.
+    """
+    marker: tuple[int, int] | None = None  # (step, ts) of the marker due
     for s, values in zip(steps, values_of, strict=True):
         ts, step = _ms(s.ts), s.step
+        held = step if s.carrier is None else s.carrier
+        if marker is not None and marker[0] != held:
+            yield metric(MARKER, float(marker[0]), marker[1], marker[0])
+            marker = None
         for name, value in values.items():
             yield metric(keys[name], value, ts, step)
-        yield metric(MARKER, float(step), ts, step)
+        if marker is None:
+            marker = (held, ts)
+    if marker is not None:
+        yield metric(MARKER, float(marker[0]), marker[1], marker[0])
 
 
 def _rank_rows(
@@ -189,6 +201,8 @@ class MlflowTarget:
     """Logs reduced steps to one MLflow run (and one child run per rank with ``per_rank``)."""
 
     kind = "mlflow"
+    #: late values (``--late ship``) are handled: see :class:`~ranklog.shippers.Target`
+    takes_late = True
 
     def __init__(
         self,

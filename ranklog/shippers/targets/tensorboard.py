@@ -418,6 +418,8 @@ class TensorBoardTarget:
     """Writes shipped steps as TensorBoard event files in one directory (see the module doc)."""
 
     kind = "tensorboard"
+    #: late values (``--late ship``) are handled: see :class:`~ranklog.shippers.Target`
+    takes_late = True
 
     def __init__(
         self, path: str | os.PathLike[str], *, per_rank: bool = False, name: str | None = None,
@@ -451,8 +453,12 @@ class TensorBoardTarget:
         main, run_id = self._require(), self._run.run_id if self._run else ""
         todo: dict[_Run, list[bytes]] = {}
         lasts: dict[_Run, int] = {}
+        #: (step, record) of the main run's last step, written after the late values it
+        #: carries: the file's last record is always the step held (open() reads it back)
+        own: tuple[int, bytes] | None = None
         for s in steps:
-            for rank, values in (s.per_rank or {}).items() if self.per_rank else ():
+            per_rank = s.per_rank if self.per_rank and s.carrier is None else None
+            for rank, values in (per_rank or {}).items():
                 sub = self._ranks.get(rank)
                 if sub is None:
                     sub = self._ranks[rank] = _Run(self.path / f"rank{rank:05d}", run_id)
@@ -460,7 +466,8 @@ class TensorBoardTarget:
                     summary = self._pack(values, main=False)
                     todo.setdefault(sub, []).append(_event(s.ts, s.step, summary))
                     lasts[sub] = s.step
-            if main.last is None or s.step > main.last:  # else held already (never sent)
+            held = s.step if s.carrier is None else s.carrier  # late values: with their carrier
+            if main.last is None or held > main.last:  # else held already (never sent)
                 values = s.metrics
                 if s.gpu:
                     from ranklog.shippers.targets._media import gpu_metrics
@@ -471,8 +478,22 @@ class TensorBoardTarget:
                 summary = self._pack(values, main=True) + (_texts(s.texts) if s.texts else b"")
                 if s.histograms or s.images:
                     summary += _media(s)
-                todo.setdefault(main, []).append(_event(s.ts, s.step, summary))
-                lasts[main] = s.step
+                records = todo.setdefault(main, [])
+                if s.carrier is None:
+                    if own is not None:
+                        records.append(own[1])
+                    own = (s.step, _event(s.ts, s.step, summary))
+                else:
+                    if own is not None and own[0] != s.carrier:
+                        records.append(own[1])
+                        own = None
+                    records.append(_event(s.ts, s.step, summary))
+                    if own is None:
+                        # a carrier with nothing of its own: an empty record marks it held
+                        own = (s.carrier, _event(s.ts, s.carrier, b""))
+                lasts[main] = max(held, lasts.get(main, held))
+        if own is not None:
+            todo[main].append(own[1])
         for run in sorted(todo, key=lambda r: r is main):
             run.append(_records(todo[run]))
             run.last = lasts[run]

@@ -289,6 +289,8 @@ class WandbTarget:
     """Logs shipped steps to W&B runs; durable after :meth:`flush` (see the module docstring)."""
 
     kind = "wandb"
+    #: late values (``--late ship``) are handled: see :class:`~ranklog.shippers.Target`
+    takes_late = True
 
     def __init__(
         self, project: str, dir: str | os.PathLike[str], *, entity: str | None = None,
@@ -307,6 +309,7 @@ class WandbTarget:
         self.spec = f"wandb:{project}"
         self._run: RunInfo | None = None
         self._held: dict[int | None, _Held] = {}
+        self._late_warned = False
         self._config: dict[str, Any] = {}  # every param known: passed to each new init
 
     # -- open -------------------------------------------------------------------------
@@ -369,6 +372,9 @@ class WandbTarget:
     def write(self, steps: list[ShippedStep]) -> None:
         main = self._require(None)
         for s in steps:
+            if s.carrier is not None and s.step <= main.sent:
+                self._late_left_out(s)
+                continue
             if self.per_rank and s.per_rank:
                 for rank, values in sorted(s.per_rank.items()):
                     held = self._held.get(rank)
@@ -398,6 +404,16 @@ class WandbTarget:
                 if gpu and math.isfinite(runtime) and not nemo:
                     row[GPU_STEP] = round(runtime, 3)
             self._log(main, row, s.step, gpu=(s, gpu) if gpu else None)
+
+    def _late_left_out(self, s: ShippedStep) -> None:
+        """Late values for a step the run has passed: W&B cannot take them (warned once)."""
+        if not self._late_warned:
+            self._late_warned = True
+            log.warning(
+                "%s: late values for step %d (and any later ones) are left out: W&B cannot "
+                "log a step below its current one (wandb.log would drop them too); the "
+                "other targets and Parquet have them", self.spec, s.step,
+            )  # fmt: skip
 
     def _log(
         self, held: _Held, row: dict[str, Any], step: int, *,

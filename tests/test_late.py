@@ -1,0 +1,155 @@
+"""``--late ship``: values logged for a closed step reach the targets once, at their step."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ranklog.cli import main
+from ranklog.errors import ConfigError
+from ranklog.shippers import Shipper, load_cursor
+from ranklog.shippers.targets.jsonl import JsonlTarget, read_jsonl
+from ranklog.testing import crash
+
+from .shiphelp import lines, log_steps, rank, ship
+
+
+@pytest.fixture
+def out(tmp_path: Path) -> Path:
+    return tmp_path / "out.jsonl"
+
+
+def _late(run: Any, values: dict[str, float], step: int) -> None:
+    """Log ``values`` at a step ``run`` has closed (its warning silenced)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run.log_metrics(values, step=step)
+
+
+def _steps(out: Path) -> list[tuple[int, int | None]]:
+    """(step, shipped_with) of every step line, in file order."""
+    return [(x["step"], x.get("shipped_with")) for x in lines(out)]
+
+
+class TestShipped:
+    def test_after_the_step_their_ranks_were_in(self, spool: Path, out: Path) -> None:
+        """Late values of two ranks are reduced together and follow the next step they close."""
+        runs = [rank(spool, r, 2) for r in range(2)]
+        for run in runs:
+            log_steps(run, range(5))
+        _late(runs[0], {"val/acc": 0.5}, 2)
+        _late(runs[1], {"val/acc": 0.7, "val/loss": 3.0}, 2)
+        for run in runs:
+            log_steps(run, range(5, 7))
+            run.close()
+        shipper = ship(spool, out, late="ship")
+        assert _steps(out) == [(0, None), (1, None), (2, None), (3, None), (4, None), (5, None),
+                               (2, 5), (6, None)]  # fmt: skip
+        late = lines(out)[6]
+        assert late["metrics"] == pytest.approx({"val/acc": 0.6, "val/loss": 3.0})
+        assert (late["ranks"], late["world_size"], late["complete"]) == (2, 2, True)
+        assert list(late) == ["step", "metrics", "ranks", "world_size", "complete", "shipped_with"]
+        assert "val/acc" not in lines(out)[2]["metrics"]
+        assert shipper.stats.late_events == 2
+        assert shipper.stats.steps_shipped == 7
+
+    def test_by_default_they_are_only_counted(self, spool: Path, out: Path) -> None:
+        """Without ``--late ship`` the same job ships no late line (the design's default)."""
+        run = rank(spool, 0, 1)
+        log_steps(run, range(3))
+        _late(run, {"val/acc": 0.5}, 2)
+        run.close()
+        assert ship(spool, out).stats.late_events == 1
+        assert _steps(out) == [(0, None), (1, None), (2, None)]
+
+    def test_after_the_last_step(self, spool: Path, out: Path) -> None:
+        """Validation logged at the last step after it closed ships alone when the rank ends."""
+        run = rank(spool, 0, 1)
+        log_steps(run, range(3))
+        _late(run, {"val/acc": 0.5}, 2)
+        ship(spool, out, late="ship")
+        assert _steps(out) == [(0, None), (1, None), (2, None)]  # the rank may log step 3 yet
+        run.close()
+        ship(spool, out, late="ship")
+        assert _steps(out) == [(0, None), (1, None), (2, None), (2, 3)]
+        assert lines(out)[-1]["metrics"] == {"val/acc": 0.5}
+
+    def test_restarted_shippers_never_ship_them_twice(self, spool: Path, out: Path) -> None:
+        """Killed before its cursor commit or after: a new shipper sends each late value once."""
+        run = rank(spool, 0, 1)
+        log_steps(run, range(3))
+        _late(run, {"val/acc": 0.5}, 1)
+        log_steps(run, range(3, 4))
+        ship(spool, out, late="ship")
+        (spool / "cursors" / "t.json").unlink()  # as if killed before the first commit
+        _late(run, {"val/acc": 0.25}, 3)
+        run.close()
+        ship(spool, out, late="ship")
+        ship(spool, out, late="ship")
+        assert _steps(out) == [(0, None), (1, None), (2, None), (3, None), (1, 3), (3, 4)]
+        cursor = load_cursor(spool, "t")
+        assert cursor is not None and cursor.last_step == 4
+
+    def test_a_relaunch_logging_its_resume_steps_again(self, spool: Path, out: Path) -> None:
+        """Steps a requeued rank logs again ship as late values after its first new step."""
+        first = rank(spool, 0, 1)
+        log_steps(first, range(10))
+        _late(first, {"val/acc": 0.5}, 9)  # then killed before closing another step
+        first.flush()
+        crash(first)
+        second = rank(spool, 0, 1)  # resumes from a checkpoint at step 8
+        for s in range(8, 12):
+            second.log_metrics({"loss": 100 + s}, step=s)
+            second.step_end(s)
+        second.close()
+        shipper = ship(spool, out, late="ship")
+        got = _steps(out)
+        assert got == [*((s, None) for s in range(11)), (8, 10), (9, 10), (11, None)]
+        by = {(x["step"], x.get("shipped_with")): x["metrics"] for x in lines(out)}
+        assert by[(9, None)] == {"loss": pytest.approx(0.009)}  # the first closed values
+        assert by[(8, 10)] == {"loss": 108.0}
+        assert by[(9, 10)] == {"loss": 109.0, "val/acc": 0.5}  # the dead one's late value too
+        assert shipper.stats.relogged_events == 2
+
+    def test_released_ranks_values_stay_counted(self, spool: Path, out: Path) -> None:
+        """A carrier step shipped already (its rank was released as dead) takes nothing."""
+        a, b = rank(spool, 0, 2), rank(spool, 1, 2)
+        log_steps(a, range(3))
+        log_steps(b, range(1))
+        a.close()
+        from .shiphelp import age
+
+        age(spool, 1, 3600)
+        ship(spool, out, late="ship", dead_after=60)
+        assert [s for s, _ in _steps(out)] == [0, 1, 2]
+        _late(b, {"loss": 7.0}, 0)
+        log_steps(b, range(1, 2))
+        b.close()
+        shipper = ship(spool, out, late="ship")
+        assert [s for s, w in _steps(out)] == [0, 1, 2]
+        assert shipper.stats.late_events >= 1
+
+    def test_unknown_policy_is_refused(self, spool: Path, out: Path) -> None:
+        """A policy other than count or ship is a ConfigError naming the choices."""
+        with pytest.raises(ConfigError, match="count, ship"):
+            Shipper(str(spool), JsonlTarget(out), name="t", late="drop")
+
+
+class TestCommandLine:
+    def test_ship_and_replay_agree(self, spool: Path, tmp_path: Path) -> None:
+        """``ranklog ship --late ship`` and ``ranklog replay --late ship`` write the same JSONL."""
+        run = rank(spool, 0, 1)
+        log_steps(run, range(4))
+        _late(run, {"val/acc": 0.5}, 3)
+        run.close()
+        live, again = tmp_path / "live.jsonl", tmp_path / "again.jsonl"
+        assert main(["ship", str(spool), "--to", f"jsonl:{live}", "--once", "--quiet",
+                     "--late", "ship"]) == 0  # fmt: skip
+        assert main(["compact", str(spool), "--out", str(tmp_path / "pq")]) == 0
+        assert main(["replay", str(tmp_path / "pq"), "--to", f"jsonl:{again}",
+                     "--late", "ship"]) == 0  # fmt: skip
+        assert live.read_bytes() == again.read_bytes()
+        assert [x.get("shipped_with") for x in read_jsonl(live) if "step" in x][-1] == 4
