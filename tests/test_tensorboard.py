@@ -530,7 +530,8 @@ class TestChaos:
         ]
         kills = 0
         try:
-            while kills < 6 or any(p.poll() is None for p in producers):
+            # until the producers end and some killed shipper got far enough to leave a file
+            while kills < 6 or any(p.poll() is None for p in producers) or not _session_files(out):
                 proc = _cli_shipper(spool, out)
                 time.sleep(rng.uniform(0.5, 1.2))
                 proc.send_signal(signal.SIGKILL)
