@@ -700,6 +700,33 @@ class TestWiring:
 
 
 class TestMedia:
+    def test_tables_are_log_table_artifacts(self, tmp_path: Path) -> None:
+        """Each table is ``tables/step_N/<name>.json`` in log_table's JSON (NaN as null)."""
+        from mlflow.tracking import MlflowClient
+
+        from ranklog.shippers import Shipper
+
+        from .test_tables import COLUMNS, table_spool
+
+        spool = tmp_path / "spool"
+        table_spool(spool)
+        uri = f"sqlite:///{tmp_path / 'm.db'}"
+        target = build_target("mlflow", uri, spool, dict())
+        for _ in range(2):  # shipped again from scratch: the same files, no appended rows
+            Shipper(str(spool), target, name="m").run_forever(once=True)
+            (spool / "cursors" / "m.json").unlink()
+            target = Amnesiac(uri)
+        client = MlflowClient(tracking_uri=uri)
+        (found,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+        run_id = found.info.run_id
+        paths = [a.path for a in client.list_artifacts(run_id, "tables/step_00000001/val/results")]
+        assert paths == [f"tables/step_00000001/val/results/rank0000{r}.json" for r in range(2)]
+        got = json.loads(artifact_text(client, run_id, paths[1], tmp_path))
+        rows = [["rank 1 | q", 1.5, True], ["two\nlines", None, False]]
+        assert got == {"columns": COLUMNS, "data": rows}
+        only = artifact_text(client, run_id, "tables/step_00000002/val/only.json", tmp_path)
+        assert json.loads(only) == {"columns": ["n"], "data": [[7], [None]]}
+
     def test_histogram_summary_and_image_artifacts(self, tmp_path: Path) -> None:
         """A histogram becomes name/count, /min, /max, /mean, /std; each image an artifact."""
         from mlflow.tracking import MlflowClient

@@ -61,7 +61,8 @@ def tb(exp: Path) -> Any:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(exp / "tensorboard"), size_guidance={"scalars": 0, "images": 0,
-                                                                    "histograms": 0})  # fmt: skip
+                                                                    "histograms": 0,
+                                                                    "tensors": 0})  # fmt: skip
     acc.Reload()
     return acc
 
@@ -103,6 +104,11 @@ class TestTensorBoard:
         assert [e.step for e in acc.Scalars("timing/validation/total_validation_time")] == VAL_STEPS
         grad = {e.step: e.value for e in acc.Scalars("train/grad_norm")}
         assert grad == pytest.approx({s: 0.25 for s in STEPS})
+
+    def test_full_result_tables_are_text_tables(self, grpo: Run) -> None:
+        """NeMo skips wandb.Tables in TensorBoard; ranklog shows them as Markdown tables."""
+        events = tb(grpo.exp).Tensors("train/full_result_table")
+        assert [e.step for e in events] == list(STEPS)
 
     def test_a_value_after_step_finished_lands(self, grpo: Run) -> None:
         """A value logged at step 20 after step_finished is at step 20, once, as with NeMo."""
@@ -152,6 +158,14 @@ class TestMLflow:
         assert p["policy.layers.0"] == "4" and p["policy.layers.1"] == "8"
         assert p["policy.generation.backend"] == "vllm"
 
+    def test_full_result_tables_are_table_artifacts(self, mlrun: tuple[Any, Any]) -> None:
+        """The wandb.Table NeMo-Gym logs is a log_table JSON artifact per step in MLflow."""
+        client, run = mlrun
+        top = {f.path for f in client.list_artifacts(run.info.run_id, "tables")}
+        assert len(top) == len(STEPS)
+        files = client.list_artifacts(run.info.run_id, "tables/step_00000003/train")
+        assert [f.path for f in files] == ["tables/step_00000003/train/full_result_table.json"]
+
     def test_plots_where_nemo_puts_them(self, mlrun: tuple[Any, Any]) -> None:
         """Figures at plots/<name>.png (the latest one, as NeMo overwrites it)."""
         client, run = mlrun
@@ -195,6 +209,20 @@ class TestWandb:
         losses = {r["_step"]: r["train/loss"] for r in rows if "train/loss" in r}
         assert losses == pytest.approx({s: loss(s) for s in STEPS})
         assert sorted(r["_step"] for r in rows if "validation/accuracy" in r) == VAL_STEPS
+
+    def test_full_result_tables_are_tables(self, wandb_file: Path) -> None:
+        """NeMo-Gym's wandb.Table of results reaches W&B as a table at every step."""
+        from ranklog.shippers.targets._wandb_log import history_rows
+
+        rows = [r for r in history_rows(wandb_file) if "train/full_result_table._type" in r]
+        assert sorted(r["_step"] for r in rows) == list(STEPS)
+        assert {r["train/full_result_table._type"] for r in rows} == {"table-file"}
+        path = next(wandb_file.parent.glob("files/" + rows[2]["train/full_result_table.path"]))
+        table = json.loads(path.read_text())
+        assert table["columns"] == ["Full result"]
+        assert [json.loads(c) for (c,) in table["data"]] == [
+            {"reward": rows[2]["_step"] / 20, "turns": i} for i in range(2)
+        ]
 
     def test_a_value_after_step_finished_is_dropped(self, wandb_file: Path) -> None:
         """As wandb.log after commit=True: a step below the run's current one is not kept."""

@@ -27,6 +27,7 @@ def _job(spool: Path) -> None:
             if s == 20:
                 run.log_hyperparams({"lr": 0.05})
                 run.log_text("val/sample", f"rank {r} says hi", step=s)
+                run.log_table("val/results", ["q", "score"], [[f"r{r}", r / 2], [None, True]], s)
             run.step_end(s)
         if r == 2:
             import warnings

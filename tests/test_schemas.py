@@ -21,6 +21,7 @@ from ranklog.schemas import (
     RankEnd,
     RankStart,
     StepEnd,
+    Table,
     Text,
     Timer,
     decode_events,
@@ -40,6 +41,7 @@ EXAMPLES: list[Event] = [
     RankEnd(6.0, "ok", 0),
     Histogram(7.0, 10, "grad", [0.1, -2.0, math.inf]),
     Image(8.0, 10, "plot", b"\x89PNG...", "png"),
+    Table(9.0, 10, "val/results", ["prompt", "score", "ok"], [["q", 0.5, True], [None, 2, False]]),
 ]
 
 
@@ -79,6 +81,7 @@ class TestPinnedTags:
             "rank_end",
             "histogram",
             "image",
+            "table",
         }
 
     def test_wire_form_is_tagged_array(self) -> None:

@@ -259,6 +259,28 @@ class TestText:
         assert [s for s, _ in tb_back(tmp_path)] == [0]  # a step of no scalar shows none
 
 
+class TestTables:
+    def test_tables_are_markdown_text(self, spool: Path, tmp_path: Path) -> None:
+        """Each rank's table is a text-plugin Markdown table, ``name/rankNNNNN`` when shared."""
+        from .test_tables import table_spool
+
+        table_spool(spool)
+        target = make(str(tmp_path / "tb"), spool, dict())
+        Shipper(str(spool), target, name="t", dead_after=3600, start_grace=0).run_forever(once=True)
+        acc = accumulator(tmp_path / "tb")
+        tags = {"val/results/rank00000", "val/results/rank00001", "val/only"}
+        assert set(acc.PluginTagToContent("text")) == tags
+        (ev,) = acc.Tensors("val/results/rank00001")
+        assert ev.step == 1
+        assert tensor_util.make_ndarray(ev.tensor_proto).item().decode().splitlines() == [
+            "| prompt | score | ok |", "|---|---|---|",
+            "| rank 1 \\| q | 1.5 | True |", "| two<br>lines |  | False |",
+        ]  # fmt: skip
+        (only,) = acc.Tensors("val/only")
+        assert only.step == 2
+        assert [s for s, _ in tb_back(tmp_path / "tb")] == [0, 1, 2]
+
+
 def _hparams(path: Path) -> tuple[Any, Any]:
     content = accumulator(path).PluginTagToContent("hparams")
     ssi = hp_meta.parse_session_start_info_plugin_data(content["_hparams_/session_start_info"])

@@ -501,6 +501,20 @@ class TestMake:
 
 
 class TestMedia:
+    def test_tables_are_wandb_tables(self, spool: Path, work: Path) -> None:
+        """Each rank's table is a wandb.Table of its own, its cells as logged."""
+        from .test_tables import COLUMNS, table_spool
+
+        table_spool(spool)
+        _ship_wandb(spool, _target(work))
+        rows = {r["_step"]: r for r in _rows(_logs(work))}
+        assert rows[1]["val/results/rank00000._type"] == "table-file"
+        path = next(_logs(work)[0].parent.glob("files/" + rows[1]["val/results/rank00001.path"]))
+        table = json.loads(path.read_text())
+        assert table["columns"] == COLUMNS
+        assert table["data"] == [["rank 1 | q", 1.5, True], ["two\nlines", None, False]]
+        assert rows[2]["val/only._type"] == "table-file"
+
     def test_histogram_and_images(self, spool: Path, work: Path) -> None:
         """A histogram is a wandb.Histogram; each rank's image is a wandb.Image of its own."""
         import io

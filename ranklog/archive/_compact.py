@@ -6,6 +6,7 @@
       _manifest.json                               what is done, per source segment
       metrics/<rank>-<inc>-<seg>-<start>-<end>.parquet
       timers/...  text/...  params/...  ranks/...  gpu/...  histograms/...  images/...
+      tables/...
 
 File names carry the source segment and the byte range of its frames, so a run
 is incremental (a live segment is compacted up to its last complete frame and

@@ -35,6 +35,7 @@ from ranklog.schemas import (
     RankEnd,
     RankStart,
     StepEnd,
+    Table,
     Text,
     Timer,
 )
@@ -331,6 +332,7 @@ COLUMNS: Final[dict[str, list[str]]] = {
     "text": ["step", "name", "text"],
     "histograms": ["step", "name", "values"],
     "images": ["step", "name", "data", "format"],
+    "tables": ["step", "name", "columns", "rows"],
     "params": ["name", "value"],
     "gpu": ["host", "index", "util", "mem_used", "mem_total", "temp", "power", "step", "gpu_name"],
     "ranks": ["kind", "step", "world_size", "local_rank", "host", "pid", "version", "status",
@@ -394,6 +396,13 @@ def frame_events(
         for seq, idx, ts, *rest in zip(*_cols(t, "seq", "idx", "ts", *columns), strict=True):
             if keep(rest[0], rest[1]):
                 put(seq, idx, make(ts / 1e6, *rest))
+    t = tables.get("tables")
+    if t is not None:
+        for seq, idx, ts, step, name, columns, rows in zip(
+            *_cols(t, "seq", "idx", "ts", *COLUMNS["tables"]), strict=True
+        ):
+            if keep(step, name):
+                put(seq, idx, Table(ts / 1e6, step, name, list(columns), json.loads(rows)))
     t = tables.get("params")
     if t is not None:
         grouped: dict[tuple[int, int], tuple[float, dict[str, ParamValue]]] = {}

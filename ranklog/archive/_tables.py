@@ -27,6 +27,7 @@ from ranklog.schemas import (
     RankEnd,
     RankStart,
     StepEnd,
+    Table,
     Text,
     Timer,
 )
@@ -45,7 +46,7 @@ COMMON: Final = [
     ("ts", _TS),
 ]
 #: tables whose rows belong to a step; they carry ``relogged`` last
-STEP_TABLES: Final = ("metrics", "timers", "text", "histograms", "images")
+STEP_TABLES: Final = ("metrics", "timers", "text", "histograms", "images", "tables")
 SCHEMAS: Final[dict[str, pa.Schema]] = {
     name: pa.schema(COMMON + extra + ([("relogged", pa.bool_())] if name in STEP_TABLES else []))
     for name, extra in {
@@ -66,6 +67,9 @@ SCHEMAS: Final[dict[str, pa.Schema]] = {
                   ("local_rank", pa.int32()), ("host", pa.string()), ("pid", pa.int64()),
                   ("version", pa.string()), ("status", pa.string()), ("exit_code", pa.int32()),
                   ("events", pa.int32())],
+        # rows: JSON text of the list of rows (cells: str, number, bool, null; NaN as NaN)
+        "tables": [("step", pa.int64()), ("name", pa.string()),
+                   ("columns", pa.list_(pa.string())), ("rows", pa.large_string())],
     }.items()
 }  # fmt: skip
 TABLES: Final = tuple(SCHEMAS)
@@ -255,6 +259,11 @@ def _image(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
     out["images"].row(key)
 
 
+def _table(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
+    key.update(step=ev.step, name=ev.name, columns=ev.columns, rows=json.dumps(ev.rows))
+    out["tables"].row(key)
+
+
 def _params(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
     n = len(ev.values)
     vals = [json.dumps(v) for v in ev.values.values()]
@@ -288,6 +297,7 @@ _ADD: Final[dict[type, Callable[[dict[str, _Columns], Any, dict[str, Any]], None
     Text: _text,
     Histogram: _histogram,
     Image: _image,
+    Table: _table,
     Params: _params,
     Gpu: _gpu,
     RankStart: _rank_event("rank_start"),

@@ -7,8 +7,9 @@ the job, one ``ranklog ship`` process per backend. NeMo's calls become ranklog e
 * strings -> text; nested dicts -> flattened with ``/`` (MLflow's NeMo rule);
 * numeric lists, arrays and tensors -> histograms (MLflow ships them as
   ``/mean,/p50,/p90,/max``, as NeMo's MLflow logger summarises lists);
-* matplotlib figures -> images; anything else (``wandb.Table``, ``None``) is skipped with
-  one warning naming the key.
+* matplotlib figures -> images; ``wandb.Table`` -> tables (W&B gets a ``wandb.Table``
+  back, MLflow a table artifact, TensorBoard a text table); anything else (``None``, a
+  table with media in its cells) is skipped with one warning naming the key.
 
 Steps: values go to the step they name. A step is closed (``step_end``: the shippers
 reduce and forward it) by ``step_finished=True``, by a call under a prefix listed in
@@ -27,14 +28,15 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import ranklog
 from ranklog._adapters import is_scalar
 from ranklog.errors import InvalidValueError
 from ranklog.nemo._helpers import flatten_dict, merge_generation_logger_workers
 from ranklog.producer import Run
-from ranklog.producer._values import as_float, check_name, check_step
+from ranklog.producer._values import as_float, check_name, check_step, check_table
+from ranklog.schemas import TableCell
 
 __all__ = ["Session", "ship_command", "write_batched_jsonl", "write_string_lines"]
 
@@ -115,50 +117,57 @@ class Session:
         step_finished: bool = False,
     ) -> None:
         """NeMo's ``log_metrics``: every value by its kind (module docstring)."""
-        numbers, texts, lists, figures = self._sort(metrics, prefix or "")
+        got = self._sort(metrics, prefix or "")
         at = self._at(step, moves=not step_metric)
         run = self.run
-        if numbers:
-            run.log_metrics(numbers, at)
-        for name, text in texts.items():
+        if got.numbers:
+            run.log_metrics(got.numbers, at)
+        for name, text in got.texts.items():
             run.log_text(name, text, at)
-        for name, values in lists.items():
+        for name, values in got.lists.items():
             run.log_histogram(name, values, at)
-        for name, fig in figures.items():
+        for name, fig in got.figures.items():
             run.log_image(name, fig, at)
+        for name, (columns, rows) in got.tables.items():
+            run.log_table(name, columns, rows, at)
         if step_finished or (prefix and prefix in self.close_after):
             self._close(at)
 
-    def _sort(
-        self, metrics: Mapping[str, Any], prefix: str
-    ) -> tuple[dict[str, Any], dict[str, str], dict[str, list[float]], dict[str, Any]]:
-        """(numbers, texts, numeric lists, figures) by full name; others skipped once.
+    def _sort(self, metrics: Mapping[str, Any], prefix: str) -> _Sorted:
+        """The values by kind and full name; others skipped, with one warning per name.
 
         Every name and number is checked here, before anything of the call is written.
         """
         if not isinstance(metrics, Mapping):
             raise InvalidValueError(f"metrics must be a dict, got {type(metrics).__name__}")
         merged = merge_generation_logger_workers(dict(metrics))
-        numbers: dict[str, Any] = {}
-        texts: dict[str, str] = {}
-        lists: dict[str, list[float]] = {}
-        figures: dict[str, Any] = {}
+        out = _Sorted({}, {}, {}, {}, {})
         for key, value in flatten_dict(merged, sep="/", expand_lists=False).items():
             name = check_name("metric", f"{prefix}/{key}" if prefix else key)
+            why = "only numbers, strings, numeric lists, figures and tables are logged"
             if isinstance(value, bool | int | float) or is_scalar(value):
-                numbers[name] = as_float(name, value)
-            elif isinstance(value, str):
-                texts[name] = value
-            elif hasattr(value, "savefig"):
-                figures[name] = value
+                out.numbers[name] = as_float(name, value)
+                continue
+            if isinstance(value, str):
+                out.texts[name] = value
+                continue
+            if hasattr(value, "savefig"):
+                out.figures[name] = value
+                continue
+            if _is_table(value):
+                try:
+                    out.tables[name] = check_table(name, value.columns, value.data)
+                    continue
+                except InvalidValueError as exc:  # media in cells: W&B only, not shipped
+                    why = str(exc)
             elif (series := _numeric_list(value)) is not None:
                 if series:
-                    lists[name] = series
-            elif name not in self._skipped:
+                    out.lists[name] = series
+                continue
+            if name not in self._skipped:
                 self._skipped.add(name)
-                log.warning("ranklog.nemo: skipping %r (%s): only numbers, strings, numeric "
-                            "lists and figures are logged", name, type(value).__name__)  # fmt: skip
-        return numbers, texts, lists, figures
+                log.warning("ranklog.nemo: skipping %r (%s): %s", name, type(value).__name__, why)
+        return out
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         """Params flattened as NeMo's TensorBoard and MLflow loggers do (lists by index)."""
@@ -203,6 +212,26 @@ class Session:
                 proc.terminate()
                 proc.wait(timeout=30)
         self._shippers.clear()
+
+
+class _Sorted(NamedTuple):
+    """One ``log_metrics`` call's values by kind, each by its full name."""
+
+    numbers: dict[str, float]
+    texts: dict[str, str]
+    lists: dict[str, list[float]]
+    figures: dict[str, Any]
+    #: name -> (columns, rows), checked
+    tables: dict[str, tuple[list[str], list[list[TableCell]]]]
+
+
+def _is_table(value: Any) -> bool:
+    """Whether ``value`` is a ``wandb.Table`` (or looks like one), without importing wandb."""
+    return (
+        type(value).__name__ == "Table"
+        and isinstance(getattr(value, "columns", None), list)
+        and isinstance(getattr(value, "data", None), list)
+    )
 
 
 def _numeric_list(value: Any) -> list[float] | None:

@@ -27,6 +27,7 @@ from ranklog.producer._values import (
     as_float,
     check_name,
     check_step,
+    check_table,
     flatten_params,
     op_spec,
 )
@@ -38,6 +39,7 @@ from ranklog.schemas import (
     Params,
     RankEnd,
     RankStart,
+    Table,
     Text,
     Timer,
 )
@@ -300,6 +302,17 @@ class Run:
         if len(text) > MAX_TEXT_BYTES // 4 and len(text.encode()) > MAX_TEXT_BYTES:
             raise InvalidValueError(f"text {name!r} is larger than {MAX_TEXT_BYTES} bytes")
         self._sink.append(Text(time.time(), step, name, text), step=step)
+
+    def log_table(self, name: str, columns: Any, rows: Any, step: int) -> None:
+        """Log a table (W&B's ``wandb.Table``: column names, rows of cells) for ``step``.
+
+        Cells are strings, numbers, bools or None. W&B gets a ``wandb.Table``, MLflow a
+        table artifact, TensorBoard a text table, JSONL the rows as they were logged.
+        """
+        step = check_step(step)
+        check_name("table", name)
+        cols, cells = check_table(name, columns, rows)
+        self._sink.append(Table(time.time(), step, name, cols, cells), step=step)
 
     def log_histogram(self, name: str, values: Any, step: int) -> None:
         """Log a distribution (a list or array of real numbers) for ``step``.

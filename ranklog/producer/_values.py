@@ -1,4 +1,4 @@
-"""Checking and normalising what users log: numbers, steps, names, hyperparameters."""
+"""Checking and normalising what users log: numbers, steps, names, hyperparameters, tables."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
 from ranklog.errors import InvalidStepError, InvalidValueError
-from ranklog.schemas import REDUCE_OPS, ParamValue
+from ranklog.schemas import REDUCE_OPS, ParamValue, TableCell
 
 __all__ = [
     "MAX_NAME_CHARS",
@@ -18,11 +18,14 @@ __all__ = [
     "as_float",
     "check_name",
     "check_step",
+    "check_table",
     "flatten_params",
     "op_spec",
 ]
 
 REDACTED: Final = "<redacted>"
+#: the most cells one table may hold
+MAX_TABLE_CELLS: Final = 1_000_000
 #: the longest name (metric, timer, text, image, hyperparameter) accepted
 MAX_NAME_CHARS: Final = 1024
 #: the highest step: every backend and Parquet stores steps as signed 64-bit integers
@@ -160,3 +163,56 @@ def _param_value(v: Any) -> ParamValue:
     if isinstance(v, list | tuple):
         return "[" + ", ".join(str(_param_value(x)) for x in v) + "]"
     return str(v)
+
+
+def check_table(
+    name: str, columns: object, rows: object
+) -> tuple[list[str], list[list[TableCell]]]:
+    """``columns`` and ``rows`` as a table's (names, rows of cells); else InvalidValueError.
+
+    A cell is a string, a real number (numpy scalars and one-element arrays included), a
+    bool or None; every row has one cell per column. The error names the table, the row
+    and the column, so nothing of a bad table is logged.
+    """
+    if isinstance(columns, str) or not isinstance(columns, Iterable):
+        raise InvalidValueError(f"table {name!r}: columns must be a list of str")
+    cols = list(columns)
+    for i, c in enumerate(cols):
+        if not isinstance(c, str):
+            raise InvalidValueError(
+                f"table {name!r}: column {i} must be a str, got {type(c).__name__}"
+            )
+    if len(set(cols)) != len(cols):
+        raise InvalidValueError(f"table {name!r}: column names repeat: {cols}")
+    if isinstance(rows, str | bytes) or not isinstance(rows, Iterable):
+        raise InvalidValueError(f"table {name!r}: rows must be a list of rows")
+    out: list[list[TableCell]] = []
+    for r, row in enumerate(rows):
+        cells = list(row) if isinstance(row, list | tuple) else None
+        if cells is None or len(cells) != len(cols):
+            raise InvalidValueError(
+                f"table {name!r}: row {r} must be a list of {len(cols)} cells (one per column)"
+            )
+        out.append([_cell(name, r, cols[c], v) for c, v in enumerate(cells)])
+    if len(out) * max(len(cols), 1) > MAX_TABLE_CELLS:
+        raise InvalidValueError(f"table {name!r} has more than {MAX_TABLE_CELLS} cells")
+    return cols, out
+
+
+def _cell(name: str, row: int, column: str, v: Any) -> TableCell:
+    if v is None or isinstance(v, str | bool | int | float):
+        return v
+    if isinstance(v, numbers.Integral):
+        return int(v)
+    if isinstance(v, numbers.Real):
+        return float(v)
+    numel = getattr(v, "numel", None)  # numpy scalars and arrays, torch tensors of one element
+    item = getattr(v, "item", None)
+    if callable(item) and (numel() if callable(numel) else getattr(v, "size", None)) == 1:
+        scalar = item()
+        if isinstance(scalar, str | bool | int | float):
+            return scalar
+    raise InvalidValueError(
+        f"table {name!r}: row {row}, column {column!r}: expected a str, number, bool or "
+        f"None, got {type(v).__name__} {_short(v)}"
+    )

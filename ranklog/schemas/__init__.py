@@ -26,6 +26,8 @@ from ranklog.schemas._events import (
     RankStart,
     StepEnd,
     StepEvent,
+    Table,
+    TableCell,
     Text,
     Timer,
 )
@@ -52,6 +54,8 @@ __all__ = [
     "RankStart",
     "StepEnd",
     "StepEvent",
+    "Table",
+    "TableCell",
     "Text",
     "Timer",
     "decode_events",

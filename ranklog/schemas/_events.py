@@ -40,13 +40,15 @@ __all__ = [
     "RankStart",
     "StepEnd",
     "StepEvent",
+    "Table",
+    "TableCell",
     "Text",
     "Timer",
 ]
 
 #: Version of the event schema written by this release. Bumped whenever a field
 #: or a kind is added; a reader meeting a higher version counts what it skips.
-SCHEMA_VERSION: Final = 3  # 2: histogram and image kinds; 3: step_end.events
+SCHEMA_VERSION: Final = 4  # 2: histogram and image kinds; 3: step_end.events; 4: table
 
 #: Reductions a value may ask for (the NeMo RL timer set, plus ``last``).
 REDUCE_OPS: Final = frozenset({"mean", "sum", "min", "max", "median", "std", "count", "last"})
@@ -54,6 +56,8 @@ DEFAULT_METRIC_REDUCE: Final = "mean"
 DEFAULT_TIMER_REDUCE: Final = "max"
 
 ParamValue: TypeAlias = str | int | float | bool | None
+#: what one cell of a :class:`Table` may hold
+TableCell: TypeAlias = str | int | float | bool | None
 
 
 class EventBase(msgspec.Struct, array_like=True, tag=True, frozen=True, gc=False):
@@ -147,6 +151,19 @@ class Image(EventBase, tag="image", frozen=True):
     format: str = "png"
 
 
+class Table(EventBase, tag="table", frozen=True):
+    """A table logged at a step (W&B's ``wandb.Table``): named columns, rows of cells.
+
+    Every row has one cell per column. Tables of several ranks are not merged into one
+    value: each target shows each rank's table (a ``rank`` column where ranks share a name).
+    """
+
+    step: int
+    name: str
+    columns: list[str]
+    rows: list[list[TableCell]]
+
+
 class StepEnd(EventBase, tag="step_end", frozen=True):
     """Watermark: this rank has logged everything for steps up to and including ``step``.
 
@@ -182,12 +199,13 @@ Event: TypeAlias = (
     | RankEnd
     | Histogram
     | Image
+    | Table
 )
 
 #: Events that belong to a step a rank logs (each carries ``step``).
-StepEvent: TypeAlias = Metrics | Timer | Text | Histogram | Image
+StepEvent: TypeAlias = Metrics | Timer | Text | Histogram | Image | Table
 #: The step event kinds, for ``isinstance``.
-STEP_KINDS: Final = (Metrics, Timer, Text, Histogram, Image)
+STEP_KINDS: Final = (Metrics, Timer, Text, Histogram, Image, Table)
 
 #: Pinned tag string -> struct type. Never rename a key.
 KINDS: Final[dict[str, type[EventBase]]] = {
@@ -202,4 +220,5 @@ KINDS: Final[dict[str, type[EventBase]]] = {
     "rank_end": RankEnd,
     "histogram": Histogram,
     "image": Image,
+    "table": Table,
 }

@@ -31,7 +31,14 @@ from ranklog.shippers._registry import (
     make_target,
     target_kinds,
 )
-from ranklog.shippers._target import GpuStat, ImageItem, ShippedStep, Target, TextItem
+from ranklog.shippers._target import (
+    GpuStat,
+    ImageItem,
+    ShippedStep,
+    TableItem,
+    Target,
+    TextItem,
+)
 
 __all__ = [
     "Cursor",
@@ -42,6 +49,7 @@ __all__ = [
     "Progress",
     "ShippedStep",
     "Shipper",
+    "TableItem",
     "Target",
     "TargetContext",
     "TargetKind",

@@ -24,11 +24,12 @@ from ranklog.schemas import (
     Image,
     Metrics,
     StepEvent,
+    Table,
     Text,
     Timer,
 )
 from ranklog.shippers._reduce import Partial, output_names, parse_ops
-from ranklog.shippers._target import GpuStat, ImageItem, ShippedStep, TextItem
+from ranklog.shippers._target import GpuStat, ImageItem, ShippedStep, TableItem, TextItem
 
 __all__ = ["Contributed", "Contribution", "StepAcc", "StepPartial"]
 
@@ -139,6 +140,7 @@ class StepPartial:
     #: name -> (rank, values) in rank order
     histograms: dict[str, list[tuple[int, list[float]]]] = field(default_factory=dict)
     images: list[ImageItem] = field(default_factory=list)
+    tables: list[TableItem] = field(default_factory=list)
     #: (rank, sample) in rank order
     gpus: list[tuple[int, Gpu]] = field(default_factory=list)
     per_rank: dict[int, dict[str, float]] | None = None
@@ -197,6 +199,8 @@ class StepPartial:
                     out.histograms.setdefault(ev.name, []).append((rank, list(ev.values)))
                 elif type(ev) is Image:
                     out.images.append(ImageItem(rank, ev.name, ev.data, ev.format))
+                elif type(ev) is Table:
+                    out.tables.append(TableItem(rank, ev.name, ev.columns, ev.rows))
                 elif type(ev) is Gpu:
                     out.gpus.append((rank, ev))
             if out.per_rank is not None:
@@ -233,7 +237,7 @@ class StepPartial:
         """
         return not (
             self.metrics or self.timers or self.texts or self.histograms or self.images
-            or self.damaged
+            or self.tables or self.damaged
         )  # fmt: skip
 
     def shipped_late(self, world_size: int) -> list[ShippedStep]:
@@ -258,6 +262,7 @@ class StepPartial:
             slowest=dict(self.slowest),
             texts=sorted(self.texts + other.texts, key=lambda t: t.rank),
             images=sorted(self.images + other.images, key=lambda t: t.rank),
+            tables=sorted(self.tables + other.tables, key=lambda t: t.rank),
             damaged=sorted({*self.damaged, *other.damaged}),
         )
         for name, best in other.slowest.items():
@@ -322,6 +327,7 @@ class StepPartial:
                 _gpu_stat(host, index, samples) for (host, index), samples in sorted(gpus.items())
             ],
             per_rank=per_rank,
+            tables=self.tables,
         )
 
 

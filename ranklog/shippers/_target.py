@@ -27,10 +27,10 @@ from typing import Protocol
 
 import msgspec
 
-from ranklog.schemas import ParamValue
+from ranklog.schemas import ParamValue, TableCell
 from ranklog.spool import RunInfo
 
-__all__ = ["GpuStat", "ImageItem", "ShippedStep", "Target", "TextItem"]
+__all__ = ["GpuStat", "ImageItem", "ShippedStep", "TableItem", "Target", "TextItem"]
 
 
 class TextItem(msgspec.Struct, frozen=True):
@@ -39,6 +39,15 @@ class TextItem(msgspec.Struct, frozen=True):
     rank: int
     name: str
     text: str
+
+
+class TableItem(msgspec.Struct, frozen=True):
+    """One table of a step (a ``wandb.Table``): which rank logged it, its name and cells."""
+
+    rank: int
+    name: str
+    columns: list[str]
+    rows: list[list[TableCell]]
 
 
 class ImageItem(msgspec.Struct, frozen=True):
@@ -87,6 +96,8 @@ class ShippedStep(msgspec.Struct):
     gpu: list[GpuStat] = msgspec.field(default_factory=list)
     #: each rank's own values (``--per-rank``): rank -> name -> value
     per_rank: dict[int, dict[str, float]] | None = None
+    #: tables, in rank order (a field added last: positional construction keeps working)
+    tables: list[TableItem] = msgspec.field(default_factory=list)
     #: None for a step shipped once it was complete. Otherwise these are *late* values
     #: (``ranklog ship --late ship``): logged for ``step`` after it had been closed and
     #: shipped, and sent, reduced across the ranks that logged them, right after step

@@ -10,12 +10,13 @@ from __future__ import annotations
 import math
 import struct
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
 from ranklog.schemas import HOST_INDEX
 from ranklog.shippers._registry import Option
-from ranklog.shippers._target import ImageItem, ShippedStep
+from ranklog.shippers._target import ImageItem, ShippedStep, TableItem
 
 __all__ = [
     "GPU_NAMES",
@@ -24,9 +25,10 @@ __all__ = [
     "buckets",
     "gpu_metrics",
     "image_size",
-    "image_tags",
     "percentile",
+    "rank_tags",
     "summary",
+    "table_markdown",
 ]
 
 _PNG = b"\x89PNG\r\n\x1a\n"
@@ -93,10 +95,25 @@ def image_size(data: bytes) -> tuple[int, int, int]:
     return height, width, channels
 
 
-def image_tags(images: list[ImageItem]) -> list[str]:
-    """The tag of each image: its name, or ``name/rankNNNNN`` when ranks share the name."""
-    shared = Counter(i.name for i in images)
-    return [i.name if shared[i.name] == 1 else f"{i.name}/rank{i.rank:05d}" for i in images]
+def rank_tags(items: Sequence[ImageItem | TableItem]) -> list[str]:
+    """The tag of each image (or table): its name, or ``name/rankNNNNN`` when ranks share it."""
+    shared = Counter(i.name for i in items)
+    return [i.name if shared[i.name] == 1 else f"{i.name}/rank{i.rank:05d}" for i in items]
+
+
+def table_markdown(t: TableItem, *, max_rows: int = 1000) -> str:
+    """A table as a Markdown table (TensorBoard's text plugin draws it), at most ``max_rows``."""
+
+    def cell(v: object) -> str:
+        text = "" if v is None else str(v)
+        return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(cell(c) for c in t.columns) + " |",
+             "|" + "---|" * len(t.columns)]  # fmt: skip
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in t.rows[:max_rows]]
+    if len(t.rows) > max_rows:
+        lines.append(f"\n({len(t.rows) - max_rows} more rows not shown)")
+    return "\n".join(lines)
 
 
 #: the GPU series names a target can use (``--gpu-names``)

@@ -101,6 +101,10 @@ class ConsoleTarget:
                 print(f"  text {t.name} (rank {t.rank}): {_safe(t.text)}", file=self.out)
         if shown > self.samples:
             print(f"  ... {shown - self.samples} more samples not shown", file=self.out)
+        for tb in s.tables:
+            shape = f"{len(tb.rows)} rows x {len(tb.columns)} columns"
+            print(f"  table {tb.name} (rank {tb.rank}): {shape} ({_safe(', '.join(tb.columns))})",
+                  file=self.out)  # fmt: skip
 
     def _box(self, t: TextItem) -> None:
         width = max(40, min(100, shutil.get_terminal_size((100, 20)).columns - 4))

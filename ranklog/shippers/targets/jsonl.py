@@ -8,7 +8,8 @@
 Text events, when a step has some, are in ``"texts": [{"rank", "name", "text"}]``;
 histograms as ``"histograms": {name: {count, min, max, mean, std}}`` of their finite
 values (:func:`~ranklog.shippers.targets._media.summary`, as MLflow gets them) and images as
-``"images": [{"rank", "name", "format", "bytes"}]`` (their contents stay in the spool);
+``"images": [{"rank", "name", "format", "bytes"}]`` (their contents stay in the spool),
+tables as ``"tables": [{"rank", "name", "columns", "rows"}]``;
 hyperparameters are one line ``{"params": {...}}`` before the step that follows
 them. Late values (``--late ship``) are a line of the step they were logged for,
 with ``"shipped_with": S`` last: the step they were shipped with, whose line (if it
@@ -69,6 +70,10 @@ def step_line(s: ShippedStep) -> dict[str, Any]:
         obj["images"] = [
             {"rank": i.rank, "name": i.name, "format": i.format, "bytes": len(i.data)}
             for i in s.images
+        ]
+    if s.tables:
+        obj["tables"] = [
+            {"rank": t.rank, "name": t.name, "columns": t.columns, "rows": t.rows} for t in s.tables
         ]
     if s.per_rank is not None:
         obj["per_rank"] = {str(r): v for r, v in sorted(s.per_rank.items())}

@@ -20,6 +20,8 @@
   ``ranklog/key_map.json`` maps each renamed original to its MLflow key.
 - Texts: each text event is the artifact ``text/step_<step:08d>/<name>.md``
   (``<name>.rank<r>.md`` when several ranks logged that name in the step).
+- Tables: each is the artifact ``tables/step_<step:08d>/<name>.json`` in the JSON form
+  of MLflow's ``log_table`` (``<name>/rankNNNNN.json`` where ranks share the name).
 - Per rank (``--per-rank``): one child run per rank (tags ``mlflow.parentRunId``,
   ``ranklog.run_id``, ``ranklog.role`` = ``rank``, ``ranklog.rank``; named
   ``<run name>-rank<r>``) holding that rank's own values; found again by tag.
@@ -162,18 +164,41 @@ def _text_files(step: ShippedStep) -> list[tuple[str, str]]:
         by_name.setdefault(t.name, []).append(t)
     out = []
     for name, items in by_name.items():
-        parts = sanitize_key(name).split("/")
-        if any(len(p.encode()) > 120 for p in parts):  # file names: 255 bytes at most
-            digest = hashlib.sha1(name.encode(), usedforsecurity=False).hexdigest()[:8]
-            parts = [p.encode()[:120].decode(errors="ignore") for p in parts]
-            parts[-1] += f"_{digest}"
-        base = f"text/step_{step.step:08d}/{'/'.join(parts)}"
+        base = _step_path("text", step.step, name)
         seen: dict[int, int] = {}
         for t in items:
             n = seen[t.rank] = seen.get(t.rank, 0) + 1
             suffix = "" if len(items) == 1 else f".rank{t.rank}" + (f".{n}" if n > 1 else "")
             out.append((f"{base}{suffix}.md", t.text))
     return out
+
+
+def _table_files(step: ShippedStep) -> list[tuple[str, str]]:
+    """(artifact path, JSON) of each table of a step, as MLflow's ``log_table`` writes it.
+
+    ``{"columns": [...], "data": [[...]]}`` (pandas' split orient, non-finite numbers as
+    null), written whole: a step sent again rewrites the same file, never appends rows.
+    """
+    from ranklog.shippers.targets._media import rank_tags
+
+    def cell(v: object) -> object:
+        return None if isinstance(v, float) and not math.isfinite(v) else v
+
+    return [
+        (f"{_step_path('tables', step.step, tag)}.json",
+         json.dumps({"columns": t.columns, "data": [[cell(v) for v in r] for r in t.rows]}))
+        for tag, t in zip(rank_tags(step.tables), step.tables, strict=True)
+    ]  # fmt: skip
+
+
+def _step_path(top: str, step: int, name: str) -> str:
+    """``top/step_<step:08d>/<name>``: the name's parts sanitised, each under 121 bytes."""
+    parts = sanitize_key(name).split("/")
+    if any(len(p.encode()) > 120 for p in parts):  # file names: 255 bytes at most
+        digest = hashlib.sha1(name.encode(), usedforsecurity=False).hexdigest()[:8]
+        parts = [p.encode()[:120].decode(errors="ignore") for p in parts]
+        parts[-1] += f"_{digest}"
+    return f"{top}/step_{step:08d}/{'/'.join(parts)}"
 
 
 @contextlib.contextmanager
@@ -332,9 +357,10 @@ class MlflowTarget:
             self._map_keys(sorted(names.difference(self._keys)))  # only names not seen yet
             keys = self._keys
             for s in steps:  # texts and images first: the marker vouches for them too
-                if s.texts:
-                    for path, text in _text_files(s):
-                        client.log_text(self.run_id, text, path)
+                for path, text in (_text_files(s) if s.texts else []) + (
+                    _table_files(s) if s.tables else []
+                ):
+                    client.log_text(self.run_id, text, path)
                 if s.images:
                     self._log_images(s)
             if self.per_rank:
@@ -362,10 +388,10 @@ class MlflowTarget:
         """Each image as an artifact ``images/step_<step>/<name>.<format>``."""
         import tempfile
 
-        from ranklog.shippers.targets._media import image_tags
+        from ranklog.shippers.targets._media import rank_tags
 
         top = "plots" if self.image_layout == "latest" else f"images/step_{step.step:08d}"
-        for tag, img in zip(image_tags(step.images), step.images, strict=True):
+        for tag, img in zip(rank_tags(step.images), step.images, strict=True):
             parts = sanitize_key(tag).split("/")
             folder = "/".join([top, *parts[:-1]])
             with tempfile.TemporaryDirectory() as tmp:

@@ -10,7 +10,8 @@ TFRecords (u64 length, masked CRC-32C, ``Event``, masked CRC-32C). A session fil
 with ``file_version`` and a ``SessionLog.START`` (message ``ranklog run <run_id>``). A step
 is ONE record, ``Event(wall_time=ts, step=step)``: each reduced scalar a float32
 ``simple_value`` (NaN/inf kept; out of range: inf), each text a text-plugin string tensor
-(markdown; several ranks' texts of one name share the tag, a block per rank: **rank R**).
+(markdown; several ranks' texts of one name share the tag, a block per rank: **rank R**),
+each table a text-plugin Markdown table (``name/rankNNNNN`` where ranks share a name).
 
 Hyperparameters: ``write_params`` appends a ``session_start_info`` (group ``--run-name``
 or the run's name). Readers keep a tag's first metadata in a run, so the hparams file,
@@ -47,7 +48,7 @@ from ranklog._fs import atomic_write, fsync_dir
 from ranklog.errors import ExtraMissingError, TargetError
 from ranklog.schemas import ParamValue
 from ranklog.shippers._registry import Option, TargetContext, TargetKind
-from ranklog.shippers._target import ShippedStep, TextItem
+from ranklog.shippers._target import ShippedStep, TableItem, TextItem
 from ranklog.shippers.targets._media import GPU_NAMES_OPTION
 from ranklog.spool import RunInfo
 
@@ -316,24 +317,39 @@ class _Scalars:
 
 def _texts(texts: list[TextItem]) -> bytes:
     """Text-plugin values, one per name (a markdown block per rank when several logged it)."""
-    tb, out, by_name = _tb(), [], dict[str, list[TextItem]]()
+    out, by_name = [], dict[str, list[TextItem]]()
     for t in texts:
         by_name.setdefault(t.name, []).append(t)
-    meta = tb.text_metadata.create_summary_metadata(display_name=None, description=None)
     for name, items in by_name.items():
         body = "\n\n---\n\n".join(f"**rank {t.rank}**\n\n{t.text}" for t in items)
-        text = items[0].text if len(items) == 1 else body  # a scalar tensor: no tensor_shape
-        tensor = tb.tensor_pb2.TensorProto(dtype=tb.types_pb2.DT_STRING, string_val=[text.encode()])
-        raw = tb.summary_pb2.Summary.Value(
-            tag=name, metadata=meta, tensor=tensor
-        ).SerializeToString()
-        out.append(b"\x0a" + _varint(len(raw)) + raw)
+        out.append(_text_value(name, items[0].text if len(items) == 1 else body))
     return b"".join(out)
+
+
+def _tables(tables: list[TableItem]) -> bytes:
+    """Text-plugin values, a Markdown table each (``name/rankNNNNN`` where ranks share it)."""
+    from ranklog.shippers.targets._media import rank_tags, table_markdown
+
+    tags = rank_tags(tables)
+    return b"".join(
+        _text_value(tag, table_markdown(t)) for tag, t in zip(tags, tables, strict=True)
+    )
+
+
+def _text_value(tag: str, text: str) -> bytes:
+    """One text-plugin summary value (a scalar string tensor: no tensor_shape)."""
+    tb = _tb()
+    meta = tb.text_metadata.create_summary_metadata(display_name=None, description=None)
+    tensor = tb.tensor_pb2.TensorProto(dtype=tb.types_pb2.DT_STRING, string_val=[text.encode()])
+    raw: bytes = tb.summary_pb2.Summary.Value(
+        tag=tag, metadata=meta, tensor=tensor
+    ).SerializeToString()
+    return b"\x0a" + _varint(len(raw)) + raw
 
 
 def _media(s: ShippedStep) -> bytes:
     """Histogram and image values (``histo``, ``image``) of a step."""
-    from ranklog.shippers.targets._media import buckets, image_size, image_tags
+    from ranklog.shippers.targets._media import buckets, image_size, rank_tags
 
     tb, out = _tb(), []
     pb = tb.summary_pb2
@@ -345,7 +361,7 @@ def _media(s: ShippedStep) -> bytes:
                 bucket_limit=b.limits, bucket=b.counts,
             )  # fmt: skip
             out.append(pb.Summary.Value(tag=name, histo=histo).SerializeToString())
-    for tag, img in zip(image_tags(s.images), s.images, strict=True):
+    for tag, img in zip(rank_tags(s.images), s.images, strict=True):
         h, w, c = image_size(img.data)
         image = pb.Summary.Image(height=h, width=w, colorspace=c, encoded_image_string=img.data)
         out.append(pb.Summary.Value(tag=tag, image=image).SerializeToString())
@@ -476,6 +492,8 @@ class TensorBoardTarget:
                     started = self._run.created if self._run is not None else None
                     values = {**values, **gpu_metrics(s, style, started=started)}
                 summary = self._pack(values, main=True) + (_texts(s.texts) if s.texts else b"")
+                if s.tables:
+                    summary += _tables(s.tables)
                 if s.histograms or s.images:
                     summary += _media(s)
                 records = todo.setdefault(main, [])

@@ -4,7 +4,9 @@ Mapping: one W&B run per ranklog run, with a stable id (the first 16 hex digits
 of the ranklog run id), name ``--run-name`` or the run's name, group ``--group``
 or the run's name. Hyperparameters go to ``run.config`` (``allow_val_change``);
 each shipped step is one ``run.log(metrics, step=S, commit=True)``; a step's text
-events are a ``wandb.Table(columns=["rank", "name", "text"])`` under ``samples``.
+events are a ``wandb.Table(columns=["rank", "name", "text"])`` under ``samples``, and
+each table logged is a ``wandb.Table`` under its name (``name/rankNNNNN`` where ranks
+share it).
 With ``--per-rank`` every rank also gets its own run (id ``<id>r<rank:05d>``,
 name ``rank00003``, same group, ``job_type="rank"``): W&B's "one run per
 process, grouped" pattern. wandb is imported only when a target is made.
@@ -109,23 +111,26 @@ _LIVE: dict[tuple[str, str], Any] = {}
 
 
 def _media(s: ShippedStep) -> dict[str, Any]:
-    """Histograms as ``wandb.Histogram``, images as ``wandb.Image`` (PNG bytes via Pillow)."""
+    """Histograms as ``wandb.Histogram``, tables as ``wandb.Table``, images as ``wandb.Image``."""
     import io
 
-    from ranklog.shippers.targets._media import image_tags
+    from ranklog.shippers.targets._media import rank_tags
 
     wandb, out = _wandb(), dict[str, Any]()
     for name, values in s.histograms.items():
         finite = [v for v in values if math.isfinite(v)]
         if finite:
             out[name] = wandb.Histogram(finite)
+    for tag, t in zip(rank_tags(s.tables), s.tables, strict=True):
+        # as logged; mixed cell types in a column are the logger's choice, not an error here
+        out[tag] = wandb.Table(columns=t.columns, data=t.rows, allow_mixed_types=True)
     if s.images:
         try:
             from PIL import Image as PILImage
         except ImportError:  # pragma: no cover - pillow comes with wandb's media extras
             log.warning("Pillow is not installed: images are not sent to W&B")
             return out
-        for tag, img in zip(image_tags(s.images), s.images, strict=True):
+        for tag, img in zip(rank_tags(s.images), s.images, strict=True):
             out[tag] = wandb.Image(PILImage.open(io.BytesIO(img.data)))
     return out
 
@@ -390,7 +395,7 @@ class WandbTarget:
                     columns=["rank", "name", "text"],
                     data=[[t.rank, t.name, t.text] for t in s.texts],
                 )
-            if (s.histograms or s.images) and s.step > main.sent:
+            if (s.histograms or s.images or s.tables) and s.step > main.sent:
                 row.update(_media(s))
             gpu: dict[str, float] = {}
             if s.gpu:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -100,8 +101,14 @@ def grpo_train(logger: Logger, master_config: dict[str, Any]) -> None:
             "generation_logger_metrics": {"kv_cache": {0: [0.1, 0.2], 1: [0.3, 0.4]}},
             "histogram/gen_lengths": [10, 20, 30],
         }
-        if full_tables:
-            metrics["full_result_table"] = object()  # a wandb.Table in NeMo-Gym
+        if full_tables:  # NeMo-Gym's table of each rollout's result, as JSON text
+            from wandb import Table
+
+            results = [{"reward": step / 20, "turns": i} for i in range(2)]
+            metrics["full_result_table"] = Table(
+                data=[[json.dumps(r, separators=(",", ":"))] for r in results],
+                columns=["Full result"],
+            )
         if metrics["token_mult_prob_error"] > 1.05:
             logger.log_plot_token_mult_prob_error(
                 _token_data(step), step, name="train/token_mult_prob_error_plot_sample"
