@@ -10,8 +10,9 @@ import pytest
 
 from ranklog.cli import main
 from ranklog.errors import ConfigError
-from ranklog.shippers import Shipper, load_cursor
+from ranklog.shippers import ShippedStep, Shipper, load_cursor
 from ranklog.shippers.targets.jsonl import JsonlTarget, read_jsonl
+from ranklog.spool import RunInfo
 from ranklog.testing import crash
 
 from .shiphelp import lines, log_steps, rank, ship
@@ -46,9 +47,9 @@ class TestShipped:
             log_steps(run, range(5, 7))
             run.close()
         shipper = ship(spool, out, late="ship")
-        assert _steps(out) == [(0, None), (1, None), (2, None), (3, None), (4, None), (5, None),
-                               (2, 5), (6, None)]  # fmt: skip
-        late = lines(out)[6]
+        assert _steps(out) == [(0, None), (1, None), (2, None), (3, None), (4, None), (2, 5),
+                               (5, None), (6, None)]  # fmt: skip
+        late = lines(out)[5]
         assert late["metrics"] == pytest.approx({"val/acc": 0.6, "val/loss": 3.0})
         assert (late["ranks"], late["world_size"], late["complete"]) == (2, 2, True)
         assert list(late) == ["step", "metrics", "ranks", "world_size", "complete", "shipped_with"]
@@ -89,7 +90,7 @@ class TestShipped:
         run.close()
         ship(spool, out, late="ship")
         ship(spool, out, late="ship")
-        assert _steps(out) == [(0, None), (1, None), (2, None), (3, None), (1, 3), (3, 4)]
+        assert _steps(out) == [(0, None), (1, None), (2, None), (1, 3), (3, None), (3, 4)]
         cursor = load_cursor(spool, "t")
         assert cursor is not None and cursor.last_step == 4
 
@@ -107,7 +108,7 @@ class TestShipped:
         second.close()
         shipper = ship(spool, out, late="ship")
         got = _steps(out)
-        assert got == [*((s, None) for s in range(11)), (8, 10), (9, 10), (11, None)]
+        assert got == [*((s, None) for s in range(10)), (8, 10), (9, 10), (10, None), (11, None)]
         by = {(x["step"], x.get("shipped_with")): x["metrics"] for x in lines(out)}
         assert by[(9, None)] == {"loss": pytest.approx(0.009)}  # the first closed values
         assert by[(8, 10)] == {"loss": 108.0}
@@ -153,3 +154,41 @@ class TestCommandLine:
                      "--late", "ship"]) == 0  # fmt: skip
         assert live.read_bytes() == again.read_bytes()
         assert [x.get("shipped_with") for x in read_jsonl(live) if "step" in x][-1] == 4
+
+
+def _shipped(step: int, carrier: int | None = None, **metrics: float) -> ShippedStep:
+    return ShippedStep(step, dict(metrics), 1, 1, True, 1.0, carrier=carrier)
+
+
+RUN = RunInfo(run_id="ab" * 16, created=1_700_000_000.0, name="exp")
+
+
+class TestTornJsonl:
+    #: own 10; late 5 and 7 with own 12; late 8 with 13, which holds nothing of its own
+    BATCH = (_shipped(10, x=1.0), _shipped(12, x=2.0), _shipped(5, 12, v=3.0),
+             _shipped(7, 12, v=4.0), _shipped(8, 13, v=5.0))  # fmt: skip
+
+    def test_late_lines_come_before_the_line_that_ends_their_group(self, tmp_path: Path) -> None:
+        """Late lines, then the carrier's own line, or ``{"shipped_with": T}`` if it has none."""
+        target = JsonlTarget(tmp_path / "o.jsonl")
+        target.open(RUN)
+        target.write(list(self.BATCH))
+        target.close()
+        got = [(x.get("step"), x.get("shipped_with")) for x in read_jsonl(tmp_path / "o.jsonl")]
+        assert got == [(10, None), (5, 12), (7, 12), (12, None), (8, 13), (None, 13)]
+
+    def test_every_tear_leaves_whole_groups(self, tmp_path: Path) -> None:
+        """Torn at any byte, open() cuts an incomplete group and reports what is whole."""
+        path = tmp_path / "o.jsonl"
+        target = JsonlTarget(path)
+        target.open(RUN)
+        target.write(list(self.BATCH))
+        target.close()
+        full = path.read_bytes()
+        ends = [i + 1 for i, b in enumerate(full) if b == ord("\n")]
+        whole = {ends[0]: 10, ends[3]: 12, ends[5]: 13}  # where a group (or step 10) ends
+        for cut in range(len(full) + 1):
+            path.write_bytes(full[:cut])
+            held = JsonlTarget(path).open(RUN)
+            kept = max((e for e in whole if e <= cut), default=0)
+            assert (held, path.stat().st_size) == (whole.get(kept), kept), cut

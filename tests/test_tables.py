@@ -43,12 +43,23 @@ class TestLogTable:
     def test_cells_are_kept_with_their_types(self, spool: Path) -> None:
         """Strings, ints, floats, bools and None are kept; numpy scalars become Python's."""
         run = rank(spool, 0, 1)
-        run.log_table("t", ("a", "b"), [("x", np.float32(0.5)), [np.int64(3), None]], step=0)
+        rows = [("x", np.float32(0.5)), [np.int64(3), None], [np.str_("s"), np.float64(0.25)],
+                [np.bool_(True), np.array([2.0])]]  # fmt: skip
+        run.log_table("t", ("a", "b"), rows, step=0)
         run.close()
         (table,) = [e for e in read_events(spool) if isinstance(e, Table)]
         assert (table.step, table.name, table.columns) == (0, "t", ["a", "b"])
-        assert table.rows == [["x", 0.5], [3, None]]
-        assert type(table.rows[1][0]) is int
+        assert table.rows == [["x", 0.5], [3, None], ["s", 0.25], [True, 2.0]]
+        assert [type(c) for row in table.rows for c in row] == [
+            str,
+            float,
+            int,
+            type(None),
+            str,
+            float,
+            bool,
+            float,
+        ]
 
     @pytest.mark.parametrize(
         ("columns", "rows", "message"),
@@ -60,6 +71,7 @@ class TestLogTable:
             ("ab", [], "columns must be a list of str"),
             (["a"], "rows", "rows must be a list of rows"),
             (["a"], [["ok"], [np.zeros(3)]], "row 1, column 'a'"),
+            (["a"], [[2**70]], "row 0, column 'a': the integer .* does not fit in 64 bits"),
         ],
     )
     def test_bad_tables_name_the_table_and_cell(

@@ -199,19 +199,34 @@ def check_table(
     return cols, out
 
 
+#: the integers a cell can hold (msgpack's: signed and unsigned 64-bit)
+_CELL_INT_MIN: Final = -(2**63)
+_CELL_INT_MAX: Final = 2**64 - 1
+
+
 def _cell(name: str, row: int, column: str, v: Any) -> TableCell:
-    if v is None or isinstance(v, str | bool | int | float):
-        return v
-    if isinstance(v, numbers.Integral):
-        return int(v)
+    kind = type(v)
+    if v is None or kind is str or kind is bool or kind is float:
+        return v  # type: ignore[no-any-return]
+    if kind is int:
+        if _CELL_INT_MIN <= v <= _CELL_INT_MAX:
+            return v  # type: ignore[no-any-return]
+        raise InvalidValueError(
+            f"table {name!r}: row {row}, column {column!r}: the integer {_short(v)} does not "
+            "fit in 64 bits"
+        )
+    if isinstance(v, str):  # numpy.str_ and other subclasses: plain str for the encoder
+        return str(v)
+    if isinstance(v, bool | numbers.Integral):
+        return _cell(name, row, column, int(v))
     if isinstance(v, numbers.Real):
         return float(v)
     numel = getattr(v, "numel", None)  # numpy scalars and arrays, torch tensors of one element
     item = getattr(v, "item", None)
     if callable(item) and (numel() if callable(numel) else getattr(v, "size", None)) == 1:
         scalar = item()
-        if isinstance(scalar, str | bool | int | float):
-            return scalar
+        if type(scalar) in (str, bool, int, float):
+            return _cell(name, row, column, scalar)
     raise InvalidValueError(
         f"table {name!r}: row {row}, column {column!r}: expected a str, number, bool or "
         f"None, got {type(v).__name__} {_short(v)}"

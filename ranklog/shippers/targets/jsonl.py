@@ -12,10 +12,10 @@ values (:func:`~ranklog.shippers.targets._media.summary`, as MLflow gets them) a
 tables as ``"tables": [{"rank", "name", "columns", "rows"}]``;
 hyperparameters are one line ``{"params": {...}}`` before the step that follows
 them. Late values (``--late ship``) are a line of the step they were logged for,
-with ``"shipped_with": S`` last: the step they were shipped with, whose line (if it
-holds values of its own) comes just before. NaN and infinities are written as the
-JSON extensions ``NaN``, ``Infinity`` and ``-Infinity`` (Python's ``json`` reads
-them back).
+with ``"shipped_with": S`` last: the step they were shipped with, whose own line comes
+right after them (``{"shipped_with": S}`` alone when S holds no values of its own).
+NaN and infinities are written as the JSON extensions ``NaN``, ``Infinity`` and
+``-Infinity`` (Python's ``json`` reads them back).
 
 The last durable step is read back from the file itself; a torn last line (a
 crash mid-write) is cut off on open, so the file stays valid JSONL.
@@ -109,7 +109,35 @@ class JsonlTarget:
         self._write(_line({"params": params}))
 
     def write(self, steps: list[ShippedStep]) -> None:
-        self._write(b"".join(_line(step_line(s)) for s in steps))
+        """One append of every line; a carrier's late lines go before the line that ends them.
+
+        The engine sends a carrier step, then the late steps it carries. Here the late
+        lines come first and the carrier's own line last (a ``{"shipped_with": T}`` line
+        for a carrier with no values of its own), so a torn append can always be told
+        apart on open: trailing late lines are an incomplete group, cut and sent again.
+        """
+        out: list[bytes] = []
+        own: tuple[int, int] | None = None  # (step, index in out) of the last own line
+        group: int | None = None  # carrier of late lines that still need their end line
+        for s in steps:
+            data = _line(step_line(s))
+            if s.carrier is None:
+                if group is not None:
+                    out.append(_line({"shipped_with": group}))
+                    group = None
+                own = (s.step, len(out))
+                out.append(data)
+            elif own is not None and own[0] == s.carrier:
+                out.insert(own[1], data)
+                own = (own[0], own[1] + 1)
+            else:
+                if group is not None and group != s.carrier:
+                    out.append(_line({"shipped_with": group}))
+                group = s.carrier
+                out.append(data)
+        if group is not None:
+            out.append(_line({"shipped_with": group}))
+        self._write(b"".join(out))
 
     def _write(self, data: bytes) -> None:
         """Append ``data`` whole, or not at all (a failed write is truncated away)."""
@@ -142,7 +170,7 @@ class JsonlTarget:
 
 
 def _repair_and_last_step(path: Path) -> int | None:
-    """Cut a torn last line off ``path``; return the last step it holds."""
+    """Cut a torn last line and an incomplete late group off ``path``; the last step held."""
     try:
         size = path.stat().st_size
     except FileNotFoundError:
@@ -150,29 +178,44 @@ def _repair_and_last_step(path: Path) -> int | None:
     with open(path, "r+b") as f:
         start = max(0, size - _TAIL)
         f.seek(start)
-        tail = f.read()
-        if tail and not tail.endswith(b"\n"):
-            cut = tail.rfind(b"\n") + 1  # 0 when the torn line is the only one in the tail
-            f.truncate(start + cut)
-            tail = tail[:cut]
+        data = f.read()
+        held, keep = _last_held(data)
+        if held is None and start > 0:  # no step line in the last MiB (rare: huge params)
+            f.seek(0)
+            data, start = f.read(), 0
+            held, keep = _last_held(data)
+        if start + keep < size:
+            f.truncate(start + keep)
             f.flush()
             os.fsync(f.fileno())
-    for raw in reversed(tail.splitlines()):
+    return held
+
+
+def _last_held(data: bytes) -> tuple[int | None, int]:
+    """(last step held, bytes of ``data`` to keep) of the end of a JSONL target file.
+
+    A torn last line is dropped, and so are late lines (``step`` and ``shipped_with``) at
+    the very end: the line that ends their carrier's group never made it, so the whole
+    group counts as not written. A carrier's own line, or ``{"shipped_with": T}``, holds T.
+    """
+    keep = data.rfind(b"\n") + 1  # a torn last line (0: the only line in data) is dropped
+    end = keep
+    while end > 0:
+        begin = data.rfind(b"\n", 0, end - 1) + 1
         try:
-            obj = json.loads(raw)
+            obj = json.loads(data[begin:end])
         except ValueError:
-            continue
-        if isinstance(obj, dict) and isinstance(obj.get("step"), int):
-            return _held(obj)
-    if size > _TAIL:  # no step line in the last MiB: read it all (rare: huge params/texts)
-        steps = [_held(s) for s in read_jsonl(path) if "step" in s]
-        return steps[-1] if steps else None
-    return None
-
-
-def _held(line: dict[str, Any]) -> int:
-    """The step a line shows held: its own, or for late values the step they came with."""
-    return int(line.get("shipped_with", line["step"]))
+            obj = None
+        if isinstance(obj, dict):
+            step, carrier = obj.get("step"), obj.get("shipped_with")
+            if isinstance(step, int) and carrier is not None:  # late: its group is cut
+                keep = begin
+            elif isinstance(step, int):
+                return step, keep
+            elif isinstance(carrier, int):
+                return carrier, keep
+        end = begin
+    return None, keep
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
