@@ -133,6 +133,31 @@ class TestShipped:
         assert [s for s, w in _steps(out)] == [0, 1, 2]
         assert shipper.stats.late_events >= 1
 
+    def test_a_cursor_of_an_older_version_ships_nothing_twice(self, spool: Path, out: Path) -> None:
+        """Re-read below a cursor without the saved watermark, shipped values are not late."""
+        import json
+
+        run = rank(spool, 0, 1)
+        log_steps(run, range(4))
+        run.log_metrics({"loss": 4.0}, step=4)
+        run.log_metrics({"loss": 5.0}, step=5)  # one frame: step 4 (shipped), step 5 (not)
+        run.step_end(4)
+        run.flush()
+        ship(spool, out, late="ship")
+        path = spool / "cursors" / "t.json"
+        cursor = json.loads(path.read_text())
+        for seg in cursor["segments"].values():  # as an older version wrote it
+            seg.pop("closed", None)
+            seg.pop("max_step", None)
+        path.write_text(json.dumps(cursor))
+        _late(run, {"val/acc": 0.5}, 4)
+        run.step_end(5)
+        run.close()
+        ship(spool, out, late="ship")
+        assert _steps(out) == [(0, None), (1, None), (2, None), (3, None), (4, None), (4, 5),
+                               (5, None)]  # fmt: skip
+        assert lines(out)[-2]["metrics"] == {"val/acc": 0.5}  # not loss 4.0 a second time
+
     def test_unknown_policy_is_refused(self, spool: Path, out: Path) -> None:
         """A policy other than count or ship is a ConfigError naming the choices."""
         with pytest.raises(ConfigError, match="count, ship"):

@@ -486,6 +486,21 @@ class TestNames:
         assert all(len(part.encode()) < 255 for p in paths for part in p.split("/"))
         assert len(set(paths)) == len(paths)
 
+    def test_late_artifacts_keep_the_first_ones(self) -> None:
+        """A late step's text and table files end in .late<carrier>: the first stay as they are."""
+        from ranklog.shippers import TableItem
+        from ranklog.shippers.targets.mlflow import _table_files
+
+        texts, tables = [TextItem(0, "val/a", "x")], [TableItem(0, "t", ["c"], [[1]])]
+        first = ShippedStep(3, {}, 1, 1, True, 1.0, texts=texts, tables=tables)
+        late = ShippedStep(3, {}, 1, 1, True, 1.0, texts=texts, tables=tables, carrier=12)
+        assert [p for p, _ in _text_files(first) + _table_files(first)] == [
+            "text/step_00000003/val/a.md", "tables/step_00000003/t.json"
+        ]  # fmt: skip
+        assert [p for p, _ in _text_files(late) + _table_files(late)] == [
+            "text/step_00000003/val/a.late00000012.md", "tables/step_00000003/t.late00000012.json"
+        ]  # fmt: skip
+
     def test_bad_key_ships_under_a_valid_key(
         self, template_db: Path, spool: Path, work: Path
     ) -> None:

@@ -259,6 +259,36 @@ class TestText:
         assert [s for s, _ in tb_back(tmp_path)] == [0]  # a step of no scalar shows none
 
 
+class TestTornLate:
+    def test_every_tear_leaves_whole_groups(self, tmp_path: Path) -> None:
+        """Torn at any byte, open() cuts late records whose carrier's record is missing."""
+        batch = [_step(10), _step(12), _step(5, {"v": 3.0}, carrier=12),
+                 _step(7, {"v": 4.0}, carrier=12), _step(8, {"v": 5.0}, carrier=13)]  # fmt: skip
+        _session(tmp_path / "tb", batch)
+        (path,) = _session_files(tmp_path / "tb")
+        full = path.read_bytes()
+        spans = tbt._spans(full, len(full))
+        records = [event_pb2.Event.FromString(full[a:b]) for a, b in spans]
+        late = [r.source_metadata.writer == "ranklog late" for r in records]
+        assert [(r.step, x) for r, x in zip(records, late, strict=True)][2:] == [
+            (10, False),
+            (5, True),
+            (7, True),
+            (12, False),
+            (8, True),
+            (13, False),
+        ]
+        ends = [b + 4 for _, b in spans]
+        whole = {ends[2]: 10, ends[5]: 12, ends[7]: 13}  # where step 10 and each group end
+        for cut in range(ends[1], len(full) + 1):
+            work = tmp_path / f"cut{cut}"
+            work.mkdir()
+            (work / path.name).write_bytes(full[:cut])
+            held = TensorBoardTarget(work).open(RUN)
+            kept = max((e for e in whole if e <= cut), default=ends[1])
+            assert (held, (work / path.name).stat().st_size) == (whole.get(kept), kept), cut
+
+
 class TestTables:
     def test_tables_are_markdown_text(self, spool: Path, tmp_path: Path) -> None:
         """Each rank's table is a text-plugin Markdown table, ``name/rankNNNNN`` when shared."""

@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 
 from ranklog.archive._manifest import load_manifest, require_manifest
 from ranklog.archive._rows import COLUMNS, GroupCache, RowGroups, frame_events, read_rows
-from ranklog.archive._tables import TABLES
+from ranklog.archive._tables import STEP_TABLES, TABLES
 from ranklog.errors import ConfigError, SpoolFormatError
 from ranklog.schemas import SCHEMA_VERSION, RankEnd
 from ranklog.shippers import Shipper, Target
@@ -224,7 +224,7 @@ def _cutoffs(dataset: Path, listed: set[str]) -> dict[tuple[int, int], int]:
     the earlier incarnation's values for those steps are left out (``--relogged last``).
     """
     starts: dict[tuple[int, int], int] = {}
-    for name in ("metrics", "timers", "text"):
+    for name in STEP_TABLES:
         files = sorted(f for f in (dataset / name).glob("*.parquet")
                        if f"{name}/{f.name}" in listed)  # fmt: skip
         if not files:

@@ -95,6 +95,9 @@ class SegState:
     consumed_state: tuple[int, int] | None = None
     #: ... as a committed cursor saved it: the state re-reading starts from
     restore_state: tuple[int, int] | None = None
+    #: restored from a cursor of a version that did not save that state: values re-read
+    #: below ``seen`` are never carried as late (they may be values of steps shipped)
+    legacy: bool = False
 
 
 class Source(Protocol):

@@ -270,6 +270,8 @@ class RankTail:
                 seg.next_seq = seg.consumed_seq = saved.seq if saved.seq >= 0 else None
                 if saved.closed is not None and saved.max_step is not None:
                     seg.restore_state = seg.consumed_state = (saved.closed, saved.max_step)
+                else:
+                    seg.legacy = True
             elif seg.name.segment == 1:
                 seg.next_seq = 0  # an incarnation's frames are numbered from 0
             rank = self.ranks.setdefault(seg.name.rank, RankState())
@@ -487,6 +489,7 @@ class RankTail:
         state = self.ranks[rank]
         inc = state.incs.setdefault(inc_no, IncState())
         fresh = frame_end > seg.seen  # not examined by an earlier shipper process
+        carry = self.ship_late and (fresh or not seg.legacy)
         max_step = NO_STEP
         holds = False
         prev_closed: int | None = None
@@ -509,7 +512,7 @@ class RankTail:
                 if step <= prev_closed:  # closed by an earlier incarnation: re-logged
                     if fresh and step > gap.upto:
                         self._relogged += 1
-                    if self.ship_late and (t := self._carry(rank, inc_no, ev, own, prev_closed)):
+                    if carry and (t := self._carry(rank, inc_no, ev, own, prev_closed)):
                         max_step = max(max_step, t)
                     continue
                 if step <= own or step <= shipped_upto:
@@ -517,7 +520,7 @@ class RankTail:
                     # same verdict whatever order ranks are read in), or it was shipped.
                     if fresh and not gap.holds(step) and not (step > own and rgap.holds(step)):
                         self._late += 1
-                    if self.ship_late and (t := self._carry(rank, inc_no, ev, own, prev_closed)):
+                    if carry and (t := self._carry(rank, inc_no, ev, own, prev_closed)):
                         max_step = max(max_step, t)
                     continue
                 # self._contribute(step, rank, inc_no, ev, counted=True), inlined

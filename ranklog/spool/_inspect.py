@@ -7,7 +7,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ranklog.schemas import Heartbeat, Metrics, RankEnd, RankStart, StepEnd, Text, Timer
+from ranklog.schemas import STEP_KINDS, Heartbeat, RankEnd, RankStart, StepEnd
 from ranklog.spool._layout import SegmentName, SpoolLayout, read_run
 from ranklog.spool._reader import BadRange, SegmentReader
 
@@ -143,7 +143,7 @@ def _one(
         for ev in res.events:
             out.events += 1
             out.last_event = ev.ts
-            if isinstance(ev, Metrics | Timer | Text):
+            if isinstance(ev, STEP_KINDS):
                 _step(out, ev.step)
             elif isinstance(ev, StepEnd):
                 _step(out, ev.step)

@@ -22,6 +22,8 @@
   (``<name>.rank<r>.md`` when several ranks logged that name in the step).
 - Tables: each is the artifact ``tables/step_<step:08d>/<name>.json`` in the JSON form
   of MLflow's ``log_table`` (``<name>/rankNNNNN.json`` where ranks share the name).
+- Late values (``--late ship``): points at their own step; their texts, tables and images
+  end in ``.late<carrier:08d>`` before the extension, beside the step's first ones.
 - Per rank (``--per-rank``): one child run per rank (tags ``mlflow.parentRunId``,
   ``ranklog.run_id``, ``ranklog.role`` = ``rank``, ``ranklog.rank``; named
   ``<run name>-rank<r>``) holding that rank's own values; found again by tag.
@@ -169,7 +171,7 @@ def _text_files(step: ShippedStep) -> list[tuple[str, str]]:
         for t in items:
             n = seen[t.rank] = seen.get(t.rank, 0) + 1
             suffix = "" if len(items) == 1 else f".rank{t.rank}" + (f".{n}" if n > 1 else "")
-            out.append((f"{base}{suffix}.md", t.text))
+            out.append((f"{base}{suffix}{_late(step)}.md", t.text))
     return out
 
 
@@ -185,10 +187,16 @@ def _table_files(step: ShippedStep) -> list[tuple[str, str]]:
         return None if isinstance(v, float) and not math.isfinite(v) else v
 
     return [
-        (f"{_step_path('tables', step.step, tag)}.json",
+        (f"{_step_path('tables', step.step, tag)}{_late(step)}.json",
          json.dumps({"columns": t.columns, "data": [[cell(v) for v in r] for r in t.rows]}))
         for tag, t in zip(rank_tags(step.tables), step.tables, strict=True)
     ]  # fmt: skip
+
+
+def _late(step: ShippedStep) -> str:
+    """The file name suffix of a late step's artifacts (``.late<carrier>``): never the
+    first values' file (a relaunch's re-logged text must not overwrite it)."""
+    return "" if step.carrier is None else f".late{step.carrier:08d}"
 
 
 def _step_path(top: str, step: int, name: str) -> str:
@@ -395,7 +403,8 @@ class MlflowTarget:
             parts = sanitize_key(tag).split("/")
             folder = "/".join([top, *parts[:-1]])
             with tempfile.TemporaryDirectory() as tmp:
-                path = Path(tmp) / f"{parts[-1]}.{img.format or 'png'}"
+                late = _late(step) if self.image_layout != "latest" else ""
+                path = Path(tmp) / f"{parts[-1]}{late}.{img.format or 'png'}"
                 path.write_bytes(img.data)
                 self._client.log_artifact(self.run_id, str(path), folder)
 

@@ -286,10 +286,22 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
-def _event(wall: float, step: int, summary: bytes) -> bytes:
-    """A serialized ``Event{1: wall_time, 2: step, 5: summary}``."""
+def _event(wall: float, step: int, summary: bytes, *, late: bool = False) -> bytes:
+    """A serialized ``Event{1: wall_time, 2: step, 5: summary}``.
+
+    ``late``: the record holds late values; ``source_metadata.writer`` (field 10) says so
+    (:data:`_LATE_WRITER`), which readers ignore and :func:`_scan` uses.
+    """
     head = b"\x09" + _F64.pack(wall if math.isfinite(wall) else time.time()) + b"\x10"
-    return b"".join((head, _varint(step), b"\x2a", _varint(len(summary)), summary))
+    tail = _LATE_SOURCE if late else b""
+    return b"".join((head, _varint(step), b"\x2a", _varint(len(summary)), summary, tail))
+
+
+#: ``source_metadata.writer`` of a record of late values
+_LATE_WRITER: Final = "ranklog late"
+_LATE_SOURCE: Final = (
+    b"\x52" + bytes([len(_LATE_WRITER) + 2, 0x0A, len(_LATE_WRITER)]) + (_LATE_WRITER.encode())
+)
 
 
 class _Scalars:
@@ -384,13 +396,19 @@ def _scan(path: Path, run_id: str) -> int | None:
                     raise TargetError(f"{path.parent} holds event files of ranklog run {owner}, "
                                       f"not {run_id}: use another directory")  # fmt: skip
                 return None
+            good = spans[-1][1] + 4
             for a, b in reversed(spans):
                 ev = event.FromString(mm[a:b])
                 vs = ev.summary.value  # a step, not a version, START or session_start_info
-                if ev.HasField("summary") and not (len(vs) == 1 and vs[0].tag == _SSI_TAG):
-                    last = int(ev.step)
-                    break
-        if (good := spans[-1][1] + 4) < size:
+                if not ev.HasField("summary") or (len(vs) == 1 and vs[0].tag == _SSI_TAG):
+                    continue
+                if ev.source_metadata.writer == _LATE_WRITER:
+                    # late values whose carrier's record never made it: cut, sent again
+                    good = a - 12
+                    continue
+                last = int(ev.step)
+                break
+        if good < size:
             f.truncate(good)
             f.flush()
             os.fsync(f.fileno())
@@ -505,7 +523,7 @@ class TensorBoardTarget:
                     if own is not None and own[0] != s.carrier:
                         records.append(own[1])
                         own = None
-                    records.append(_event(s.ts, s.step, summary))
+                    records.append(_event(s.ts, s.step, summary, late=True))
                     if own is None:
                         # a carrier with nothing of its own: an empty record marks it held
                         own = (s.carrier, _event(s.ts, s.carrier, b""))
