@@ -86,16 +86,20 @@ _cursor_decoder = msgspec.msgpack.Decoder(Cursor)
 def _spec_votes(
     decoded: list[list[StepPartial | None]], i: int
 ) -> list[tuple[str, str, list[str]]]:
-    """For step ``i``: (``m:``/``t:`` name, spec of the lowest rank, every reader's spec)."""
+    """For step ``i``: (``m:``/``t:`` name, spec of the lowest rank, every reader's spec).
+
+    Names of the late values the step carries are keyed ``late:<step>:m:<name>``.
+    """
     seen: dict[str, list[tuple[int, str]]] = {}
     for parts in decoded:
         part = parts[i]
         if part is None:
             continue
-        for name, named in part.metrics.items():
-            seen.setdefault(f"m:{name}", []).append((named.rank, named.spec))
-        for name, named in part.timers.items():
-            seen.setdefault(f"t:{name}", []).append((named.rank, named.spec))
+        for prefix, one in [("", part), *((f"late:{s}:", p) for s, p in part.late.items())]:
+            for name, named in one.metrics.items():
+                seen.setdefault(f"{prefix}m:{name}", []).append((named.rank, named.spec))
+            for name, named in one.timers.items():
+                seen.setdefault(f"{prefix}t:{name}", []).append((named.rank, named.spec))
     return [(k, min(v)[1], [spec for _, spec in v]) for k, v in seen.items() if len(v) > 1]
 
 

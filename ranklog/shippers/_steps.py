@@ -171,7 +171,7 @@ class StepPartial:
         order = sorted(r for r in acc.ranks if r not in acc.damaged and acc.ranks[r].events)
         out = cls(step, ranks=len(order), per_rank={} if per_rank else None)
         out.damaged = sorted(acc.damaged)
-        out.late = _late_partials(acc, per_rank=per_rank, exact=exact)
+        out.late = _late_partials(acc, per_rank=per_rank, exact=exact, specs=specs)
         slowest = out.slowest
         ts = 0.0
         #: (rank, event) of each Metrics event, in rank order: reduced after the loop
@@ -331,8 +331,14 @@ class StepPartial:
         )
 
 
-def _late_partials(acc: StepAcc, *, per_rank: bool, exact: bool) -> dict[int, StepPartial]:
-    """The late values of ``acc``'s ranks, summarised per step they were logged for."""
+def _late_partials(
+    acc: StepAcc, *, per_rank: bool, exact: bool, specs: dict[str, str] | None = None
+) -> dict[int, StepPartial]:
+    """The late values of ``acc``'s ranks, summarised per step they were logged for.
+
+    ``specs``: as :meth:`StepPartial.build` takes them, late names keyed
+    ``late:<step>:m:<name>`` (or ``t:``).
+    """
     by_step: dict[int, StepAcc] = {}
     for rank in sorted(acc.ranks):
         contrib = acc.ranks[rank]
@@ -346,8 +352,14 @@ def _late_partials(acc: StepAcc, *, per_rank: bool, exact: bool) -> dict[int, St
             if own is None:
                 sub.ranks[rank] = own = Contribution(contrib.incarnation)
             own.events.append(ev)
+
+    def specs_of(step: int) -> dict[str, str] | None:
+        prefix = f"late:{step}:"
+        own = {k[len(prefix) :]: v for k, v in (specs or {}).items() if k.startswith(prefix)}
+        return own or None
+
     return {
-        step: StepPartial.build(step, sub, per_rank=per_rank, exact=exact)
+        step: StepPartial.build(step, sub, per_rank=per_rank, exact=exact, specs=specs_of(step))
         for step, sub in sorted(by_step.items())
     }
 
