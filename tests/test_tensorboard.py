@@ -548,6 +548,8 @@ for step in range(int(sys.argv[4])):
     run.log_metrics({"loss": run.rank + step / 1000}, step=step, prefix="train")
     run.log_timing("step_time", 0.01 * (run.rank + 1), step=step)
     run.step_end(step)
+    if step and step % 10 == 0:  # validation after the step closed: late, shipped with step+1
+        run.log_metrics({"acc": run.rank + step / 1000}, step=step, prefix="val")
     time.sleep(0.02)
 run.close()
 """
@@ -564,6 +566,8 @@ def _cli_shipper(spool: Path, out: Path) -> subprocess.Popen[bytes]:
         "120",
         "--poll",
         "0.05",
+        "--late",
+        "ship",
     ]
     return subprocess.Popen(cmd, env=python_env(), stderr=subprocess.DEVNULL)
 
@@ -571,7 +575,10 @@ def _cli_shipper(spool: Path, out: Path) -> subprocess.Popen[bytes]:
 class TestChaos:
     @pytest.mark.slow
     def test_cli_shipper_sigkilled_while_ranks_write(self, spool: Path, tmp_path: Path) -> None:
-        """`ranklog ship --to tensorboard:DIR` SIGKILLed again and again: each step once, right."""
+        """`ranklog ship --to tensorboard:DIR` SIGKILLed again and again: each step once, right.
+
+        Late validation values ride along (``--late ship``): each at its step, once.
+        """
         ranks, steps, rng, out = 4, 150, random.Random(11), tmp_path / "tb"
         producers = [
             subprocess.Popen(
@@ -599,6 +606,8 @@ class TestChaos:
             assert values["train/loss"] == f32((ranks - 1) / 2 + s / 1000)
             assert values["timing/step_time"] == f32(0.01 * ranks)
             assert values["timing/step_time/slowest_rank"] == ranks - 1
+        acc = [(s, v["val/acc"]) for s, v in got if "val/acc" in v]
+        assert acc == [(s, f32((ranks - 1) / 2 + s / 1000)) for s in range(10, steps, 10)]
         for r in range(ranks):
             sub = tb_back(out / f"rank{r:05d}")
             assert [s for s, _ in sub] == list(range(steps)), r
