@@ -90,8 +90,9 @@ class Partial:
                 count=len(values),
                 total=total,
                 sumsq=math.fsum(v * v for v in values) if "std" in ops else 0.0,
-                lo=min(values, default=math.inf),
-                hi=max(values, default=-math.inf),
+                # only the ops asked for: partials merged are built for the same ops
+                lo=min(values, default=math.inf) if "min" in ops else math.inf,
+                hi=max(values, default=-math.inf) if "max" in ops else -math.inf,
                 last_ts=last[0],
                 last_rank=last[1],
                 last=last[2],

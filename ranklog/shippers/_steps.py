@@ -168,10 +168,12 @@ class StepPartial:
         named_specs: dict[str, tuple[int, str]] = {}
         timers: dict[str, list[float]] = {}
         timer_specs: dict[str, tuple[int, str]] = {}
-        order = sorted(r for r in acc.ranks if r not in acc.damaged and acc.ranks[r].events)
+        damaged = acc.damaged
+        order = sorted([r for r, c in acc.ranks.items() if c.events and r not in damaged])
         out = cls(step, ranks=len(order), per_rank={} if per_rank else None)
         out.damaged = sorted(acc.damaged)
-        out.late = _late_partials(acc, per_rank=per_rank, exact=exact, specs=specs)
+        if any(c.late for c in acc.ranks.values()):
+            out.late = _late_partials(acc, per_rank=per_rank, exact=exact, specs=specs)
         slowest = out.slowest
         ts = 0.0
         #: (rank, event) of each Metrics event, in rank order: reduced after the loop
@@ -294,6 +296,9 @@ class StepPartial:
         out: dict[str, float] = {}
         for name, named in self.metrics.items():
             ops = parse_ops(named.spec)
+            if len(ops) == 1:  # the common case: shipped under its own name
+                out[name] = named.part.result(ops[0])
+                continue
             for out_name, op in zip(output_names(name, ops), ops, strict=True):
                 out[out_name] = named.part.result(op)
         for name, named in self.timers.items():

@@ -62,6 +62,8 @@ MAX_PENDING_STEPS: Final = 1024
 #: at most this many steps are marked partial after one gap in a rank's frames
 MAX_TAINTED_STEPS: Final = 100_000
 _STEPPED: Final = (*STEP_KINDS, StepEnd)
+#: the step event types, for a set lookup by exact type (decoded events are never subclasses)
+_STEP_TYPES: Final = frozenset(STEP_KINDS)
 #: what a shipper does with late and re-logged values: count them only, or ship them too
 LATE_POLICIES: Final = ("count", "ship")
 
@@ -498,8 +500,10 @@ class RankTail:
         rgap = self.restore_gap
         nparams = 0  # params events in this frame so far
         steps = self.steps
-        for ev in events:
-            if isinstance(ev, STEP_KINDS):
+        step_types = _STEP_TYPES
+        for event in events:
+            if type(event) in step_types:
+                ev: StepEvent = event  # type: ignore[assignment]  # the set holds only those
                 step = ev.step
                 # inc.watermark, inlined: this runs once per event
                 own = inc.closed if inc.closed >= inc.max_step else inc.max_step - 1
@@ -528,39 +532,43 @@ class RankTail:
                 if acc is None:
                     steps[step] = acc = StepAcc()
                 contrib = acc.ranks.get(rank)
-                if contrib is None or contrib.incarnation < inc_no:
+                if contrib is None:
+                    acc.ranks[rank] = contrib = Contribution(inc_no)
+                elif contrib.incarnation < inc_no:
                     acc.ranks[rank] = contrib = _replaced(contrib, inc_no)
                 if contrib.incarnation == inc_no:
                     contrib.events.append(ev)
                     contrib.count += 1
-            elif isinstance(ev, Gpu):
+            elif type(event) is Gpu:
                 # a sample belongs to the step this rank is in (its own stream's order)
-                step = ev.step if ev.step is not None else inc.watermark + 1
+                step = event.step if event.step is not None else inc.watermark + 1
                 if step > shipped_upto:
                     if step > max_step:
                         max_step = step
-                    self._contribute(step, rank, inc_no, ev, counted=False)
-            elif isinstance(ev, StepEnd):
-                if ev.events >= 0 and ev.step > shipped_upto and self.source.verify_counts:
+                    self._contribute(step, rank, inc_no, event, counted=False)
+            elif type(event) is StepEnd:
+                if event.events >= 0 and event.step > shipped_upto and self.source.verify_counts:
                     if prev_closed is None:
                         prev_closed = state.closed_before(inc_no)
-                    if ev.step > prev_closed:
-                        self._verify(rank, inc_no, ev.step, ev.events)
-                if ev.step > inc.closed:
-                    inc.closed = ev.step
-                if ev.step > max_step:  # a frame is consumed once its step_end is shipped too
-                    max_step = ev.step
-            elif isinstance(ev, RankStart):
-                inc.world_size = ev.world_size
-                inc.host = ev.host
-                inc.started = ev.ts
-            elif isinstance(ev, RankEnd):
-                inc.ended = ev.status
-            elif isinstance(ev, Params):
+                    if event.step > prev_closed:
+                        self._verify(rank, inc_no, event.step, event.events)
+                if event.step > inc.closed:
+                    inc.closed = event.step
+                if event.step > max_step:  # a frame is consumed once its step_end is shipped too
+                    max_step = event.step
+            elif type(event) is RankStart:
+                inc.world_size = event.world_size
+                inc.host = event.host
+                inc.started = event.ts
+            elif type(event) is RankEnd:
+                inc.ended = event.status
+            elif type(event) is Params:
                 effective = inc.max_step + 1 if inc.max_step >= 0 else 0
                 where = f"{seg.key}@{frame_end}#{nparams}"
                 nparams += 1
-                self._poll.params.append(ParamsRead(effective, rank, dict(ev.values), fresh, where))
+                self._poll.params.append(
+                    ParamsRead(effective, rank, dict(event.values), fresh, where)
+                )
                 # the owner decides what is new; until it shipped them, keep the frame
                 holds = holds or effective > shipped_upto
         return max_step, holds
