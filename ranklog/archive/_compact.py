@@ -37,11 +37,9 @@ from ranklog.archive._manifest import (
 )
 from ranklog.archive._tables import SCHEMAS, TABLES, segment_tables
 from ranklog.errors import ConfigError, RunMismatchError
-from ranklog.schemas import STEP_KINDS, StepEnd
 from ranklog.shippers import list_cursors
 from ranklog.spool import (
     BadRange,
-    Frame,
     SegmentId,
     SegmentName,
     SegmentReader,
@@ -231,8 +229,7 @@ def _compact_segment(
             return
         if res.frames:
             start = res.frames[0].offset
-            tables = segment_tables(run_id, seg, res.frames, upto)
-            _update_mark(mark, res.frames)
+            tables = segment_tables(run_id, seg, res.frames, upto, mark=mark)
             files = _write_tables(outdir, key, start, res.end, tables)
             saver.wrote(files, res.end - entry.offset)
             entry.files += files
@@ -250,16 +247,6 @@ def _compact_segment(
         if not res.more:
             entry.done = res.sealed or (later and res.pending == 0)
             return
-
-
-def _update_mark(mark: list[int], frames: list[Frame]) -> None:
-    """Raise [closed, highest step] of an incarnation by what ``frames`` hold."""
-    for frame in frames:
-        for ev in frame.events:
-            if type(ev) is StepEnd:
-                mark[0] = max(mark[0], ev.step)
-            elif isinstance(ev, STEP_KINDS):
-                mark[1] = max(mark[1], ev.step)
 
 
 def _delete_verified(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from itertools import chain
 from typing import Any, Final
 
 import numpy as np
@@ -117,30 +118,37 @@ def _us(ts: float) -> int:
 
 
 def segment_tables(
-    run_id: str, seg: SegmentName, frames: list[Frame], relogged_upto: int = -1
+    run_id: str,
+    seg: SegmentName,
+    frames: list[Frame],
+    relogged_upto: int = -1,
+    *,
+    mark: list[int] | None = None,
 ) -> dict[str, pa.Table]:
     """The rows of ``frames`` (one segment's), as one Arrow table per kind (empty ones left out).
 
     Rows of steps up to ``relogged_upto`` (the steps an earlier incarnation of the rank had
-    closed) are marked ``relogged``: training logged them again after a restart.
+    closed) are marked ``relogged``: training logged them again after a restart. ``mark``
+    ([highest step_end, highest step of any step event]) is raised by what ``frames`` hold.
     """
     out = {t: _Columns(t) for t in TABLES if t != "metrics"}
     base = {"run_id": run_id, "rank": seg.rank, "incarnation": seg.incarnation,
             "segment": seg.segment}  # fmt: skip
     metrics = _MetricColumns()
-    ends: tuple[list[int], ...] = ([], [], [], [], [])
+    m_events, m_seq, m_idx = metrics.events, metrics.seq, metrics.idx
+    ends: tuple[list[StepEnd], list[int], list[int]] = ([], [], [])
+    e_events, e_seq, e_idx = ends
     for frame in frames:
+        seq = frame.seq
         for idx, ev in enumerate(frame.events):
             if type(ev) is Metrics:
-                metrics.events.append(ev)
-                metrics.seq.append(frame.seq)
-                metrics.idx.append(idx)
+                m_events.append(ev)
+                m_seq.append(seq)
+                m_idx.append(idx)
             elif type(ev) is StepEnd:  # one per step and rank: the common case, columnar
-                ends[0].append(frame.seq)
-                ends[1].append(idx)
-                ends[2].append(_us(ev.ts))
-                ends[3].append(ev.step)
-                ends[4].append(ev.events)
+                e_events.append(ev)
+                e_seq.append(seq)
+                e_idx.append(idx)
             else:
                 key = base.copy()
                 key["seq"], key["idx"], key["ts"] = frame.seq, idx, _us(ev.ts)
@@ -148,7 +156,9 @@ def segment_tables(
     tables = {t: c.table(t) for t, c in out.items() if len(c)}
     if metrics.events and metrics.rows:
         tables["metrics"] = metrics.table(run_id, seg)
-    if ends[0]:
+    if mark is not None:
+        _raise_mark(mark, tables, e_events, m_events)
+    if e_events:
         step_ends = _step_end_table(run_id, seg, *ends)
         other = tables.get("ranks")
         merged = step_ends if other is None else pa.concat_tables([other, step_ends])
@@ -161,14 +171,28 @@ def segment_tables(
     return {t: tables[t] for t in TABLES if t in tables}
 
 
+def _raise_mark(
+    mark: list[int], tables: dict[str, pa.Table], ends: list[StepEnd], metrics: list[Metrics]
+) -> None:
+    """Raise [highest step_end, highest step event] by one read's events."""
+    if ends:
+        mark[0] = max(mark[0], max([ev.step for ev in ends]))
+    if metrics:  # from the events: one with no values has no row, but has its step
+        mark[1] = max(mark[1], max([ev.step for ev in metrics]))
+    for name in STEP_TABLES:
+        t = tables.get(name)
+        if t is not None and name != "metrics" and t.num_rows:
+            mark[1] = max(mark[1], pc.max(t["step"]).as_py())
+
+
+def _timestamps(events: list[Any]) -> pa.Array:
+    """Each event's ``ts`` in whole microseconds (as ``round(ts * 1e6)``: half to even)."""
+    secs = np.fromiter((ev.ts for ev in events), np.float64, len(events))
+    return pa.array(np.rint(secs * 1_000_000).astype(np.int64)).cast(_TS)
+
+
 def _step_end_table(
-    run_id: str,
-    seg: SegmentName,
-    seq: list[int],
-    idx: list[int],
-    ts: list[int],
-    step: list[int],
-    events: list[int],
+    run_id: str, seg: SegmentName, ends: list[StepEnd], seq: list[int], idx: list[int]
 ) -> pa.Table:
     n = len(seq)
     schema = SCHEMAS["ranks"]
@@ -179,10 +203,10 @@ def _step_end_table(
         "segment": pa.repeat(pa.scalar(seg.segment, pa.int32()), n),
         "seq": pa.array(seq, pa.int64()),
         "idx": pa.array(idx, pa.int32()),
-        "ts": pa.array(ts, pa.int64()).cast(_TS),
+        "ts": _timestamps(ends),
         "kind": pa.repeat(pa.scalar("step_end", pa.string()), n),
-        "step": pa.array(step, pa.int64()),
-        "events": pa.array(events, pa.int32()),
+        "step": pa.array(np.fromiter((ev.step for ev in ends), np.int64, n)),
+        "events": pa.array(np.fromiter((ev.events for ev in ends), np.int32, n)),
     }
     return pa.table([cols.get(f.name, pa.nulls(n, f.type)) for f in schema], schema=schema)
 
@@ -220,7 +244,7 @@ class _MetricColumns:
                 ],
                 pa.string(),
             )
-        ts = pa.array([round(ev.ts * 1_000_000) for ev in evs], pa.int64()).cast(_TS)
+        ts = _timestamps(evs)
         return pa.table(
             [
                 pa.repeat(pa.scalar(run_id, pa.string()), n),
@@ -231,12 +255,42 @@ class _MetricColumns:
                 pa.array(np.asarray(self.idx, np.int32)[row_event]),
                 ts.take(row_event),
                 pa.array(np.fromiter((ev.step for ev in evs), np.int64, len(evs))[row_event]),
-                pa.array([k for ev in evs for k in ev.values], pa.string()),
-                pa.array([v for ev in evs for v in ev.values.values()], pa.float64()),
+                _names(evs, n),
+                pa.array(
+                    np.fromiter(
+                        chain.from_iterable(ev.values.values() for ev in evs), np.float64, n
+                    )
+                ),
                 reduce,
             ],
             schema=SCHEMAS["metrics"].remove(SCHEMAS["metrics"].get_field_index("relogged")),
         )
+
+
+def _names(evs: list[Metrics], n: int) -> pa.Array:
+    """The name of every value of ``evs``, in order, as one string column.
+
+    Events of a segment mostly log the same names: each distinct tuple of names is looked
+    up once and the column is built from indices into the names (in C, not per value).
+    """
+    names: dict[str, int] = {}
+    shapes: dict[tuple[str, ...], int] = {}
+    kinds: list[Any] = []  # per distinct tuple of names: their indices
+    which: list[int] = []  # per event: its tuple's place in kinds
+    for ev in evs:
+        key = tuple(ev.values)
+        shape = shapes.get(key)
+        if shape is None:
+            shape = shapes[key] = len(kinds)
+            kinds.append(np.array([names.setdefault(k, len(names)) for k in key], np.int32))
+        which.append(shape)
+    if len(kinds) == 1:
+        indices = np.tile(kinds[0], len(evs))
+    else:
+        indices = np.concatenate([kinds[w] for w in which]) if which else np.zeros(0, np.int32)
+    assert len(indices) == n
+    words = pa.array(list(names), pa.string())
+    return pa.DictionaryArray.from_arrays(pa.array(indices), words).cast(pa.string())
 
 
 def _timer(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
