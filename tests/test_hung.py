@@ -90,6 +90,13 @@ class TestHungBackend:
                 assert p.returncode == 0, p.stderr
                 # a step never waited on the backend: the slowest call is a write to the OS
                 assert json.loads(p.stdout)["worst_s"] < 1.0
+            # measured once the shipper is past its start (mlflow's import can take seconds
+            # on a busy machine) and talking to the hung backend
+            deadline = time.monotonic() + 60
+            while not silent.conns and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert silent.conns, "the shipper never reached the backend"
+            time.sleep(1.0)
             rss = []
             for _ in range(8):  # the backend still hangs: the shipper waits, reads nothing
                 assert shipper.poll() is None
