@@ -53,27 +53,13 @@ class Backend:
     late: bool = True
 
 
-def make_spool(spool: Path) -> None:
-    """RANKS ranks x STEPS steps: a mean, a sum and max, a max timer, params, a text."""
-    for r in range(RANKS):
-        run = rank(spool, r, RANKS)
-        run.log_hyperparams(PARAMS)
-        for s in range(STEPS):
-            run.log_metrics({"loss": r + s / 1000}, step=s)
-            run.log_metrics({"tokens": 100.0 + r + s}, step=s, reduce=("sum", "max"))
-            run.log_timing("step_time", 0.01 * (r + 1) + s / 1e4, step=s)
-            if s == STEPS - 1:
-                run.log_text("val/sample_0", "prompt -> answer", step=s)
-            run.step_end(s)
-        run.close()
+def make_spool(spool: Path, *, late: bool = False) -> None:
+    """RANKS ranks x STEPS steps: a mean, a sum and max, a max timer, params, a text.
 
-
-def make_late_spool(spool: Path) -> None:
-    """:func:`make_spool`'s job, plus values logged for steps their rank had closed.
-
-    After closing each step ``s`` with ``s % 10 == 9`` every rank logs ``val/acc`` for
-    ``s`` (the last one after the last step: its carrier holds nothing else); after
-    closing step 30, ``val/old`` for step 5.
+    ``late``: values logged for steps their rank had closed, too. After closing each step
+    ``s`` with ``s % 10 == 9`` every rank logs ``val/acc`` for ``s`` (the last one after
+    the last step: its carrier holds nothing else); after closing step 30, ``val/old`` for
+    step 5.
     """
     import warnings
 
@@ -84,7 +70,11 @@ def make_late_spool(spool: Path) -> None:
             run.log_metrics({"loss": r + s / 1000}, step=s)
             run.log_metrics({"tokens": 100.0 + r + s}, step=s, reduce=("sum", "max"))
             run.log_timing("step_time", 0.01 * (r + 1) + s / 1e4, step=s)
+            if s == STEPS - 1:
+                run.log_text("val/sample_0", "prompt -> answer", step=s)
             run.step_end(s)
+            if not late:
+                continue
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 if s % 10 == 9:
@@ -92,6 +82,11 @@ def make_late_spool(spool: Path) -> None:
                 if s == 30:
                     run.log_metrics({"val/old": float(r)}, step=5)
         run.close()
+
+
+def make_late_spool(spool: Path) -> None:
+    """:func:`make_spool`'s job with its late values."""
+    make_spool(spool, late=True)
 
 
 def expected_late(step: int) -> dict[str, float]:
@@ -114,11 +109,8 @@ def check_late(backend: Backend, work: Path) -> None:
         into.update(metrics)
     assert sorted(merged) == list(range(STEPS)), sorted(merged)
     for step, metrics in merged.items():
-        want = expected(step) | (expected_late(step) if backend.late else {})
-        want = {backend.key(k): v for k, v in want.items()}
-        assert sorted(metrics) == sorted(want), f"step {step}: names {sorted(metrics)}"
-        for name, value in want.items():
-            assert metrics[name] == pytest.approx(value, rel=backend.rel, abs=0), (step, name)
+        late = expected_late(step) if backend.late else {}
+        _check_step(backend, step, metrics, expected(step) | late)
 
 
 def expected(step: int) -> dict[str, float]:
@@ -144,12 +136,19 @@ def check(backend: Backend, work: Path) -> None:
     held = backend.read_back(work)
     assert [s for s, _ in held] == list(range(STEPS)), [s for s, _ in held]
     for step, metrics in held:
-        want = {backend.key(k): v for k, v in expected(step).items()}
-        assert sorted(metrics) == sorted(want), f"step {step}: names {sorted(metrics)}"
-        for name, value in want.items():
-            assert metrics[name] == pytest.approx(value, rel=backend.rel, abs=0), (step, name)
+        _check_step(backend, step, metrics, expected(step))
     if backend.read_params is not None:
         assert backend.read_params(work) == {k: backend.param(v) for k, v in FLAT_PARAMS.items()}
+
+
+def _check_step(
+    backend: Backend, step: int, metrics: dict[str, float], expected: dict[str, float]
+) -> None:
+    """The backend holds for ``step`` exactly the ``expected`` names, with their values."""
+    want = {backend.key(k): v for k, v in expected.items()}
+    assert sorted(metrics) == sorted(want), f"step {step}: names {sorted(metrics)}"
+    for name, value in want.items():
+        assert metrics[name] == pytest.approx(value, rel=backend.rel, abs=0), (step, name)
 
 
 class Killed(BaseException):

@@ -146,7 +146,8 @@ class TestForms:
 class TestNemo:
     def test_wandb_table_becomes_a_table(self, tmp_path: Path) -> None:
         """NeMo's ``wandb.Table`` of JSON results is shipped as a table under its full name."""
-        wandb = pytest.importorskip("wandb")
+        import wandb
+
         from ranklog import nemo
 
         from .test_nemo import no_backends

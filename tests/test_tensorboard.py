@@ -161,6 +161,13 @@ def _session(path: Path, steps: list[ShippedStep], params: dict[str, Any] | None
     return last
 
 
+def _shipped(spool: Path, out: Path) -> ea.EventAccumulator:
+    """``spool`` shipped once to ``tensorboard:out``, read back by TensorBoard."""
+    target = make(str(out), spool, dict())
+    Shipper(str(spool), target, name="t", dead_after=3600, start_grace=0).run_forever(once=True)
+    return accumulator(out)
+
+
 def _session_files(path: Path) -> list[Path]:
     return sorted(p for p in path.glob("events.out.tfevents.*") if p.name != HPARAMS_FILE)
 
@@ -237,9 +244,7 @@ class TestText:
     def test_text_of_several_ranks_shows_each_rank(self, spool: Path, tmp_path: Path) -> None:
         """Three ranks' sample of one name is one text tag with a markdown block per rank."""
         _rich_spool(spool)
-        target = make(str(tmp_path / "tb"), spool, dict())
-        Shipper(str(spool), target, name="t", dead_after=3600, start_grace=0).run_forever(once=True)
-        acc = accumulator(tmp_path / "tb")
+        acc = _shipped(spool, tmp_path / "tb")
         assert set(acc.PluginTagToContent("text")) == {"val/sample_0"}
         events = acc.Tensors("val/sample_0")
         assert [ev.step for ev in events] == [0, 10, 20]
@@ -295,9 +300,7 @@ class TestTables:
         from .test_tables import table_spool
 
         table_spool(spool)
-        target = make(str(tmp_path / "tb"), spool, dict())
-        Shipper(str(spool), target, name="t", dead_after=3600, start_grace=0).run_forever(once=True)
-        acc = accumulator(tmp_path / "tb")
+        acc = _shipped(spool, tmp_path / "tb")
         tags = {"val/results/rank00000", "val/results/rank00001", "val/only"}
         assert set(acc.PluginTagToContent("text")) == tags
         (ev,) = acc.Tensors("val/results/rank00001")

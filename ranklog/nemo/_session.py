@@ -144,7 +144,7 @@ class Session:
         out = _Sorted({}, {}, {}, {}, {})
         for key, value in flatten_dict(merged, sep="/", expand_lists=False).items():
             name = check_name("metric", f"{prefix}/{key}" if prefix else key)
-            why = "only numbers, strings, numeric lists, figures and tables are logged"
+            why = _LOGGED
             if isinstance(value, bool | int | float) or is_scalar(value):
                 out.numbers[name] = as_float(name, value)
                 continue
@@ -212,6 +212,10 @@ class Session:
                 proc.terminate()
                 proc.wait(timeout=30)
         self._shippers.clear()
+
+
+#: why a value of another kind is skipped
+_LOGGED = "only numbers, strings, numeric lists, figures and tables are logged"
 
 
 class _Sorted(NamedTuple):

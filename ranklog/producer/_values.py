@@ -217,7 +217,7 @@ def _cell(name: str, row: int, column: str, v: Any) -> TableCell:
         )
     if isinstance(v, str):  # numpy.str_ and other subclasses: plain str for the encoder
         return str(v)
-    if isinstance(v, bool | numbers.Integral):
+    if isinstance(v, numbers.Integral):
         return _cell(name, row, column, int(v))
     if isinstance(v, numbers.Real):
         return float(v)

@@ -589,13 +589,8 @@ class RankTail:
             or self.restore_gap.holds(carrier)
         ):
             return 0
-        acc = self.steps.get(carrier)
-        if acc is None:
-            self.steps[carrier] = acc = StepAcc()
-        contrib = acc.ranks.get(rank)
-        if contrib is None or contrib.incarnation < inc_no:
-            acc.ranks[rank] = contrib = _replaced(contrib, inc_no)
-        if contrib.incarnation == inc_no:
+        contrib = self._contribution(carrier, rank, inc_no)
+        if contrib is not None:
             contrib.late.append(ev)
         return carrier
 
@@ -606,15 +601,21 @@ class RankTail:
 
         ``counted``: a step event (its rank's step_end counts those).
         """
+        contrib = self._contribution(step, rank, inc_no)
+        if contrib is not None:
+            contrib.events.append(ev)
+            contrib.count += counted
+
+    def _contribution(self, step: int, rank: int, inc_no: int) -> Contribution | None:
+        """What incarnation ``inc_no`` of ``rank`` holds for ``step`` (a later one replaces
+        an earlier one's); None when a later incarnation of the rank holds the step."""
         acc = self.steps.get(step)
         if acc is None:
             self.steps[step] = acc = StepAcc()
         contrib = acc.ranks.get(rank)
         if contrib is None or contrib.incarnation < inc_no:
             acc.ranks[rank] = contrib = _replaced(contrib, inc_no)
-        if contrib.incarnation == inc_no:
-            contrib.events.append(ev)
-            contrib.count += counted
+        return contrib if contrib.incarnation == inc_no else None
 
     # -- what the owner asks ----------------------------------------------------------
 

@@ -96,7 +96,7 @@ class ShippedStep(msgspec.Struct):
     gpu: list[GpuStat] = msgspec.field(default_factory=list)
     #: each rank's own values (``--per-rank``): rank -> name -> value
     per_rank: dict[int, dict[str, float]] | None = None
-    #: tables, in rank order (a field added last: positional construction keeps working)
+    #: tables, in rank order
     tables: list[TableItem] = msgspec.field(default_factory=list)
     #: None for a step shipped once it was complete. Otherwise these are *late* values
     #: (``ranklog ship --late ship``): logged for ``step`` after it had been closed and
