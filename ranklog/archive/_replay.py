@@ -1,12 +1,14 @@
-"""Replay: a compacted Parquet dataset shipped again, through the same engine as live.
+"""Replay: a compacted Parquet dataset shipped again, through the same shipper as live.
 
-The dataset's rows are turned back into each rank's events, frame by frame, in
-the order they were written (rank, incarnation, segment, seq, idx), and handed
-to the ordinary shipper engine through :class:`ParquetSource`, a stand-in for
+A dataset that :func:`~ranklog.archive._plan.plan` accepts (what a healthy job logs)
+is reduced on columns by :class:`~ranklog.archive._columnar.ColumnarTails`. Any other
+is read event by event: the rows are turned back into each rank's events, frame by
+frame, in the order they were written (rank, incarnation, segment, seq, idx), and
+handed to the ordinary shipper engine through :class:`ParquetSource`, a stand-in for
 the spool directory. Same events, same order, same reduction and completeness
 rules: what replay ships is what live shipping shipped (the JSONL is byte for
-byte the same). Every rank is treated as ended: an incarnation that never wrote
-``rank_end`` gets one (status ``unknown``), so nothing waits for a rank that
+byte the same, either way). Every rank is treated as ended: an incarnation that never
+wrote ``rank_end`` gets one (status ``unknown``), so nothing waits for a rank that
 will never write again.
 
 Timestamps are those of the dataset, rounded to the microsecond.
@@ -19,6 +21,7 @@ continued from: the later incarnation's values for those steps.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -31,7 +34,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from ranklog.archive._columnar import ColumnarTails
 from ranklog.archive._manifest import load_manifest, require_manifest
+from ranklog.archive._plan import plan
 from ranklog.archive._rows import COLUMNS, GroupCache, RowGroups, frame_events, read_rows
 from ranklog.archive._tables import STEP_TABLES, TABLES
 from ranklog.errors import ConfigError, SpoolFormatError
@@ -50,6 +55,8 @@ from ranklog.spool import (
 from ranklog.spool._layout import write_run
 
 __all__ = ["ParquetSource", "replay"]
+
+log = logging.getLogger("ranklog.replay")
 
 #: rows turned into events per read: the engine reads in bounded slices, as from files
 _ROWS_PER_READ: Final = 8_192  # about what 256 KiB of a segment holds
@@ -334,10 +341,20 @@ def replay(
     scratch = Path(tempfile.mkdtemp(prefix="ranklog-replay-"))  # run.json and the cursor
     try:
         write_run(scratch, run)
-        source = ParquetSource(dataset, run, steps=steps, names=names, relogged=relogged)
+        tails = None
+        if steps is None and names is None and not per_rank:
+            listed = {f for entry in manifest.segments.values() for f in entry.files}
+            found, why = plan(_segment_files(dataset, listed), manifest, GroupCache(_CACHE_BYTES))
+            if found is not None:
+                tails = ColumnarTails(found, dataset)
+            else:
+                log.info("replay of %s event by event: %s", dataset, why)
+        source = None
+        if tails is None:
+            source = ParquetSource(dataset, run, steps=steps, names=names, relogged=relogged)
         shipper = Shipper(
             str(scratch), target, name="replay", start_grace=0, per_rank=per_rank,
-            source=source, late=late,
+            source=source, tails=tails, late=late,
         )  # fmt: skip
         return shipper.run_forever(once=True)
     finally:

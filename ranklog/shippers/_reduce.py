@@ -30,6 +30,8 @@ from ranklog.schemas import REDUCE_OPS
 __all__ = ["Partial", "exact_parts", "output_names", "parse_ops"]
 
 _NEEDS_VALUES: Final = frozenset({"median", "std"})
+#: ops whose partial is the count and the sum alone (when every value is finite)
+_SUMMED: Final = frozenset({("mean",), ("sum",), ("count",)})
 _op_cache: dict[str, tuple[str, ...]] = {}
 
 
@@ -79,12 +81,14 @@ class Partial:
 
         ``exact`` keeps the sum mergeable without a rounding step (see the module).
         """
-        keep = needs_values(ops)
         try:
             total = math.fsum(values)
             finite = math.isfinite(total)
         except (ValueError, OverflowError):  # inf + -inf, or an intermediate overflow
             finite = False
+        if finite and not exact and ops in _SUMMED:  # the usual value: count and sum only
+            return cls(len(values), total)  # (no ``last``: these ops never read it)
+        keep = needs_values(ops)
         if finite:  # the common case: no NaN, no inf
             return cls(
                 count=len(values),

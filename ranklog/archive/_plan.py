@@ -1,0 +1,278 @@
+"""Whether a dataset can replay on columns, and what the engine would know of each rank.
+
+The engine's per-event work (incarnations, late and re-logged values, lost frames,
+step_end counts) decides something only when a rank's stream departs from the plain
+one. :func:`plan` checks, rank by rank and on the key columns alone
+(``seq``, ``idx``, ``step`` and the ranks table), that none of it applies:
+
+- each rank has one incarnation, its segments numbered 1, 2, ... with none missing;
+- its frames are numbered without a gap (the seal's number included) and its rows
+  are in write order;
+- every step event is for a step the rank had not closed yet (nothing late), so its
+  steps never go down;
+- every step_end that counts its step's events counts what the dataset holds;
+- it holds only metrics, timers, ranks rows, and params (from one rank at most).
+
+It then knows what the engine would end with: each rank's watermark, world size and
+end, and each params event's effective step. Memory: one batch of key columns, and
+one rank's event heads (a few numbers per event), at a time.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from ranklog.archive._manifest import Manifest
+from ranklog.archive._rows import GroupCache
+from ranklog.schemas import ParamValue
+from ranklog.shippers._tail import ParamsRead
+from ranklog.spool import NO_STEP, SegmentId
+
+__all__ = ["COLUMNAR_TABLES", "Plan", "RankPlan", "RowGroup", "plan"]
+
+#: the tables a columnar replay handles; any other table with rows means the event path
+COLUMNAR_TABLES: Final = frozenset({"metrics", "timers", "ranks", "params"})
+#: tables reduced on columns (each row group is indexed by its steps)
+REDUCED: Final = ("metrics", "timers")
+_BATCH: Final = 256 * 1024
+#: a string statistic this short is never truncated
+_SHORT: Final = 64
+# event codes in a rank's stream
+_STEP, _END, _PARAMS, _OTHER = 0, 1, 2, 3
+
+
+@dataclass(slots=True, frozen=True)
+class RowGroup:
+    """One row group of a metrics or timers file, with the steps it spans."""
+
+    table: str
+    rank: int
+    path: Path
+    index: int
+    lo: int
+    hi: int
+    rows: int
+    #: the reduce spec of every row, when the statistics say there is one (None: read it)
+    spec: str | None = None
+
+
+@dataclass(slots=True)
+class RankPlan:
+    """What the engine would end with for one rank, and its row groups in write order."""
+
+    rank: int
+    watermark: int
+    ended: bool
+    world_size: int | None
+    params: list[ParamsRead] = field(default_factory=list)
+    groups: list[RowGroup] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Plan:
+    """A dataset that replays on columns: its ranks (in rank order)."""
+
+    ranks: list[RankPlan]
+    #: rows of the reduced tables
+    rows: int
+    cache: GroupCache
+
+
+class _No(Exception):
+    """The dataset needs the event path; the message says why."""
+
+
+def plan(
+    files: dict[SegmentId, dict[str, list[Path]]], manifest: Manifest, cache: GroupCache
+) -> tuple[Plan | None, str]:
+    """The dataset's plan, or (None, why it needs the event path)."""
+    by_rank: dict[int, list[tuple[SegmentId, dict[str, list[Path]]]]] = {}
+    for sid, tables in files.items():  # sorted: write order within a rank
+        by_rank.setdefault(sid.rank, []).append((sid, tables))
+    with_params = [r for r, segs in by_rank.items() if any("params" in t for _, t in segs)]
+    try:
+        if len(with_params) > 1:
+            raise _No(f"params from {len(with_params)} ranks")
+        ranks = [_rank(r, segs, manifest, cache) for r, segs in sorted(by_rank.items())]
+    except _No as why:
+        return None, str(why)
+    rows = sum(
+        n for entry in manifest.segments.values() for t, n in entry.rows.items() if t in REDUCED
+    )
+    return Plan(ranks, rows, cache), ""
+
+
+def _rank(
+    rank: int,
+    segs: list[tuple[SegmentId, dict[str, list[Path]]]],
+    manifest: Manifest,
+    cache: GroupCache,
+) -> RankPlan:
+    if len({sid.incarnation for sid, _ in segs}) > 1:
+        raise _No(f"rank {rank} has several incarnations")
+    if [sid.segment for sid, _ in segs] != list(range(1, len(segs) + 1)):
+        raise _No(f"rank {rank}: a segment is missing")
+    heads: list[tuple[Any, ...]] = []  # per table and file: (seq, idx, step, code, extra)
+    groups: list[RowGroup] = []
+    params: dict[tuple[int, int], dict[str, ParamValue]] = {}
+    expected = 0
+    ended_last = False
+    world: int | None = None
+    status: str | None = None
+    for n, (sid, tables) in enumerate(segs):
+        if not set(tables) <= COLUMNAR_TABLES:
+            raise _No(f"{sid.stem} holds {', '.join(sorted(set(tables) - COLUMNAR_TABLES))}")
+        seqs = []
+        for table in REDUCED:
+            for path in tables.get(table, []):
+                pf = pq.ParquetFile(path, metadata=cache.footer(path))
+                groups.extend(_groups(table, rank, path, pf.metadata))
+                seq, idx, step = _heads(pf, path, ["seq", "idx", "step"])
+                heads.append((seq, idx, step, np.full(len(seq), _STEP, np.int8), None))
+                seqs.append(seq)
+        for path in tables.get("params", []):
+            t = pq.ParquetFile(path).read(columns=["seq", "idx", "name", "value"])
+            for q, i, name, value in zip(*(t[c].to_pylist() for c in t.column_names), strict=True):
+                params.setdefault((q, i), {})[name] = json.loads(value)
+            seq, idx = _heads(pq.ParquetFile(path), path, ["seq", "idx"])
+            heads.append((seq, idx, np.full(len(seq), NO_STEP), np.full(len(seq), _PARAMS, np.int8),
+                          None))  # fmt: skip
+            seqs.append(seq)
+        for path in tables.get("ranks", []):
+            t = pq.ParquetFile(path).read(columns=["seq", "idx", "kind", "step", "events",
+                                                   "world_size", "status"])  # fmt: skip
+            seq, idx = t["seq"].to_numpy(), t["idx"].to_numpy()
+            _in_order(seq, idx, path)
+            is_end = pc.equal(t["kind"], "step_end").to_numpy(zero_copy_only=False)
+            code = np.where(is_end, _END, _OTHER).astype(np.int8)
+            step = np.where(is_end, t["step"].fill_null(NO_STEP).to_numpy(), NO_STEP)
+            heads.append((seq, idx, step, code, t["events"].fill_null(-1).to_numpy()))
+            seqs.append(seq)
+            other = t.filter(pc.invert(pa.chunked_array([is_end])))  # a few rows: in order
+            for k, w, st in zip(*(other[c].to_pylist() for c in ("kind", "world_size", "status")),
+                                strict=True):  # fmt: skip
+                if k == "rank_start":
+                    world = w
+                elif k == "rank_end":
+                    status = st or ""
+                    ended_last = n == len(segs) - 1
+        frames = np.unique(np.concatenate(seqs)) if seqs else np.zeros(0, np.int64)
+        if not np.array_equal(frames, np.arange(expected, expected + len(frames))):
+            raise _No(f"{sid.stem}: frames are missing")
+        expected += len(frames)
+        entry = manifest.segments.get(sid.stem)
+        if entry is not None and entry.sealed and entry.next_seq > 0:
+            if entry.next_seq - 1 != expected:
+                raise _No(f"{sid.stem}: frames before the seal are missing")
+            expected += 1
+    out = _stream(rank, heads, params, segs[0][0].key)
+    out.world_size = world
+    out.ended = (status if ended_last else "unknown") != "signal"
+    out.groups = groups
+    return out
+
+
+def _stream(
+    rank: int,
+    heads: list[tuple[Any, ...]],
+    params: dict[tuple[int, int], dict[str, ParamValue]],
+    where: str,
+) -> RankPlan:
+    """Walk one rank's events in write order, as the engine's watermarks would."""
+    seq = np.concatenate([h[0] for h in heads]) if heads else np.zeros(0, np.int64)
+    idx = np.concatenate([h[1] for h in heads]) if heads else np.zeros(0, np.int64)
+    step = np.concatenate([h[2] for h in heads]).astype(np.int64) if heads else seq
+    code = np.concatenate([h[3] for h in heads]) if heads else np.zeros(0, np.int8)
+    counted = np.concatenate(
+        [h[4] if h[4] is not None else np.full(len(h[0]), -1) for h in heads]
+    ) if heads else seq  # fmt: skip
+    order = np.lexsort((idx, seq))
+    seq, idx, step, code, counted = seq[order], idx[order], step[order], code[order], counted[order]
+    closed = np.maximum.accumulate(np.where(code == _END, step, NO_STEP)) if len(seq) else seq
+    top = np.maximum.accumulate(np.where(code == _STEP, step, NO_STEP)) if len(seq) else seq
+    before_closed = np.concatenate(([NO_STEP], closed[:-1])) if len(seq) else seq
+    before_top = np.concatenate(([NO_STEP], top[:-1])) if len(seq) else seq
+    own = np.maximum(before_closed, before_top - 1)
+    is_step = code == _STEP
+    if np.any(is_step & (step <= own)):
+        raise _No(f"rank {rank} logged late values")
+    logged = step[is_step]
+    checked = (code == _END) & (counted >= 0)
+    if np.any(checked):
+        steps, counts = np.unique(logged, return_counts=True)
+        ends, want = step[checked], counted[checked]
+        got = np.zeros(len(ends), np.int64)
+        if len(steps):
+            at = np.minimum(np.searchsorted(steps, ends), len(steps) - 1)
+            got = np.where(steps[at] == ends, counts[at], 0)
+        if np.any(got != want):
+            raise _No(f"rank {rank}: a step_end counts other events than the dataset holds")
+    out = RankPlan(rank, watermark=NO_STEP, ended=True, world_size=None)
+    if len(seq):
+        out.watermark = int(max(closed[-1], top[-1] - 1))
+    for i in np.flatnonzero(code == _PARAMS).tolist():
+        q, k = int(seq[i]), int(idx[i])
+        effective = int(before_top[i]) + 1 if before_top[i] >= 0 else 0
+        out.params.append(ParamsRead(effective, rank, params[(q, k)], True, f"{where}#{q}.{k}"))
+    return out
+
+
+def _heads(pf: pq.ParquetFile, path: Path, columns: list[str]) -> list[Any]:
+    """One row per event (rows of one event share seq and idx), in write order."""
+    parts: list[list[Any]] = [[] for _ in columns]
+    last: tuple[int, int] | None = None
+    for batch in pf.iter_batches(batch_size=_BATCH, columns=columns):
+        cols = [batch.column(i).to_numpy() for i in range(len(columns))]
+        seq, idx = cols[0], cols[1]
+        _in_order(seq, idx, path, last)
+        new = np.ones(len(seq), bool)
+        new[1:] = (seq[1:] != seq[:-1]) | (idx[1:] != idx[:-1])
+        if last is not None and len(seq) and (int(seq[0]), int(idx[0])) == last:
+            new[0] = False
+        if len(seq):
+            last = (int(seq[-1]), int(idx[-1]))
+        for part, col in zip(parts, cols, strict=True):
+            part.append(col[new])
+    return [np.concatenate(p) if p else np.zeros(0, np.int64) for p in parts]
+
+
+def _in_order(seq: Any, idx: Any, path: Path, last: tuple[int, int] | None = None) -> None:
+    """Rows in (seq, idx) order, after ``last``; else the event path (which sorts)."""
+    if len(seq) == 0:
+        return
+    if last is not None and (int(seq[0]), int(idx[0])) < last:
+        raise _No(f"{path.name}: rows out of order")
+    ok = (seq[1:] > seq[:-1]) | ((seq[1:] == seq[:-1]) & (idx[1:] >= idx[:-1]))
+    if not bool(np.all(ok)):
+        raise _No(f"{path.name}: rows out of order")
+
+
+def _groups(table: str, rank: int, path: Path, meta: Any) -> Iterable[RowGroup]:
+    """The file's row groups with the steps they span (from the footer's statistics)."""
+    names = meta.schema.to_arrow_schema().names
+    col, red, name = names.index("step"), names.index("reduce"), names.index("name")
+    for i in range(meta.num_row_groups):
+        group = meta.row_group(i)
+        if group.num_rows == 0:
+            continue
+        stats = group.column(col).statistics
+        if stats is None or not stats.has_min_max or stats.null_count:
+            raise _No(f"{path.name}: no step statistics")
+        named = group.column(name).statistics
+        if named is None or named.null_count != 0:
+            raise _No(f"{path.name}: names without statistics")
+        specs = group.column(red).statistics
+        if specs is None or specs.null_count != 0:
+            raise _No(f"{path.name}: reduce specs without statistics")
+        one = specs.has_min_max and specs.min == specs.max and len(specs.min) < _SHORT
+        yield RowGroup(table, rank, path, i, int(stats.min), int(stats.max), group.num_rows,
+                       specs.min if one else None)  # fmt: skip
