@@ -502,7 +502,8 @@ class RankTail:
         steps = self.steps
         step_types = _STEP_TYPES
         for event in events:
-            if type(event) in step_types:
+            kind = type(event)
+            if kind in step_types:
                 ev: StepEvent = event  # type: ignore[assignment]  # the set holds only those
                 step = ev.step
                 # inc.watermark, inlined: this runs once per event
@@ -539,35 +540,40 @@ class RankTail:
                 if contrib.incarnation == inc_no:
                     contrib.events.append(ev)
                     contrib.count += 1
-            elif type(event) is Gpu:
+            elif kind is StepEnd:
+                end: StepEnd = event  # type: ignore[assignment]  # its exact type
+                if end.events >= 0 and end.step > shipped_upto and self.source.verify_counts:
+                    if prev_closed is None:
+                        prev_closed = state.closed_before(inc_no)
+                    if end.step > prev_closed:
+                        self._verify(rank, inc_no, end.step, end.events)
+                if end.step > inc.closed:
+                    inc.closed = end.step
+                if end.step > max_step:  # a frame is consumed once its step_end is shipped too
+                    max_step = end.step
+            elif kind is Gpu:
+                sample: Gpu = event  # type: ignore[assignment]  # its exact type
                 # a sample belongs to the step this rank is in (its own stream's order)
-                step = event.step if event.step is not None else inc.watermark + 1
+                step = sample.step if sample.step is not None else inc.watermark + 1
                 if step > shipped_upto:
                     if step > max_step:
                         max_step = step
-                    self._contribute(step, rank, inc_no, event, counted=False)
-            elif type(event) is StepEnd:
-                if event.events >= 0 and event.step > shipped_upto and self.source.verify_counts:
-                    if prev_closed is None:
-                        prev_closed = state.closed_before(inc_no)
-                    if event.step > prev_closed:
-                        self._verify(rank, inc_no, event.step, event.events)
-                if event.step > inc.closed:
-                    inc.closed = event.step
-                if event.step > max_step:  # a frame is consumed once its step_end is shipped too
-                    max_step = event.step
-            elif type(event) is RankStart:
-                inc.world_size = event.world_size
-                inc.host = event.host
-                inc.started = event.ts
-            elif type(event) is RankEnd:
-                inc.ended = event.status
-            elif type(event) is Params:
+                    self._contribute(step, rank, inc_no, sample, counted=False)
+            elif kind is RankStart:
+                start: RankStart = event  # type: ignore[assignment]  # its exact type
+                inc.world_size = start.world_size
+                inc.host = start.host
+                inc.started = start.ts
+            elif kind is RankEnd:
+                last: RankEnd = event  # type: ignore[assignment]  # its exact type
+                inc.ended = last.status
+            elif kind is Params:
+                params: Params = event  # type: ignore[assignment]  # its exact type
                 effective = inc.max_step + 1 if inc.max_step >= 0 else 0
                 where = f"{seg.key}@{frame_end}#{nparams}"
                 nparams += 1
                 self._poll.params.append(
-                    ParamsRead(effective, rank, dict(event.values), fresh, where)
+                    ParamsRead(effective, rank, dict(params.values), fresh, where)
                 )
                 # the owner decides what is new; until it shipped them, keep the frame
                 holds = holds or effective > shipped_upto
