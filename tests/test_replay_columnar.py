@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 import pytest
@@ -13,6 +13,7 @@ import pytest
 import ranklog.archive._columnar as columnar_mod
 import ranklog.archive._compact as compact_mod
 import ranklog.archive._replay as replay_mod
+import ranklog.archive._windows as windows_mod
 from ranklog.archive import compact, replay
 from ranklog.archive._manifest import load_manifest
 from ranklog.archive._plan import plan
@@ -20,12 +21,16 @@ from ranklog.archive._replay import _segment_files
 from ranklog.archive._rows import GroupCache
 from ranklog.schemas import (
     Event,
+    Gpu,
+    Histogram,
+    Image,
     Metrics,
     Params,
     ParamValue,
     RankEnd,
     RankStart,
     StepEnd,
+    Table,
     Text,
     Timer,
 )
@@ -38,6 +43,7 @@ from .spoolgen import write_frame
 
 T0 = 1_000_000.0  # exact in microseconds, as every offset below
 SPECS = ["mean", "sum", "min", "max", "last", "median", "std", "count", "mean,max", "last,min"]
+STEP_EVENTS = (Metrics, Timer, Text, Histogram, Image, Table)
 SPECIAL = [0.0, -0.0, math.nan, math.inf, -math.inf, 1e308, -1e308, 5e-324, 1e16, 1.0]
 
 
@@ -60,7 +66,28 @@ def _step_events(rng: random.Random, step: int, names: list[str]) -> list[Event]
     for name in rng.sample(["fwd", "bwd"], rng.randrange(0, 3)):
         seconds = rng.choice([0.5, 0.25, rng.random(), math.nan])
         out.append(Timer(T0 + step + 0.5, step, name, seconds, rng.choice(["mean", "max,min"])))
+    ts = T0 + step + 0.5
+    if rng.random() < 0.1:
+        out.append(Text(ts, step, "val/sample", f"step {step} says {rng.random()}"))
+    if rng.random() < 0.1:
+        out.append(Histogram(ts, step, "grads", [_value(rng) for _ in range(rng.randrange(4))]))
+    if rng.random() < 0.05:
+        out.append(Image(ts, step, "plot", bytes([step % 256]) * 3, "png"))
+    if rng.random() < 0.05:
+        out.append(
+            Table(ts, step, "val/results", ["q", "score"], [[f"q{step}", 0.5], [None, True]])
+        )
     return out
+
+
+def _gpu(rng: random.Random, step: int | None) -> list[Event]:
+    """Samples of two GPUs (a field missing now and then), for ``step`` or the current one."""
+    ts = T0 + (step or 0) + rng.choice([0.125, 0.875])
+    return [
+        Gpu(ts, "node", i, util=rng.choice([None, 50.0, 99.5]), mem_used=1000 + i,
+            mem_total=4000, temp=rng.choice([None, 60.0]), power=300.0, step=step, name="H200")
+        for i in range(2)
+    ]  # fmt: skip
 
 
 def _writer(
@@ -77,7 +104,8 @@ def _writer(
 
 
 def _job(spool: Path, seed: int, *, ends: str = "ok", params_ranks: int = 1,
-         extra: dict[int, list[Event]] | None = None, phases: int = 2) -> int:  # fmt: skip
+         extra: dict[int, list[Event]] | None = None, phases: int = 2,
+         config: dict[int, list[dict[str, Any]]] | None = None) -> int:  # fmt: skip
     """A job whose ranks log in order (random names, specs, frames); returns its steps.
 
     ``ends``: "ok" (every rank writes rank_end ok), or "mixed" (some end by a signal,
@@ -97,6 +125,9 @@ def _job(spool: Path, seed: int, *, ends: str = "ok", params_ranks: int = 1,
     if ends == "mixed":  # a rank that never starts; the world size from rank_start alone
         declared, known = world + rng.randrange(2), bool(seed % 2)
     writers = {r: _writer(spool, r, declared, rng, known=known) for r in range(world)}
+    for r, w in writers.items():
+        for values in (config or {}).get(r, []):
+            write_frame(w, [Params(T0, values)])
     for phase in range(phases):
         lo, hi = steps * phase // phases, steps * (phase + 1) // phases
         for r, w in writers.items():
@@ -108,8 +139,10 @@ def _job(spool: Path, seed: int, *, ends: str = "ok", params_ranks: int = 1,
                                Params(T0 + s, {"lr": rng.random(), f"p{s % 3}": s}))  # fmt: skip
                 if r == 0 and s == 2 and extra:
                     evs.extend(extra.get(s, []))
-                counted = sum(1 for e in evs if isinstance(e, (Metrics, Timer, Text)))
+                counted = sum(1 for e in evs if isinstance(e, STEP_EVENTS))
                 evs.append(StepEnd(T0 + s + 0.75, s, counted if rng.random() < 0.7 else -1))
+                if r % 2 == 0 and rng.random() < 0.3:  # GPU samples between steps
+                    evs.extend(_gpu(rng, s + 1 if rng.random() < 0.2 else None))
                 frame.extend(evs)
                 if rng.random() < 0.6:
                     write_frame(w, frame)
@@ -122,7 +155,7 @@ def _job(spool: Path, seed: int, *, ends: str = "ok", params_ranks: int = 1,
         if how == "none":
             w.abandon()
             continue
-        write_frame(w, [RankEnd(T0 + steps + 1, how, 0)])
+        write_frame(w, [*_gpu(rng, None), RankEnd(T0 + steps + 1, how, 0)])
         w.close()
     compact(spool, spool.parent / "pq")
     return steps
@@ -183,7 +216,8 @@ class TestSameBytes:
         self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int
     ) -> None:
         """Random jobs (NaN, inf, -0.0, ties, mixed specs, several events and segments,
-        params): the columnar replay writes the event path's bytes and live shipping's."""
+        params, texts, distributions, images, tables, GPU samples): the columnar replay
+        writes the event path's bytes and live shipping's."""
         _job(spool, seed)
         assert _planned(tmp_path / "pq") == (True, "")
         got = _replays(tmp_path / "pq", tmp_path, monkeypatch)
@@ -210,9 +244,9 @@ class TestSameBytes:
         """Windows of a few rows over row groups of 5, with a cache that holds nothing:
         groups are read by several windows and their steps still reduce together."""
         monkeypatch.setattr(compact_mod, "_ROW_GROUP", 5)
-        monkeypatch.setattr(columnar_mod, "WINDOW_ROWS", 9)
+        monkeypatch.setattr(windows_mod, "WINDOW_ROWS", 9)
         monkeypatch.setattr(replay_mod, "_CACHE_BYTES", 1)
-        monkeypatch.setattr(columnar_mod, "_OPEN", 1)
+        monkeypatch.setattr(windows_mod, "_OPEN", 1)
         _job(spool, seed)
         assert _planned(tmp_path / "pq") == (True, "")
         got = _replays(tmp_path / "pq", tmp_path, monkeypatch)
@@ -231,13 +265,59 @@ class TestSameBytes:
             assert _replays(tmp_path / "pq", tmp_path, monkeypatch, **kw) == plain
 
 
+class TestParams:
+    CONFIG: ClassVar = [
+        {"model": "tiny", "layers": 4},
+        {"optim.lr": 3e-4, "tags": "a,b", "seed": None},
+    ]
+
+    @pytest.mark.parametrize("seed", [300, 301, 302])
+    def test_one_config_logged_by_every_rank(
+        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int
+    ) -> None:
+        """Every rank logs the same config at the start (as most scripts do): replayed on
+        columns, params lines where and as live shipping wrote them."""
+        _job(spool, seed, params_ranks=0, config={r: self.CONFIG for r in range(6)})
+        assert _planned(tmp_path / "pq") == (True, "")
+        got = _replays(tmp_path / "pq", tmp_path, monkeypatch)
+        live = tmp_path / "live.jsonl"
+        ship(spool, live)
+        assert got == live.read_bytes()
+        assert b'"params": {"model": "tiny"' in got
+
+    @pytest.mark.parametrize(
+        ("other", "why"),
+        [
+            ([{"model": "tiny", "layers": 4.0}, CONFIG[1]], "params differ"),  # 4.0 is not 4
+            ([*CONFIG, {"layers": 5}], "params differ"),
+            ([*CONFIG, {"layers": 4}], "params logged again"),
+        ],
+    )
+    def test_configs_that_differ_go_event_by_event(
+        self,
+        spool: Path,
+        tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch,
+        other: list[dict[str, Any]],
+        why: str,
+    ) -> None:
+        """Ranks whose params differ (even as 4 against 4.0), or that log a key again: what
+        the engine ships depends on the order it reads them in, so the event path decides."""
+        seed = next(s for s in range(400, 500) if random.Random(s).randrange(1, 6) > 1)
+        config = {0: other, 1: other} if "again" in why else {0: self.CONFIG, 1: other}
+        _job(spool, seed, params_ranks=0, config=config, phases=1)
+        planned, reason = _planned(tmp_path / "pq")
+        assert not planned and why in reason
+        _replays(tmp_path / "pq", tmp_path, monkeypatch)
+
+
 class TestEventPath:
     @pytest.mark.parametrize(
         ("extra", "params_ranks", "why"),
         [
             ({2: [Metrics(T0 + 9, 1, {"m0": 5.0})]}, 1, "late values"),
-            ({2: [Text(T0 + 2, 2, "note", "hi")]}, 1, "holds text"),
-            (None, 2, "params from 2 ranks"),
+            ({2: _gpu(random.Random(0), 0)}, 1, "GPU samples for steps it had closed"),
+            (None, 2, "params differ"),
         ],
     )
     def test_departures_go_event_by_event(
@@ -249,7 +329,7 @@ class TestEventPath:
         params_ranks: int,
         why: str,
     ) -> None:
-        """A late value, a table the columns do not reduce, params from two ranks: the plan
+        """A late value, a GPU sample for a closed step, params from two ranks: the plan
         says why, and replay (event by event) still equals live shipping."""
         seed = 3
         while True:  # a job where the second rank logs params, when that is the point
@@ -306,7 +386,7 @@ class TestWindows:
         """Steps crowded at the start and a few far away: each window holds about
         WINDOW_ROWS rows (never the crowd at once), and the result is the event path's."""
         monkeypatch.setattr(compact_mod, "_ROW_GROUP", 50)
-        monkeypatch.setattr(columnar_mod, "WINDOW_ROWS", 200)
+        monkeypatch.setattr(windows_mod, "WINDOW_ROWS", 200)
         info = ensure_run(spool, world_size=2)
         for r in range(2):
             w = IncarnationWriter.create(SpoolLayout(spool), info, r, world_size=2)

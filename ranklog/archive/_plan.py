@@ -11,11 +11,14 @@ one. :func:`plan` checks, rank by rank and on the key columns alone
 - every step event is for a step the rank had not closed yet (nothing late), so its
   steps never go down;
 - every step_end that counts its step's events counts what the dataset holds;
-- it holds only metrics, timers, ranks rows, and params (from one rank at most).
+- each GPU sample goes to a step its rank had not closed, its steps never going down;
+- params come from one rank, or every rank that logs them logs the same ones: the
+  same keys, values (as JSON text) and steps, each key once (a config logged by every
+  rank at the start). Then the order the engine would read them in changes nothing.
 
 It then knows what the engine would end with: each rank's watermark, world size and
-end, and each params event's effective step. Memory: one batch of key columns, and
-one rank's event heads (a few numbers per event), at a time.
+end, each params event's effective step and each GPU sample's step. Memory: one batch
+of key columns, and one rank's event heads (a few numbers per event), at a time.
 """
 
 from __future__ import annotations
@@ -33,21 +36,24 @@ import pyarrow.parquet as pq
 
 from ranklog.archive._manifest import Manifest
 from ranklog.archive._rows import GroupCache
+from ranklog.archive._tables import TABLES
 from ranklog.schemas import ParamValue
 from ranklog.shippers._tail import ParamsRead
 from ranklog.spool import NO_STEP, SegmentId
 
-__all__ = ["COLUMNAR_TABLES", "Plan", "RankPlan", "RowGroup", "plan"]
+__all__ = ["ITEMS", "REDUCED", "Plan", "RankPlan", "RowGroup", "plan"]
 
-#: the tables a columnar replay handles; any other table with rows means the event path
-COLUMNAR_TABLES: Final = frozenset({"metrics", "timers", "ranks", "params"})
 #: tables reduced on columns (each row group is indexed by its steps)
 REDUCED: Final = ("metrics", "timers")
+#: tables of step events handed over one by one (texts, distributions, images, tables)
+ITEMS: Final = ("text", "histograms", "images", "tables")
+#: a GPU sample's step when it has none (the step its rank is in)
+_NULL: Final = -(2**62)
 _BATCH: Final = 256 * 1024
 #: a string statistic this short is never truncated
 _SHORT: Final = 64
 # event codes in a rank's stream
-_STEP, _END, _PARAMS, _OTHER = 0, 1, 2, 3
+_STEP, _END, _PARAMS, _OTHER, _GPU = 0, 1, 2, 3, 4
 
 
 @dataclass(slots=True, frozen=True)
@@ -74,7 +80,12 @@ class RankPlan:
     ended: bool
     world_size: int | None
     params: list[ParamsRead] = field(default_factory=list)
+    #: the params events as (effective step, ((key, value as JSON text), ...)), in order
+    said: list[tuple[int, tuple[tuple[str, str], ...]]] = field(default_factory=list)
     groups: list[RowGroup] = field(default_factory=list)
+    #: the gpu table's files (rows in write order) and the step of each of their rows
+    gpu_files: list[tuple[Path, int]] = field(default_factory=list)
+    gpu_steps: Any = None
 
 
 @dataclass(slots=True)
@@ -98,17 +109,31 @@ def plan(
     by_rank: dict[int, list[tuple[SegmentId, dict[str, list[Path]]]]] = {}
     for sid, tables in files.items():  # sorted: write order within a rank
         by_rank.setdefault(sid.rank, []).append((sid, tables))
-    with_params = [r for r, segs in by_rank.items() if any("params" in t for _, t in segs)]
     try:
-        if len(with_params) > 1:
-            raise _No(f"params from {len(with_params)} ranks")
         ranks = [_rank(r, segs, manifest, cache) for r, segs in sorted(by_rank.items())]
+        _one_config(ranks)
     except _No as why:
         return None, str(why)
     rows = sum(
         n for entry in manifest.segments.values() for t, n in entry.rows.items() if t in REDUCED
     )
     return Plan(ranks, rows, cache), ""
+
+
+def _one_config(ranks: list[RankPlan]) -> None:
+    """Params from several ranks: only the same ones everywhere, each key once; then the
+    lowest rank's stand for all (the others change nothing, whatever the read order)."""
+    logging = [rp for rp in ranks if rp.said]
+    if len(logging) < 2:
+        return
+    first = logging[0].said
+    if any(rp.said != first for rp in logging[1:]):
+        raise _No(f"params differ across {len(logging)} ranks")
+    keys = [k for _, items in first for k, _ in items]
+    if len(keys) != len(set(keys)):
+        raise _No(f"params logged again, by {len(logging)} ranks")
+    for rp in logging[1:]:
+        rp.params = []
 
 
 def _rank(
@@ -123,27 +148,34 @@ def _rank(
         raise _No(f"rank {rank}: a segment is missing")
     heads: list[tuple[Any, ...]] = []  # per table and file: (seq, idx, step, code, extra)
     groups: list[RowGroup] = []
-    params: dict[tuple[int, int], dict[str, ParamValue]] = {}
+    params: dict[tuple[int, int], list[tuple[str, str]]] = {}
     expected = 0
     ended_last = False
     world: int | None = None
     status: str | None = None
+    last: dict[str, tuple[int, int] | None] = {}  # per table: the last event read
+    gpu_files: list[tuple[Path, int]] = []
     for n, (sid, tables) in enumerate(segs):
-        if not set(tables) <= COLUMNAR_TABLES:
-            raise _No(f"{sid.stem} holds {', '.join(sorted(set(tables) - COLUMNAR_TABLES))}")
+        unknown = set(tables) - set(TABLES)
+        if unknown:
+            raise _No(f"{sid.stem} holds {', '.join(sorted(unknown))}")
         seqs = []
-        for table in REDUCED:
+        for table in (*REDUCED, *ITEMS, "gpu"):
             for path in tables.get(table, []):
                 pf = pq.ParquetFile(path, metadata=cache.footer(path))
-                groups.extend(_groups(table, rank, path, pf.metadata))
-                seq, idx, step = _heads(pf, path, ["seq", "idx", "step"])
-                heads.append((seq, idx, step, np.full(len(seq), _STEP, np.int8), None))
+                if table == "gpu":
+                    gpu_files.append((path, pf.metadata.num_rows))
+                else:
+                    groups.extend(_groups(table, rank, path, pf.metadata))
+                seq, idx, step, last[table] = _heads(pf, path, last.get(table))
+                what = _GPU if table == "gpu" else _STEP
+                heads.append((seq, idx, step, np.full(len(seq), what, np.int8), None))
                 seqs.append(seq)
         for path in tables.get("params", []):
             t = pq.ParquetFile(path).read(columns=["seq", "idx", "name", "value"])
             for q, i, name, value in zip(*(t[c].to_pylist() for c in t.column_names), strict=True):
-                params.setdefault((q, i), {})[name] = json.loads(value)
-            seq, idx = _heads(pq.ParquetFile(path), path, ["seq", "idx"])
+                params.setdefault((q, i), []).append((name, value))
+            seq, idx, _, last["params"] = _heads(pq.ParquetFile(path), path, last.get("params"))
             heads.append((seq, idx, np.full(len(seq), NO_STEP), np.full(len(seq), _PARAMS, np.int8),
                           None))  # fmt: skip
             seqs.append(seq)
@@ -178,13 +210,14 @@ def _rank(
     out.world_size = world
     out.ended = (status if ended_last else "unknown") != "signal"
     out.groups = groups
+    out.gpu_files = gpu_files
     return out
 
 
 def _stream(
     rank: int,
     heads: list[tuple[Any, ...]],
-    params: dict[tuple[int, int], dict[str, ParamValue]],
+    params: dict[tuple[int, int], list[tuple[str, str]]],
     where: str,
 ) -> RankPlan:
     """Walk one rank's events in write order, as the engine's watermarks would."""
@@ -217,22 +250,44 @@ def _stream(
         if np.any(got != want):
             raise _No(f"rank {rank}: a step_end counts other events than the dataset holds")
     out = RankPlan(rank, watermark=NO_STEP, ended=True, world_size=None)
+    is_gpu = code == _GPU
+    if np.any(is_gpu):  # the step a sample goes to: its own, or the one its rank is in
+        raw, mine = step[is_gpu], own[is_gpu]
+        given = raw != _NULL
+        if np.any(given & (raw <= mine)):
+            raise _No(f"rank {rank} has GPU samples for steps it had closed")
+        steps_of = np.where(given, raw, mine + 1)
+        if np.any(steps_of[1:] < steps_of[:-1]):
+            raise _No(f"rank {rank} has GPU samples out of step order")
+        out.gpu_steps = steps_of
     if len(seq):
         out.watermark = int(max(closed[-1], top[-1] - 1))
     for i in np.flatnonzero(code == _PARAMS).tolist():
         q, k = int(seq[i]), int(idx[i])
         effective = int(before_top[i]) + 1 if before_top[i] >= 0 else 0
-        out.params.append(ParamsRead(effective, rank, params[(q, k)], True, f"{where}#{q}.{k}"))
+        items = params[(q, k)]
+        values: dict[str, ParamValue] = {name: json.loads(text) for name, text in items}
+        out.params.append(ParamsRead(effective, rank, values, True, f"{where}#{q}.{k}"))
+        out.said.append((effective, tuple(items)))
     return out
 
 
-def _heads(pf: pq.ParquetFile, path: Path, columns: list[str]) -> list[Any]:
-    """One row per event (rows of one event share seq and idx), in write order."""
-    parts: list[list[Any]] = [[] for _ in columns]
-    last: tuple[int, int] | None = None
+def _heads(
+    pf: pq.ParquetFile, path: Path, last: tuple[int, int] | None
+) -> tuple[Any, Any, Any, tuple[int, int] | None]:
+    """(seq, idx, step) of each event (rows of one event share seq and idx), in write
+    order after ``last``, the last event of the table's files before; and the new last.
+
+    A step that is null (a GPU sample's, or a table without steps) reads as ``_NULL``.
+    """
+    columns = ["seq", "idx"] + (["step"] if "step" in pf.schema_arrow.names else [])
+    parts: list[list[Any]] = [[], [], []]
     for batch in pf.iter_batches(batch_size=_BATCH, columns=columns):
-        cols = [batch.column(i).to_numpy() for i in range(len(columns))]
-        seq, idx = cols[0], cols[1]
+        seq, idx = batch.column(0).to_numpy(), batch.column(1).to_numpy()
+        if len(columns) == 3:
+            step = batch.column(2).fill_null(_NULL).to_numpy()
+        else:
+            step = np.full(len(seq), _NULL, np.int64)
         _in_order(seq, idx, path, last)
         new = np.ones(len(seq), bool)
         new[1:] = (seq[1:] != seq[:-1]) | (idx[1:] != idx[:-1])
@@ -240,9 +295,10 @@ def _heads(pf: pq.ParquetFile, path: Path, columns: list[str]) -> list[Any]:
             new[0] = False
         if len(seq):
             last = (int(seq[-1]), int(idx[-1]))
-        for part, col in zip(parts, cols, strict=True):
+        for part, col in zip(parts, (seq, idx, step), strict=True):
             part.append(col[new])
-    return [np.concatenate(p) if p else np.zeros(0, np.int64) for p in parts]
+    seq, idx, step = (np.concatenate(p) if p else np.zeros(0, np.int64) for p in parts)
+    return seq, idx, step, last
 
 
 def _in_order(seq: Any, idx: Any, path: Path, last: tuple[int, int] | None = None) -> None:
@@ -259,7 +315,8 @@ def _in_order(seq: Any, idx: Any, path: Path, last: tuple[int, int] | None = Non
 def _groups(table: str, rank: int, path: Path, meta: Any) -> Iterable[RowGroup]:
     """The file's row groups with the steps they span (from the footer's statistics)."""
     names = meta.schema.to_arrow_schema().names
-    col, red, name = names.index("step"), names.index("reduce"), names.index("name")
+    col, name = names.index("step"), names.index("name")
+    red = names.index("reduce") if table in REDUCED else None
     for i in range(meta.num_row_groups):
         group = meta.row_group(i)
         if group.num_rows == 0:
@@ -270,9 +327,11 @@ def _groups(table: str, rank: int, path: Path, meta: Any) -> Iterable[RowGroup]:
         named = group.column(name).statistics
         if named is None or named.null_count != 0:
             raise _No(f"{path.name}: names without statistics")
-        specs = group.column(red).statistics
-        if specs is None or specs.null_count != 0:
-            raise _No(f"{path.name}: reduce specs without statistics")
-        one = specs.has_min_max and specs.min == specs.max and len(specs.min) < _SHORT
-        yield RowGroup(table, rank, path, i, int(stats.min), int(stats.max), group.num_rows,
-                       specs.min if one else None)  # fmt: skip
+        one = None
+        if red is not None:
+            specs = group.column(red).statistics
+            if specs is None or specs.null_count != 0:
+                raise _No(f"{path.name}: reduce specs without statistics")
+            if specs.has_min_max and specs.min == specs.max and len(specs.min) < _SHORT:
+                one = specs.min
+        yield RowGroup(table, rank, path, i, int(stats.min), int(stats.max), group.num_rows, one)

@@ -27,11 +27,11 @@ from typing import Final
 from ranklog.errors import ConfigError
 from ranklog.schemas import REDUCE_OPS
 
-__all__ = ["Partial", "exact_parts", "output_names", "parse_ops"]
+__all__ = ["SUMMED", "Partial", "exact_parts", "fsums", "output_names", "parse_ops"]
 
 _NEEDS_VALUES: Final = frozenset({"median", "std"})
 #: ops whose partial is the count and the sum alone (when every value is finite)
-_SUMMED: Final = frozenset({("mean",), ("sum",), ("count",)})
+SUMMED: Final = frozenset({("mean",), ("sum",), ("count",)})
 _op_cache: dict[str, tuple[str, ...]] = {}
 
 
@@ -86,7 +86,7 @@ class Partial:
             finite = math.isfinite(total)
         except (ValueError, OverflowError):  # inf + -inf, or an intermediate overflow
             finite = False
-        if finite and not exact and ops in _SUMMED:  # the usual value: count and sum only
+        if finite and not exact and ops in SUMMED:  # the usual value: count and sum only
             return cls(len(values), total)  # (no ``last``: these ops never read it)
         keep = needs_values(ops)
         if finite:  # the common case: no NaN, no inf
@@ -194,6 +194,19 @@ class Partial:
             except OverflowError:
                 return math.inf
         return math.sqrt(max(0.0, self.sumsq / self.count - mean * mean))
+
+
+def fsums(values: list[float], starts: list[int], ends: list[int]) -> list[float] | None:
+    """``math.fsum`` of each ``values[a:b]``, in one C loop; None if one raises (inf - inf,
+    an intermediate overflow): then :meth:`Partial.of` takes those values one by one.
+
+    A finite sum of a group whose ops are in :data:`SUMMED` is all its partial needs:
+    ``Partial(count, total)`` is what :meth:`Partial.of` gives for it.
+    """
+    try:
+        return list(map(math.fsum, map(values.__getitem__, map(slice, starts, ends))))
+    except (ValueError, OverflowError):
+        return None
 
 
 def _add(a: float, b: float) -> float:

@@ -195,16 +195,8 @@ class StepPartial:
                     best = slowest.get(name)
                     if best is None or _slower(ev.seconds, best[0]):
                         slowest[name] = (ev.seconds, rank)
-                elif type(ev) is Text:
-                    out.texts.append(TextItem(rank, ev.name, ev.text))
-                elif type(ev) is Histogram:
-                    out.histograms.setdefault(ev.name, []).append((rank, list(ev.values)))
-                elif type(ev) is Image:
-                    out.images.append(ImageItem(rank, ev.name, ev.data, ev.format))
-                elif type(ev) is Table:
-                    out.tables.append(TableItem(rank, ev.name, ev.columns, ev.rows))
-                elif type(ev) is Gpu:
-                    out.gpus.append((rank, ev))
+                else:
+                    out.add(rank, ev)
             if out.per_rank is not None:
                 own = _own(events)
                 if own:
@@ -231,6 +223,20 @@ class StepPartial:
                 last = _last(acc, order, name, timer=timer) if "last" in ops else _NO_LAST
                 into[name] = Named(first, spec, Partial.of(lst, last=last, ops=ops, exact=exact))
         return out
+
+    def add(self, rank: int, ev: Contributed) -> None:
+        """Take in one text, distribution, image, table or GPU sample of ``rank``'s (ranks
+        in order, each rank's in the order it logged them)."""
+        if type(ev) is Text:
+            self.texts.append(TextItem(rank, ev.name, ev.text))
+        elif type(ev) is Histogram:
+            self.histograms.setdefault(ev.name, []).append((rank, list(ev.values)))
+        elif type(ev) is Image:
+            self.images.append(ImageItem(rank, ev.name, ev.data, ev.format))
+        elif type(ev) is Table:
+            self.tables.append(TableItem(rank, ev.name, ev.columns, ev.rows))
+        elif type(ev) is Gpu:
+            self.gpus.append((rank, ev))
 
     def only_gpu(self) -> bool:
         """Whether GPU samples are all the step holds (no rank logged anything for it).

@@ -1,0 +1,318 @@
+"""Windows of steps read from a planned dataset: each rank's rows, by row group.
+
+:class:`Loader` walks *lanes* (one rank's metrics, timers, texts, distributions,
+images or tables files, in write order: their steps never go down, the plan made
+sure) and each rank's GPU samples (whose steps the plan worked out). Each
+:meth:`Loader.next` picks the next window of steps, about :data:`WINDOW_ROWS` rows of
+metrics and timers as the row groups' statistics spread them, and returns its rows:
+metrics and timers as numpy columns (names and reduce specs as small integers, the
+same across files), the other tables' rows rebuilt as events (they are few).
+
+A row group that spans two windows is read by both; the part after the first window
+stays in the cache, up to its size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, cast
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from ranklog.archive._plan import ITEMS, REDUCED, Plan, RowGroup
+from ranklog.archive._rows import COLUMNS, frame_events
+from ranklog.schemas import Gpu, StepEvent
+from ranklog.shippers._steps import Contributed
+
+__all__ = ["WINDOW_ROWS", "Loader", "Window", "Words"]
+
+#: rows of the metrics and timers tables reduced together (one window of steps)
+WINDOW_ROWS: Final = 1 << 18
+_COLUMNS: Final = ["ts", "step", "name", "value", "reduce"]
+#: the columns the item tables are read with (as frame_events takes them)
+_ITEM_COLUMNS: Final = {t: ["seq", "idx", "ts", *COLUMNS[t]] for t in (*ITEMS, "gpu")}
+_ONE_SPEC: Final = _COLUMNS[:-1]
+#: string columns of the reduced tables read as dictionaries (mapped to codes, not read)
+_WORDS: Final = ("name", "reduce")
+#: Parquet files kept open between windows
+_OPEN: Final = 256
+
+
+class Words:
+    """Strings (names, reduce specs) as small integers, the same across files."""
+
+    def __init__(self) -> None:
+        self.ids: dict[str, int] = {}
+        self.words: list[str] = []
+        self._last: tuple[Any, Any] | None = None  # the last dictionary mapped, its codes
+
+    def codes(self, col: pa.ChunkedArray) -> Any:
+        """The column's strings as codes (dictionary-encoded chunks are mapped, not read)."""
+        out = []
+        for chunk in col.chunks:
+            if not pa.types.is_dictionary(chunk.type):
+                chunk = pc.dictionary_encode(chunk)
+            words = chunk.dictionary
+            if self._last is not None and self._last[0].equals(words):
+                lut = self._last[1]  # the next row group's dictionary, as a rule
+            else:
+                lut = np.array([self._id(w) for w in words.to_pylist()], np.int64)
+                self._last = (words, lut)
+            out.append(lut[chunk.indices.to_numpy()] if len(lut) else np.zeros(0, np.int64))
+        return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+    def _id(self, word: str) -> int:
+        got = self.ids.get(word)
+        if got is None:
+            got = self.ids[word] = len(self.words)
+            self.words.append(word)
+        return got
+
+
+class _Rows:
+    """One table's rows of a window, as numpy columns (rank order, then write order)."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[Any, ...]] = []
+
+    def columns(self) -> tuple[Any, ...]:
+        if not self.parts:
+            return tuple(np.zeros(0, np.int64) for _ in range(6))
+        return tuple(np.concatenate(c) for c in zip(*self.parts, strict=True))
+
+
+@dataclass(slots=True)
+class Window:
+    """One window's rows, as read: steps ``lo <= step < hi``."""
+
+    lo: int
+    hi: int
+    #: table -> (rank, ts, step, name, value, spec) columns
+    rows: dict[str, tuple[Any, ...]]
+    #: rank -> (steps, latest ts of each) per part read
+    marks: dict[int, list[tuple[Any, Any]]]
+    #: no row is left after this window
+    last: bool
+    #: texts, distributions, images, tables and GPU samples: (rank, step, event), in rank
+    #: order, each rank's in write order
+    items: list[tuple[int, int, Contributed]]
+
+
+class Loader:
+    """Reads a planned dataset window by window, each lane (a rank's table) in write order."""
+
+    def __init__(self, plan: Plan, names: Words, specs: Words) -> None:
+        self._cache = plan.cache
+        self._names, self._specs = names, specs
+        #: (rank, groups of one table in write order: their steps never go down)
+        self._lanes: list[tuple[int, list[RowGroup]]] = []
+        for rp in plan.ranks:
+            for table in (*REDUCED, *ITEMS):
+                lane = [g for g in rp.groups if g.table == table]
+                if lane:
+                    self._lanes.append((rp.rank, lane))
+        #: each lane's first group still needed
+        self._next = [0] * len(self._lanes)
+        #: ranks with GPU samples: the samples' files, steps, and the next row to read
+        self._gpu = [[rp.rank, rp.gpu_files, rp.gpu_steps, 0] for rp in plan.ranks
+                     if rp.gpu_steps is not None]  # fmt: skip
+        lows = [lane[0].lo for _, lane in self._lanes] + [int(g[2][0]) for g in self._gpu]
+        top = max([g.hi for _, lane in self._lanes for g in lane]
+                  + [int(g[2][-1]) for g in self._gpu], default=0)  # fmt: skip
+        self._span = top - min(lows, default=0) + 1
+        self._width = max(1, int(WINDOW_ROWS / (max(plan.rows, 1) / self._span)))
+        self._hi: int | None = None
+        self._open: dict[Path, pq.ParquetFile] = {}
+
+    def next(self) -> Window | None:
+        """The next window (None: everything was read)."""
+        starts = [
+            lane[i].lo
+            for (_, lane), i in zip(self._lanes, self._next, strict=True)
+            if i < len(lane)
+        ] + [int(steps[i]) for _, _, steps, i in self._gpu if i < len(steps)]
+        if not starts:
+            return None
+        lo = max(min(starts), self._hi if self._hi is not None else min(starts))
+        # the width that held WINDOW_ROWS on average, fitted to the rows here (as the row
+        # groups' statistics spread them): uneven steps neither blow memory up nor crawl
+        width = self._width
+        while width > 1 and self._estimate(lo, lo + width) > 2 * WINDOW_ROWS:
+            width //= 2
+        while width < self._span and self._estimate(lo, lo + width) < WINDOW_ROWS / 4:
+            width *= 2
+        self._width = width
+        hi = lo + width
+        rows = {t: _Rows() for t in REDUCED}
+        marks: dict[int, list[tuple[Any, Any]]] = {}
+        other: dict[int, dict[str, pa.Table]] = {}  # rank -> item table -> its rows
+        for k, (rank, lane) in enumerate(self._lanes):
+            i = self._next[k]
+            picked: list[RowGroup] = []
+            while i + len(picked) < len(lane) and lane[i + len(picked)].lo < hi:
+                picked.append(lane[i + len(picked)])
+            while i < len(lane) and lane[i].hi < hi:  # read to its end: not needed again
+                i += 1
+            self._next[k] = i
+            if not picked:
+                continue
+            table = picked[0].table
+            if table in REDUCED:
+                self._read(rank, picked, lo, hi, rows[table], marks)
+            else:
+                t = self._rows(picked, lo, hi, _ITEM_COLUMNS[table])
+                if t is not None:
+                    other.setdefault(rank, {})[table] = t
+        gpu_steps: dict[int, Any] = {}
+        for g in self._gpu:
+            rank, files, steps, a = g
+            b = int(np.searchsorted(steps, hi))
+            if b > a:
+                other.setdefault(rank, {})["gpu"] = self._gpu_rows(files, a, b)
+                gpu_steps[rank] = steps[a:b]
+                g[3] = b
+        self._hi = hi
+        last = all(
+            i >= len(lane) for (_, lane), i in zip(self._lanes, self._next, strict=True)
+        ) and all(i >= len(steps) for _, _, steps, i in self._gpu)
+        items = self._items(other, gpu_steps, marks)
+        return Window(lo, hi, {t: r.columns() for t, r in rows.items()}, marks, last, items)
+
+    def _items(
+        self,
+        other: dict[int, dict[str, pa.Table]],
+        gpu_steps: dict[int, Any],
+        marks: dict[int, list[tuple[Any, Any]]],
+    ) -> list[tuple[int, int, Contributed]]:
+        """The window's events of the item tables, rebuilt (they are few), with their steps."""
+        items: list[tuple[int, int, Contributed]] = []
+        for rank in sorted(other):
+            tables = other[rank]
+            for name, t in tables.items():
+                steps = gpu_steps[rank] if name == "gpu" else t["step"].to_numpy()
+                marks.setdefault(rank, []).append((steps, t["ts"].to_numpy()))
+            sampled = iter(gpu_steps.get(rank, ()).tolist() if rank in gpu_steps else ())
+            events = frame_events(dict(tables), rank, "")
+            for seq in sorted(events):
+                for ev in events[seq]:
+                    item = cast(Contributed, ev)  # only item tables were read
+                    step = next(sampled) if type(item) is Gpu else cast(StepEvent, item).step
+                    items.append((rank, step, item))
+        return items
+
+    def close(self) -> None:
+        for pf in self._open.values():
+            pf.close()
+        self._open = {}
+
+    def _estimate(self, lo: int, hi: int) -> float:
+        """Rows for steps ``lo <= step < hi``, each group's spread evenly over its steps."""
+        total = 0.0
+        for (_, lane), i in zip(self._lanes, self._next, strict=True):
+            while i < len(lane) and lane[i].lo < hi:
+                g = lane[i]
+                inside = min(g.hi, hi - 1) - max(g.lo, lo) + 1
+                if inside > 0:
+                    total += g.rows * inside / (g.hi - g.lo + 1)
+                i += 1
+        return total
+
+    def _read(
+        self,
+        rank: int,
+        groups: list[RowGroup],
+        lo: int,
+        hi: int,
+        into: _Rows,
+        marks: dict[int, list[tuple[Any, Any]]],
+    ) -> None:
+        """The rows of ``groups`` (one lane's) for steps ``lo <= step < hi``.
+
+        What a group holds past ``hi`` stays in the cache for the next window (the cache
+        drops the least recently used past its size; those are read again).
+        """
+        t = self._rows(groups, lo, hi, _COLUMNS)
+        if t is None:
+            return
+        step = t["step"].to_numpy()
+        ts = t["ts"].to_numpy()  # microseconds
+        cut = np.flatnonzero(step[1:] != step[:-1]) + 1
+        first = np.concatenate(([0], cut))
+        marks.setdefault(rank, []).append((step[first], np.maximum.reduceat(ts, first)))
+        into.parts.append((
+            np.full(len(step), rank, np.int64), ts, step, self._names.codes(t["name"]),
+            t["value"].to_numpy(), self._specs.codes(t["reduce"]),
+        ))  # fmt: skip
+
+    def _rows(
+        self, groups: list[RowGroup], lo: int, hi: int, columns: list[str]
+    ) -> pa.Table | None:
+        """The rows of ``groups`` (one lane's) for steps ``lo <= step < hi``, ts as int.
+
+        What a group holds past ``hi`` stays in the cache for the next window (the cache
+        drops the least recently used past its size; those are read again).
+        """
+        cache = self._cache
+        tables = []
+        for g in groups:
+            key = (str(g.path), g.index)
+            t = cache.get(key)
+            if t is None:
+                one = g.spec is not None and columns is _COLUMNS
+                t = self._file(g.path).read_row_group(
+                    g.index, columns=_ONE_SPEC if one else columns
+                )
+                if one:  # one spec for the group: not read, repeated
+                    spec = pa.DictionaryArray.from_arrays(
+                        pa.array(np.zeros(t.num_rows, np.int32)), pa.array([g.spec])
+                    )
+                    t = t.append_column("reduce", spec)
+                t = t.set_column(t.schema.get_field_index("ts"), "ts", t["ts"].cast(pa.int64()))
+            step = t["step"].to_numpy()
+            a, b = np.searchsorted(step, [lo, hi]).tolist()  # steps never go down in a lane
+            if b < len(step):
+                cache.put(key, t.slice(b))
+            else:
+                cache.drop(key)
+            if b > a:
+                tables.append(t.slice(a, b - a))
+        if not tables:
+            return None
+        return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+
+    def _gpu_rows(self, files: list[tuple[Path, int]], a: int, b: int) -> pa.Table:
+        """Rows ``a <= row < b`` of a rank's gpu table (its files one after another)."""
+        parts = []
+        base = 0
+        for path, n in files:
+            first, end = max(a - base, 0), min(b - base, n)
+            base += n
+            if first >= end:
+                continue
+            meta = self._cache.footer(path)
+            starts = np.cumsum([0] + [meta.row_group(i).num_rows
+                                      for i in range(meta.num_row_groups)])  # fmt: skip
+            g0 = int(np.searchsorted(starts, first, side="right")) - 1
+            g1 = int(np.searchsorted(starts, end, side="left"))
+            t = self._file(path).read_row_groups(list(range(g0, g1)), columns=_ITEM_COLUMNS["gpu"])
+            parts.append(t.slice(first - int(starts[g0]), end - first))
+        t = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+        return t.set_column(t.schema.get_field_index("ts"), "ts", t["ts"].cast(pa.int64()))
+
+    def _file(self, path: Path) -> pq.ParquetFile:
+        """``path`` opened (the last :data:`_OPEN` files stay open)."""
+        pf = self._open.pop(path, None)
+        if pf is None:
+            meta = self._cache.footer(path)
+            names = set(meta.schema.to_arrow_schema().names)
+            pf = pq.ParquetFile(
+                path, metadata=meta, read_dictionary=[c for c in _WORDS if c in names]
+            )
+            while len(self._open) >= _OPEN:
+                self._open.pop(next(iter(self._open))).close()
+        self._open[path] = pf
+        return pf
