@@ -31,7 +31,7 @@ from ranklog.shippers._steps import Contributed
 __all__ = ["WINDOW_ROWS", "Loader", "Window", "Words"]
 
 #: rows of the metrics and timers tables reduced together (one window of steps)
-WINDOW_ROWS: Final = 1 << 18
+WINDOW_ROWS: Final = 1 << 19
 _COLUMNS: Final = ["ts", "step", "name", "value", "reduce"]
 #: the columns the item tables are read with (as frame_events takes them)
 _ITEM_COLUMNS: Final = {t: ["seq", "idx", "ts", *COLUMNS[t]] for t in (*ITEMS, "gpu")}
