@@ -35,9 +35,12 @@ numbers depend on the machine and its load.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
 import platform
+import pstats
 import shutil
 import subprocess
 import sys
@@ -519,6 +522,41 @@ def _bench_idle(base: Path, seconds: float, poll: float | None, ranks: int = IDL
 # -- output -----------------------------------------------------------------------------
 
 
+def _archive_profile(
+    base: Path, ranks: int, steps: int, *, compaction: bool, replay: bool, top: int = 12
+) -> list[str]:
+    """Top functions (own time) of an in-process compaction and replay below their targets.
+
+    Replay's reader thread is not in the profile (cProfile follows the calling thread).
+    """
+    from ranklog.archive import compact
+    from ranklog.archive import replay as replay_dataset
+    from ranklog.cli import _long_running
+    from ranklog.shippers.targets.jsonl import JsonlTarget
+
+    _long_running()  # the collector and allocator as the CLI commands tune them
+    out = []
+    with tempfile.TemporaryDirectory(prefix="profile-", dir=base) as name:
+        tmp = Path(name)
+        write_spool(tmp / "spool", ranks, steps)
+        runs = []
+        if compaction:
+            runs.append(("compaction", lambda: compact(tmp / "spool", tmp / "pq")))
+        else:
+            compact(tmp / "spool", tmp / "pq")
+        if replay:
+            runs.append(("replay", lambda: replay_dataset(tmp / "pq", JsonlTarget(tmp / "r"))))
+        for what, call in runs:
+            prof = cProfile.Profile()
+            prof.runcall(call)
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+            body = [line for line in text.getvalue().splitlines() if line.strip()][-top - 1 :]
+            out += ["", f"Profile of {what} ({ranks} ranks x {steps} steps), own time:", "",
+                    "```", *body, "```"]  # fmt: skip
+    return out
+
+
 def _header(budget: Budget, base: Path, quick: bool) -> list[str]:
     from ranklog.shippers._source import filesystem_of
 
@@ -691,6 +729,10 @@ def main(argv: Sequence[str] | None = None) -> int:
          "ok": (rep.rss_mb or 0) <= TARGET_RSS_MB},
     ]  # fmt: skip
     lines += [f"- {verdict(c['ok'])}: {c['what']}: {c['figure']}" for c in archive_checks]
+    if not archive_checks[0]["ok"] or not archive_checks[3]["ok"]:
+        lines += _archive_profile(base, THROUGHPUT_RANKS, budget.steps,
+                                  compaction=not archive_checks[0]["ok"],
+                                  replay=not archive_checks[3]["ok"])  # fmt: skip
     print("\n".join(lines), flush=True)
     write_json(args.json, "shipper", rows, archive_checks)
     return 0
