@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
+import time
 from pathlib import Path
 from typing import Any, ClassVar
 
 import msgspec
+import pyarrow.parquet as pq
 import pytest
 
 import ranklog.archive._columnar as columnar_mod
@@ -19,6 +22,7 @@ from ranklog.archive._manifest import load_manifest
 from ranklog.archive._plan import plan
 from ranklog.archive._replay import _segment_files
 from ranklog.archive._rows import GroupCache
+from ranklog.errors import ArchiveError
 from ranklog.schemas import (
     Event,
     Gpu,
@@ -241,10 +245,10 @@ class TestSameBytes:
     def test_tiny_windows_row_groups_and_cache(
         self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int
     ) -> None:
-        """Windows of a few rows over row groups of 5, with a cache that holds nothing:
+        """Windows of a step over row groups of 5 rows, with a cache that holds nothing:
         groups are read by several windows and their steps still reduce together."""
         monkeypatch.setattr(compact_mod, "_ROW_GROUP", 5)
-        monkeypatch.setattr(windows_mod, "WINDOW_ROWS", 9)
+        monkeypatch.setattr(windows_mod, "WINDOW_BYTES", 1)  # a step or so a window
         monkeypatch.setattr(replay_mod, "_CACHE_BYTES", 1)
         monkeypatch.setattr(windows_mod, "_OPEN", 1)
         _job(spool, seed)
@@ -384,9 +388,8 @@ class TestWindows:
         self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """Steps crowded at the start and a few far away: each window holds about
-        WINDOW_ROWS rows (never the crowd at once), and the result is the event path's."""
+        WINDOW_BYTES (never the crowd at once), and the result is the event path's."""
         monkeypatch.setattr(compact_mod, "_ROW_GROUP", 50)
-        monkeypatch.setattr(windows_mod, "WINDOW_ROWS", 200)
         info = ensure_run(spool, world_size=2)
         for r in range(2):
             w = IncarnationWriter.create(SpoolLayout(spool), info, r, world_size=2)
@@ -396,6 +399,9 @@ class TestWindows:
                 write_frame(w, [Metrics(T0 + s, s, values), StepEnd(T0 + s, s, 1)])
             w.close()
         compact(spool, tmp_path / "pq")
+        meta = pq.ParquetFile(sorted((tmp_path / "pq" / "metrics").glob("*.parquet"))[0]).metadata
+        per_row = meta.row_group(0).total_byte_size / meta.row_group(0).num_rows
+        monkeypatch.setattr(windows_mod, "WINDOW_BYTES", int(200 * per_row))  # ~200 rows
         sizes: list[int] = []
         real = columnar_mod.ColumnarTails._reduce
 
@@ -409,3 +415,125 @@ class TestWindows:
         assert sum(sizes) == 2 * (2 * (300 * 10 + 3))  # both replays: every row once
         assert max(sizes) <= 2 * 200 + 2 * 50  # + what one group per lane may overshoot
         assert len([n for n in sizes if n]) >= 2 * 6
+
+
+class _FailsOnce(JsonlTarget):
+    """A JSONL target whose second write fails before writing anything (a full disk)."""
+
+    writes = 0
+
+    def write(self, steps: list[ShippedStep]) -> None:
+        type(self).writes += 1
+        if type(self).writes == 2:
+            raise OSError(28, "No space left on device")
+        super().write(steps)
+
+
+class TestFailures:
+    def test_a_failed_write_is_sent_again(
+        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The target fails mid-replay: the shipper retries, and the window's steps it had
+        not written are still held and sent (every step once, as the event path gives)."""
+        monkeypatch.setattr(windows_mod, "WINDOW_BYTES", 1)
+        monkeypatch.setattr(time, "sleep", lambda s: None)  # the retry's back-off
+        _job(spool, 11)
+        want = _replays(tmp_path / "pq", tmp_path, monkeypatch)
+        out = tmp_path / "retried.jsonl"
+        replay(tmp_path / "pq", _FailsOnce(out))
+        assert _FailsOnce.writes > 2
+        assert out.read_bytes() == want
+
+    def test_a_failed_read_stops_the_replay(
+        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A window the reader thread cannot read ends the replay with an ArchiveError
+        naming the dataset, instead of a retry that would skip the window's rows."""
+        _job(spool, 12)
+        calls = []
+        real = windows_mod.Loader.next
+
+        def flaky(self: windows_mod.Loader) -> Any:
+            calls.append(1)
+            if len(calls) == 2:
+                raise OSError(5, "Input/output error")
+            return real(self)
+
+        def no_retry(seconds: float) -> None:
+            raise AssertionError("the replay retried a read the reader had moved past")
+
+        monkeypatch.setattr(windows_mod, "WINDOW_BYTES", 1)
+        monkeypatch.setattr(windows_mod.Loader, "next", flaky)
+        monkeypatch.setattr(time, "sleep", no_retry)
+        with pytest.raises(ArchiveError, match="reading failed"):
+            replay(tmp_path / "pq", JsonlTarget(tmp_path / "out.jsonl"))
+
+
+class TestMoreDepartures:
+    def _one_rank(self, spool: Path, frames: list[list[Event]], world: int | None = 1) -> None:
+        info = ensure_run(spool, world_size=world)
+        w = IncarnationWriter.create(SpoolLayout(spool), info, 0, world_size=world)
+        for frame in frames:
+            write_frame(w, frame)
+        w.close()
+
+    def test_params_for_a_step_already_closed(
+        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Params logged after a step_end of a step with no values apply to a closed step:
+        whether the engine writes them depends on when it reads them, so the event path."""
+        self._one_rank(spool, [
+            [StepEnd(T0, 0, 0), StepEnd(T0 + 1, 1, 0)],
+            [Params(T0 + 2, {"lr": 0.1})],
+            [Metrics(T0 + 2, 2, {"x": 1.0}), StepEnd(T0 + 2, 2, 1)],
+        ])  # fmt: skip
+        compact(spool, tmp_path / "pq")
+        planned, why = _planned(tmp_path / "pq")
+        assert not planned and "which it had closed" in why
+        _replays(tmp_path / "pq", tmp_path, monkeypatch)
+
+    def test_a_rank_outside_the_world_size(
+        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A rank numbered past the world size is not waited for: the event path decides."""
+        info = ensure_run(spool, world_size=2)
+        for r in range(3):
+            w = IncarnationWriter.create(SpoolLayout(spool), info, r, world_size=None)
+            for s in range(3):
+                write_frame(w, [Metrics(T0 + s, s, {"x": float(r)}), StepEnd(T0 + s, s, 1)])
+            w.close()
+        compact(spool, tmp_path / "pq")
+        planned, why = _planned(tmp_path / "pq")
+        assert not planned and "outside the world size 2" in why
+        _replays(tmp_path / "pq", tmp_path, monkeypatch)
+
+    def test_a_dataset_from_an_older_release(
+        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Ranks files without the ``events`` column (an older release): the event path,
+        which reads absent columns as nulls, replays them; no crash."""
+        _job(spool, 5, phases=1)
+        for path in (tmp_path / "pq" / "ranks").glob("*.parquet"):
+            t = pq.read_table(path)
+            pq.write_table(t.drop_columns(["events"]), path)
+        planned, why = _planned(tmp_path / "pq")
+        assert not planned and "has no events" in why
+        _replays(tmp_path / "pq", tmp_path, monkeypatch)
+
+    def test_an_output_name_two_names_share(
+        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """``x`` reduced by mean and max ships ``x/max``, as does a metric named ``x/max``:
+        the one logged later in the step wins, on columns as in the engine."""
+        self._one_rank(spool, [
+            [Metrics(T0, 0, {"x/max": 5.0}), StepEnd(T0, 0, 1)],
+            [Metrics(T0 + 1, 1, {"x": 1.0}, "mean,max"), Metrics(T0 + 1, 1, {"x/max": 7.0}),
+             StepEnd(T0 + 1, 1, 2)],
+            [Metrics(T0 + 2, 2, {"x/max": 9.0}), Metrics(T0 + 2, 2, {"x": 2.0}, "mean,max"),
+             StepEnd(T0 + 2, 2, 2)],
+        ])  # fmt: skip
+        compact(spool, tmp_path / "pq")
+        assert _planned(tmp_path / "pq") == (True, "")
+        out = _replays(tmp_path / "pq", tmp_path, monkeypatch)
+        got = [json.loads(line)["metrics"] for line in out.splitlines()]
+        assert [m["x/max"] for m in got] == [5.0, 7.0, 2.0]

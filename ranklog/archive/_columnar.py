@@ -1,9 +1,10 @@
 """Replay on columns: a planned dataset's steps built window by window, no engine.
 
 :class:`ColumnarTails` is the reading half of a replay shipper for a dataset that
-:func:`~ranklog.archive._plan.plan` accepted. A :class:`_Loader` (on a thread of its
-own: decoding Parquet releases the GIL) reads windows of steps, about
-:data:`WINDOW_ROWS` rows each, by row group, using each group's step statistics.
+:func:`~ranklog.archive._plan.plan` accepted. A :class:`~ranklog.archive._windows.Loader`
+(on a thread of its own: decoding Parquet releases the GIL) reads windows of steps,
+about :data:`~ranklog.archive._windows.WINDOW_BYTES` each, by row group, using each
+group's step statistics.
 Metrics and timers are sorted by (step, name) with a stable sort, so that a group's
 values stay in rank order and, within a rank, in write order, and each group is
 reduced with the engine's own :class:`~ranklog.shippers._reduce.Partial`: no Python
@@ -30,6 +31,7 @@ import numpy as np
 
 from ranklog.archive._plan import REDUCED, Plan
 from ranklog.archive._windows import Loader, Window, Words
+from ranklog.errors import ArchiveError
 from ranklog.shippers._cursor import Cursor
 from ranklog.shippers._reduce import SUMMED, Partial, fsums, parse_ops
 from ranklog.shippers._steps import Named, StepPartial, _slower
@@ -66,10 +68,13 @@ class ColumnarTails:
         return None
 
     def poll(self, shipped_upto: int, gap: StepGap, floor: int | None) -> TailPoll:
-        """Reduce the next window of steps; the ranks as the engine sees them once it is read."""
-        progressed = not self._done
-        if not self._done:
+        """Reduce the next window of steps once the last one is shipped (a failed write
+        leaves its steps held: they are sent again); the ranks as the engine sees them."""
+        self._drop(shipped_upto)
+        progressed = False
+        if not self._built and not self._done:
             self._window()
+            progressed = True
         params = []
         if not self._params_sent:
             self._params_sent = True
@@ -88,12 +93,18 @@ class ColumnarTails:
         return out
 
     def partials(self, steps: list[int], *, per_rank: bool) -> list[StepPartial | None]:
-        """The window's partials (each handed out once)."""
-        return [self._built.pop(s, None) for s in steps]
+        """The window's partials (held until they are shipped)."""
+        return [self._built.get(s) for s in steps]
 
     def commit(self, shipped_upto: int, gap: StepGap, *, params_pending: bool) -> TailCommit:
-        """Nothing to consume: a replay's cursor is thrown away."""
+        """Forget what was shipped; nothing else to save (a replay's cursor is thrown away)."""
+        self._drop(shipped_upto)
         return TailCommit({}, {})
+
+    def _drop(self, shipped_upto: int) -> None:
+        if self._built and min(self._built) <= shipped_upto:
+            for step in [s for s in self._built if s <= shipped_upto]:
+                del self._built[step]
 
     def wait(self, timeout: float) -> None:
         return None
@@ -108,7 +119,10 @@ class ColumnarTails:
     def _window(self) -> None:
         if self._coming is None:  # the first window
             self._coming = self._pool.submit(self._loader.next)
-        window = self._coming.result()
+        try:
+            window = self._coming.result()
+        except OSError as exc:  # the reader moved on: a retry could not start where it failed
+            raise ArchiveError(f"replay of {self._dataset}: reading failed ({exc})") from exc
         self._coming = None
         if window is None:
             self._done = True
@@ -142,9 +156,13 @@ class ColumnarTails:
         key = key[order]
         cut = np.flatnonzero(key[1:] != key[:-1]) + 1
         starts = np.concatenate(([0], cut))
-        ends = np.concatenate((cut, [n])).tolist()
+        stops = np.concatenate((cut, [n]))
+        # a step's names in the order they first appear (rank order, then write order), as
+        # the engine meets them: an output name two names share keeps the later one's value
+        seen = np.lexsort((order[starts], key[starts] // width))
+        starts, stops = starts[seen], stops[seen]
+        begins, ends = starts.tolist(), stops.tolist()
         values = value[order].tolist()
-        begins = starts.tolist()
         totals = fsums(values, begins, ends) or [math.nan] * len(ends)
         ranks = rank[order]
         firsts = ranks[starts].tolist()

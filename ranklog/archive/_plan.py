@@ -14,7 +14,11 @@ one. :func:`plan` checks, rank by rank and on the key columns alone
 - each GPU sample goes to a step its rank had not closed, its steps never going down;
 - params come from one rank, or every rank that logs them logs the same ones: the
   same keys, values (as JSON text) and steps, each key once (a config logged by every
-  rank at the start). Then the order the engine would read them in changes nothing.
+  rank at the start). Then the order the engine would read them in changes nothing;
+- params apply to a step the rank had not closed, and no rank is numbered past the
+  world size (the engine would not wait for it): what the engine does with those
+  depends on when it reads them;
+- every file has the columns read here (an older release's may not).
 
 It then knows what the engine would end with: each rank's watermark, world size and
 end, each params event's effective step and each GPU sample's step. Memory: one batch
@@ -35,7 +39,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ranklog.archive._manifest import Manifest
-from ranklog.archive._rows import GroupCache
+from ranklog.archive._rows import COLUMNS, GroupCache
 from ranklog.archive._tables import TABLES
 from ranklog.schemas import ParamValue
 from ranklog.shippers._tail import ParamsRead
@@ -67,6 +71,8 @@ class RowGroup:
     lo: int
     hi: int
     rows: int
+    #: the group's size, uncompressed (a window is sized by these)
+    nbytes: int
     #: the reduce spec of every row, when the statistics say there is one (None: read it)
     spec: str | None = None
 
@@ -93,8 +99,6 @@ class Plan:
     """A dataset that replays on columns: its ranks (in rank order)."""
 
     ranks: list[RankPlan]
-    #: rows of the reduced tables
-    rows: int
     cache: GroupCache
 
 
@@ -112,12 +116,15 @@ def plan(
     try:
         ranks = [_rank(r, segs, manifest, cache) for r, segs in sorted(by_rank.items())]
         _one_config(ranks)
+        sizes = [rp.world_size for rp in ranks if rp.world_size is not None]
+        if manifest.world_size is not None:
+            sizes.append(manifest.world_size)
+        if sizes and ranks and ranks[-1].rank >= max(sizes):
+            # not waited for by the engine: what it reads late of them depends on timing
+            raise _No(f"rank {ranks[-1].rank} is outside the world size {max(sizes)}")
     except _No as why:
         return None, str(why)
-    rows = sum(
-        n for entry in manifest.segments.values() for t, n in entry.rows.items() if t in REDUCED
-    )
-    return Plan(ranks, rows, cache), ""
+    return Plan(ranks, cache), ""
 
 
 def _one_config(ranks: list[RankPlan]) -> None:
@@ -162,7 +169,7 @@ def _rank(
         seqs = []
         for table in (*REDUCED, *ITEMS, "gpu"):
             for path in tables.get(table, []):
-                pf = pq.ParquetFile(path, metadata=cache.footer(path))
+                pf = _open(path, table, cache)
                 if table == "gpu":
                     gpu_files.append((path, pf.metadata.num_rows))
                 else:
@@ -172,16 +179,16 @@ def _rank(
                 heads.append((seq, idx, step, np.full(len(seq), what, np.int8), None))
                 seqs.append(seq)
         for path in tables.get("params", []):
-            t = pq.ParquetFile(path).read(columns=["seq", "idx", "name", "value"])
+            pf = _open(path, "params", cache)
+            t = pf.read(columns=["seq", "idx", "name", "value"])
             for q, i, name, value in zip(*(t[c].to_pylist() for c in t.column_names), strict=True):
                 params.setdefault((q, i), []).append((name, value))
-            seq, idx, _, last["params"] = _heads(pq.ParquetFile(path), path, last.get("params"))
+            seq, idx, _, last["params"] = _heads(pf, path, last.get("params"))
             heads.append((seq, idx, np.full(len(seq), NO_STEP), np.full(len(seq), _PARAMS, np.int8),
                           None))  # fmt: skip
             seqs.append(seq)
         for path in tables.get("ranks", []):
-            t = pq.ParquetFile(path).read(columns=["seq", "idx", "kind", "step", "events",
-                                                   "world_size", "status"])  # fmt: skip
+            t = _open(path, "ranks", cache).read(columns=["seq", "idx", *_NEEDED["ranks"]])
             seq, idx = t["seq"].to_numpy(), t["idx"].to_numpy()
             _in_order(seq, idx, path)
             is_end = pc.equal(t["kind"], "step_end").to_numpy(zero_copy_only=False)
@@ -265,11 +272,33 @@ def _stream(
     for i in np.flatnonzero(code == _PARAMS).tolist():
         q, k = int(seq[i]), int(idx[i])
         effective = int(before_top[i]) + 1 if before_top[i] >= 0 else 0
+        if effective <= own[i]:  # the step they apply to may be shipped when they are read
+            raise _No(f"rank {rank} logged params for step {effective}, which it had closed")
         items = params[(q, k)]
         values: dict[str, ParamValue] = {name: json.loads(text) for name, text in items}
         out.params.append(ParamsRead(effective, rank, values, True, f"{where}#{q}.{k}"))
         out.said.append((effective, tuple(items)))
     return out
+
+
+#: the columns the columnar path reads of each table (besides seq and idx)
+_NEEDED: Final = {
+    **{t: ["ts", "step", "name", "value", "reduce"] for t in REDUCED},
+    **{t: ["ts", *COLUMNS[t]] for t in (*ITEMS, "gpu")},
+    "params": ["name", "value"],
+    "ranks": ["kind", "step", "events", "world_size", "status"],
+}
+
+
+def _open(path: Path, table: str, cache: GroupCache) -> pq.ParquetFile:
+    """``path`` opened; a file an older release wrote, without a column read here, is
+    left to the event path (which reads absent columns as nulls)."""
+    pf = pq.ParquetFile(path, metadata=cache.footer(path))
+    names = set(pf.schema_arrow.names)
+    missing = [c for c in ("seq", "idx", *_NEEDED[table]) if c not in names]
+    if missing:
+        raise _No(f"{path.name} has no {', '.join(missing)} (an older release wrote it)")
+    return pf
 
 
 def _heads(
@@ -334,4 +363,5 @@ def _groups(table: str, rank: int, path: Path, meta: Any) -> Iterable[RowGroup]:
                 raise _No(f"{path.name}: reduce specs without statistics")
             if specs.has_min_max and specs.min == specs.max and len(specs.min) < _SHORT:
                 one = specs.min
-        yield RowGroup(table, rank, path, i, int(stats.min), int(stats.max), group.num_rows, one)
+        yield RowGroup(table, rank, path, i, int(stats.min), int(stats.max), group.num_rows,
+                       group.total_byte_size, one)  # fmt: skip

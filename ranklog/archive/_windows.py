@@ -3,8 +3,8 @@
 :class:`Loader` walks *lanes* (one rank's metrics, timers, texts, distributions,
 images or tables files, in write order: their steps never go down, the plan made
 sure) and each rank's GPU samples (whose steps the plan worked out). Each
-:meth:`Loader.next` picks the next window of steps, about :data:`WINDOW_ROWS` rows of
-metrics and timers as the row groups' statistics spread them, and returns its rows:
+:meth:`Loader.next` picks the next window of steps, about :data:`WINDOW_BYTES` of row
+groups as their statistics spread them over their steps, and returns its rows:
 metrics and timers as numpy columns (names and reduce specs as small integers, the
 same across files), the other tables' rows rebuilt as events (they are few).
 
@@ -28,10 +28,11 @@ from ranklog.archive._rows import COLUMNS, frame_events
 from ranklog.schemas import Gpu, StepEvent
 from ranklog.shippers._steps import Contributed
 
-__all__ = ["WINDOW_ROWS", "Loader", "Window", "Words"]
+__all__ = ["WINDOW_BYTES", "Loader", "Window", "Words"]
 
-#: rows of the metrics and timers tables reduced together (one window of steps)
-WINDOW_ROWS: Final = 1 << 19
+#: row-group bytes (uncompressed, as the footers count them) of one window of steps: about
+#: 512 K rows of metrics; a table of images or tables counts by its bytes too
+WINDOW_BYTES: Final = 16 << 20
 _COLUMNS: Final = ["ts", "step", "name", "value", "reduce"]
 #: the columns the item tables are read with (as frame_events takes them)
 _ITEM_COLUMNS: Final = {t: ["seq", "idx", "ts", *COLUMNS[t]] for t in (*ITEMS, "gpu")}
@@ -124,7 +125,8 @@ class Loader:
         top = max([g.hi for _, lane in self._lanes for g in lane]
                   + [int(g[2][-1]) for g in self._gpu], default=0)  # fmt: skip
         self._span = top - min(lows, default=0) + 1
-        self._width = max(1, int(WINDOW_ROWS / (max(plan.rows, 1) / self._span)))
+        total = sum(g.nbytes for _, lane in self._lanes for g in lane)
+        self._width = max(1, int(WINDOW_BYTES / (max(total, 1) / self._span)))
         self._hi: int | None = None
         self._open: dict[Path, pq.ParquetFile] = {}
 
@@ -138,12 +140,12 @@ class Loader:
         if not starts:
             return None
         lo = max(min(starts), self._hi if self._hi is not None else min(starts))
-        # the width that held WINDOW_ROWS on average, fitted to the rows here (as the row
+        # the width that held WINDOW_BYTES on average, fitted to the bytes here (as the row
         # groups' statistics spread them): uneven steps neither blow memory up nor crawl
         width = self._width
-        while width > 1 and self._estimate(lo, lo + width) > 2 * WINDOW_ROWS:
+        while width > 1 and self._estimate(lo, lo + width) > 2 * WINDOW_BYTES:
             width //= 2
-        while width < self._span and self._estimate(lo, lo + width) < WINDOW_ROWS / 4:
+        while width < self._span and self._estimate(lo, lo + width) < WINDOW_BYTES / 4:
             width *= 2
         self._width = width
         hi = lo + width
@@ -210,14 +212,14 @@ class Loader:
         self._open = {}
 
     def _estimate(self, lo: int, hi: int) -> float:
-        """Rows for steps ``lo <= step < hi``, each group's spread evenly over its steps."""
+        """Bytes for steps ``lo <= step < hi``, each group's spread evenly over its steps."""
         total = 0.0
         for (_, lane), i in zip(self._lanes, self._next, strict=True):
             while i < len(lane) and lane[i].lo < hi:
                 g = lane[i]
                 inside = min(g.hi, hi - 1) - max(g.lo, lo) + 1
                 if inside > 0:
-                    total += g.rows * inside / (g.hi - g.lo + 1)
+                    total += g.nbytes * inside / (g.hi - g.lo + 1)
                 i += 1
         return total
 
@@ -275,7 +277,10 @@ class Loader:
             step = t["step"].to_numpy()
             a, b = np.searchsorted(step, [lo, hi]).tolist()  # steps never go down in a lane
             if b < len(step):
-                cache.put(key, t.slice(b))
+                rest = t.slice(b)
+                if 2 * rest.num_rows < t.num_rows:  # a copy: let the group's buffers go
+                    rest = t.take(pa.array(np.arange(b, t.num_rows)))
+                cache.put(key, rest)
             else:
                 cache.drop(key)
             if b > a:
