@@ -31,8 +31,9 @@ from ranklog.shippers._steps import Contributed
 __all__ = ["WINDOW_BYTES", "Loader", "Window", "Words"]
 
 #: row-group bytes (uncompressed, as the footers count them) of one window of steps: about
-#: 512 K rows of metrics; a table of images or tables counts by its bytes too
-WINDOW_BYTES: Final = 16 << 20
+#: 400 K rows of metrics (two windows in flight: ~230 MB peak on the bench spool); a
+#: table of images or tables counts by its bytes too
+WINDOW_BYTES: Final = 12 << 20
 _COLUMNS: Final = ["ts", "step", "name", "value", "reduce"]
 #: the columns the item tables are read with (as frame_events takes them)
 _ITEM_COLUMNS: Final = {t: ["seq", "idx", "ts", *COLUMNS[t]] for t in (*ITEMS, "gpu")}
