@@ -206,7 +206,7 @@ def _replays(dataset: Path, out: Path, monkeypatch: pytest.MonkeyPatch, **kw: An
     replay(dataset, JsonlTarget(fast), **kw)
     replay(dataset, fast_rec, **kw)
     with monkeypatch.context() as m:
-        m.setattr(replay_mod, "plan", lambda *a, **k: (None, "the event path, for comparison"))
+        m.setattr(replay_mod, "scan", lambda *a, **k: (None, "the event path, for comparison"))
         replay(dataset, JsonlTarget(slow), **kw)
         replay(dataset, slow_rec, **kw)
     assert fast.read_bytes() == slow.read_bytes()

@@ -23,6 +23,7 @@ stays in the cache, up to its size); memory holds two windows (one read, one red
 from __future__ import annotations
 
 import math
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Final
@@ -41,6 +42,8 @@ from ranklog.spool import RunInfo
 __all__ = ["ColumnarTails"]
 
 _NO_LAST: Final = (-math.inf, -1, math.nan)
+#: windows read ahead of the one reduced (memory holds this many more)
+_AHEAD: Final = 2
 
 
 class ColumnarTails:
@@ -54,11 +57,18 @@ class ColumnarTails:
         #: the next window, read by a thread while this one is reduced (decoding Parquet
         #: releases the GIL)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ranklog-replay")
-        self._coming: Future[Window | None] | None = None
+        #: windows being read, in order (the pool's one thread reads them one by one)
+        self._coming: deque[Future[Window | None]] = deque()
         self._hi: int | None = None  # the end of the window reduced last (exclusive)
         self._done = False
         self._params_sent = False
         self._built: dict[int, StepPartial] = {}
+
+    def start(self) -> None:
+        """Start reading the first window now (the plan's check may still be running: a
+        dataset with GPU samples waits for it, their steps come from it)."""
+        while len(self._coming) < _AHEAD and not self._done:
+            self._coming.append(self._pool.submit(self._loader.next))
 
     @property
     def mode(self) -> str:
@@ -117,18 +127,17 @@ class ColumnarTails:
     # -- one window -------------------------------------------------------------------
 
     def _window(self) -> None:
-        if self._coming is None:  # the first window
-            self._coming = self._pool.submit(self._loader.next)
+        if not self._coming:  # the first window
+            self._coming.append(self._pool.submit(self._loader.next))
         try:
-            window = self._coming.result()
+            window = self._coming.popleft().result()
         except OSError as exc:  # the reader moved on: a retry could not start where it failed
             raise ArchiveError(f"replay of {self._dataset}: reading failed ({exc})") from exc
-        self._coming = None
         if window is None:
             self._done = True
             return
-        if not window.last:
-            self._coming = self._pool.submit(self._loader.next)
+        while not window.last and len(self._coming) < _AHEAD:
+            self._coming.append(self._pool.submit(self._loader.next))
         built: dict[int, StepPartial] = {}
         for table in REDUCED:
             self._reduce(built, window.lo, window.rows[table], timers=table == "timers")

@@ -45,7 +45,7 @@ from ranklog.schemas import ParamValue
 from ranklog.shippers._tail import ParamsRead
 from ranklog.spool import NO_STEP, SegmentId
 
-__all__ = ["ITEMS", "REDUCED", "Plan", "RankPlan", "RowGroup", "plan"]
+__all__ = ["ITEMS", "REDUCED", "Plan", "RankPlan", "RowGroup", "check", "plan", "scan"]
 
 #: tables reduced on columns (each row group is indexed by its steps)
 REDUCED: Final = ("metrics", "timers")
@@ -94,12 +94,20 @@ class RankPlan:
     gpu_steps: Any = None
 
 
+Segments = list[tuple[SegmentId, dict[str, list[Path]]]]
+
+
 @dataclass(slots=True)
 class Plan:
-    """A dataset that replays on columns: its ranks (in rank order)."""
+    """A dataset that replays on columns: its ranks (in rank order).
+
+    :func:`scan` fills in each rank's row groups (footers only); :func:`check` the rest.
+    """
 
     ranks: list[RankPlan]
     cache: GroupCache
+    #: each rank's segments and their files, in write order
+    segments: dict[int, Segments] = field(default_factory=dict)
 
 
 class _No(Exception):
@@ -109,12 +117,36 @@ class _No(Exception):
 def plan(
     files: dict[SegmentId, dict[str, list[Path]]], manifest: Manifest, cache: GroupCache
 ) -> tuple[Plan | None, str]:
-    """The dataset's plan, or (None, why it needs the event path)."""
-    by_rank: dict[int, list[tuple[SegmentId, dict[str, list[Path]]]]] = {}
+    """The dataset's plan, or (None, why it needs the event path): :func:`scan`, then
+    :func:`check`."""
+    found, why = scan(files, cache)
+    if found is not None:
+        why = check(found, manifest, cache)
+    return (found if not why else None), why
+
+
+def scan(
+    files: dict[SegmentId, dict[str, list[Path]]], cache: GroupCache
+) -> tuple[Plan | None, str]:
+    """The first pass, on the files' footers: each rank's row groups (all a reader needs
+    to start), or (None, why the dataset needs the event path)."""
+    by_rank: dict[int, Segments] = {}
     for sid, tables in files.items():  # sorted: write order within a rank
         by_rank.setdefault(sid.rank, []).append((sid, tables))
     try:
-        ranks = [_rank(r, segs, manifest, cache) for r, segs in sorted(by_rank.items())]
+        ranks = [_scan_rank(r, segs, cache) for r, segs in sorted(by_rank.items())]
+    except _No as why:
+        return None, str(why)
+    return Plan(ranks, cache, by_rank), ""
+
+
+def check(found: Plan, manifest: Manifest, cache: GroupCache) -> str:
+    """The second pass, on the key columns: what the engine would end with, filled into
+    ``found``; '' when the dataset replays on columns, else why not."""
+    try:
+        for rp in found.ranks:
+            _check_rank(rp, found.segments[rp.rank], manifest, cache)
+        ranks = found.ranks
         _one_config(ranks)
         sizes = [rp.world_size for rp in ranks if rp.world_size is not None]
         if manifest.world_size is not None:
@@ -123,8 +155,8 @@ def plan(
             # not waited for by the engine: what it reads late of them depends on timing
             raise _No(f"rank {ranks[-1].rank} is outside the world size {max(sizes)}")
     except _No as why:
-        return None, str(why)
-    return Plan(ranks, cache), ""
+        return str(why)
+    return ""
 
 
 def _one_config(ranks: list[RankPlan]) -> None:
@@ -143,37 +175,39 @@ def _one_config(ranks: list[RankPlan]) -> None:
         rp.params = []
 
 
-def _rank(
-    rank: int,
-    segs: list[tuple[SegmentId, dict[str, list[Path]]]],
-    manifest: Manifest,
-    cache: GroupCache,
-) -> RankPlan:
+def _scan_rank(rank: int, segs: Segments, cache: GroupCache) -> RankPlan:
     if len({sid.incarnation for sid, _ in segs}) > 1:
         raise _No(f"rank {rank} has several incarnations")
     if [sid.segment for sid, _ in segs] != list(range(1, len(segs) + 1)):
         raise _No(f"rank {rank}: a segment is missing")
+    out = RankPlan(rank, watermark=NO_STEP, ended=True, world_size=None)
+    for sid, tables in segs:
+        unknown = set(tables) - set(TABLES)
+        if unknown:
+            raise _No(f"{sid.stem} holds {', '.join(sorted(unknown))}")
+        for table, paths in tables.items():
+            for path in paths:
+                pf = _open(path, table, cache)
+                if table == "gpu":
+                    out.gpu_files.append((path, pf.metadata.num_rows))
+                elif table in REDUCED or table in ITEMS:
+                    out.groups.extend(_groups(table, rank, path, pf.metadata))
+    return out
+
+
+def _check_rank(rp: RankPlan, segs: Segments, manifest: Manifest, cache: GroupCache) -> None:
     heads: list[tuple[Any, ...]] = []  # per table and file: (seq, idx, step, code, extra)
-    groups: list[RowGroup] = []
     params: dict[tuple[int, int], list[tuple[str, str]]] = {}
     expected = 0
     ended_last = False
     world: int | None = None
     status: str | None = None
     last: dict[str, tuple[int, int] | None] = {}  # per table: the last event read
-    gpu_files: list[tuple[Path, int]] = []
     for n, (sid, tables) in enumerate(segs):
-        unknown = set(tables) - set(TABLES)
-        if unknown:
-            raise _No(f"{sid.stem} holds {', '.join(sorted(unknown))}")
         seqs = []
         for table in (*REDUCED, *ITEMS, "gpu"):
             for path in tables.get(table, []):
                 pf = _open(path, table, cache)
-                if table == "gpu":
-                    gpu_files.append((path, pf.metadata.num_rows))
-                else:
-                    groups.extend(_groups(table, rank, path, pf.metadata))
                 seq, idx, step, last[table] = _heads(pf, path, last.get(table))
                 what = _GPU if table == "gpu" else _STEP
                 heads.append((seq, idx, step, np.full(len(seq), what, np.int8), None))
@@ -213,21 +247,19 @@ def _rank(
             if entry.next_seq - 1 != expected:
                 raise _No(f"{sid.stem}: frames before the seal are missing")
             expected += 1
-    out = _stream(rank, heads, params, segs[0][0].key)
-    out.world_size = world
-    out.ended = (status if ended_last else "unknown") != "signal"
-    out.groups = groups
-    out.gpu_files = gpu_files
-    return out
+    _stream(rp, heads, params, segs[0][0].key)
+    rp.world_size = world
+    rp.ended = (status if ended_last else "unknown") != "signal"
 
 
 def _stream(
-    rank: int,
+    out: RankPlan,
     heads: list[tuple[Any, ...]],
     params: dict[tuple[int, int], list[tuple[str, str]]],
     where: str,
-) -> RankPlan:
+) -> None:
     """Walk one rank's events in write order, as the engine's watermarks would."""
+    rank = out.rank
     seq = np.concatenate([h[0] for h in heads]) if heads else np.zeros(0, np.int64)
     idx = np.concatenate([h[1] for h in heads]) if heads else np.zeros(0, np.int64)
     step = np.concatenate([h[2] for h in heads]).astype(np.int64) if heads else seq
@@ -256,7 +288,6 @@ def _stream(
             got = np.where(steps[at] == ends, counts[at], 0)
         if np.any(got != want):
             raise _No(f"rank {rank}: a step_end counts other events than the dataset holds")
-    out = RankPlan(rank, watermark=NO_STEP, ended=True, world_size=None)
     is_gpu = code == _GPU
     if np.any(is_gpu):  # the step a sample goes to: its own, or the one its rank is in
         raw, mine = step[is_gpu], own[is_gpu]
@@ -278,7 +309,6 @@ def _stream(
         values: dict[str, ParamValue] = {name: json.loads(text) for name, text in items}
         out.params.append(ParamsRead(effective, rank, values, True, f"{where}#{q}.{k}"))
         out.said.append((effective, tuple(items)))
-    return out
 
 
 #: the columns the columnar path reads of each table (besides seq and idx)

@@ -35,8 +35,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ranklog.archive._columnar import ColumnarTails
-from ranklog.archive._manifest import load_manifest, require_manifest
-from ranklog.archive._plan import plan
+from ranklog.archive._manifest import Manifest, load_manifest, require_manifest
+from ranklog.archive._plan import check, scan
 from ranklog.archive._rows import COLUMNS, GroupCache, RowGroups, frame_events, read_rows
 from ranklog.archive._tables import STEP_TABLES, TABLES
 from ranklog.errors import ConfigError, SpoolFormatError
@@ -319,6 +319,32 @@ class ParquetSource:
         return None
 
 
+def _columnar(dataset: Path, manifest: Manifest) -> ColumnarTails | None:
+    """The reading half of a replay on columns, when the dataset's plan allows it.
+
+    The first window is read (by the tails' thread) while the plan's second pass checks
+    the key columns, unless GPU samples wait for that pass (their steps come from it).
+    """
+    listed = {f for entry in manifest.segments.values() for f in entry.files}
+    found, why = scan(_segment_files(dataset, listed), GroupCache(_CACHE_BYTES))
+    tails = None
+    if found is not None:
+        tails = ColumnarTails(found, dataset)
+        try:
+            if not any(rp.gpu_files for rp in found.ranks):
+                tails.start()
+            why = check(found, manifest, GroupCache(_CACHE_BYTES))  # not the thread's cache
+        except BaseException:
+            tails.close()
+            raise
+        if why:
+            tails.close()
+            tails = None
+    if tails is None:
+        log.info("replay of %s event by event: %s", dataset, why)
+    return tails
+
+
 def replay(
     dataset: str | os.PathLike[str],
     target: Target,
@@ -343,19 +369,19 @@ def replay(
         write_run(scratch, run)
         tails = None
         if steps is None and names is None and not per_rank:
-            listed = {f for entry in manifest.segments.values() for f in entry.files}
-            found, why = plan(_segment_files(dataset, listed), manifest, GroupCache(_CACHE_BYTES))
-            if found is not None:
-                tails = ColumnarTails(found, dataset)
-            else:
-                log.info("replay of %s event by event: %s", dataset, why)
+            tails = _columnar(dataset, manifest)
         source = None
         if tails is None:
             source = ParquetSource(dataset, run, steps=steps, names=names, relogged=relogged)
-        shipper = Shipper(
-            str(scratch), target, name="replay", start_grace=0, per_rank=per_rank,
-            source=source, tails=tails, late=late,
-        )  # fmt: skip
+        try:
+            shipper = Shipper(
+                str(scratch), target, name="replay", start_grace=0, per_rank=per_rank,
+                source=source, tails=tails, late=late,
+            )  # fmt: skip
+        except BaseException:
+            if tails is not None:
+                tails.close()
+            raise
         return shipper.run_forever(once=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

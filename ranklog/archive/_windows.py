@@ -62,10 +62,10 @@ class Words:
             if self._last is not None and self._last[0].equals(words):
                 lut = self._last[1]  # the next row group's dictionary, as a rule
             else:
-                lut = np.array([self._id(w) for w in words.to_pylist()], np.int64)
+                lut = np.array([self._id(w) for w in words.to_pylist()], np.int32)
                 self._last = (words, lut)
-            out.append(lut[chunk.indices.to_numpy()] if len(lut) else np.zeros(0, np.int64))
-        return np.concatenate(out) if out else np.zeros(0, np.int64)
+            out.append(lut[chunk.indices.to_numpy()] if len(lut) else np.zeros(0, np.int32))
+        return np.concatenate(out) if out else np.zeros(0, np.int32)
 
     def _id(self, word: str) -> int:
         got = self.ids.get(word)
@@ -119,25 +119,35 @@ class Loader:
                     self._lanes.append((rp.rank, lane))
         #: each lane's first group still needed
         self._next = [0] * len(self._lanes)
-        #: ranks with GPU samples: the samples' files, steps, and the next row to read
-        self._gpu = [[rp.rank, rp.gpu_files, rp.gpu_steps, 0] for rp in plan.ranks
-                     if rp.gpu_steps is not None]  # fmt: skip
-        lows = [lane[0].lo for _, lane in self._lanes] + [int(g[2][0]) for g in self._gpu]
-        top = max([g.hi for _, lane in self._lanes for g in lane]
-                  + [int(g[2][-1]) for g in self._gpu], default=0)  # fmt: skip
-        self._span = top - min(lows, default=0) + 1
-        total = sum(g.nbytes for _, lane in self._lanes for g in lane)
-        self._width = max(1, int(WINDOW_BYTES / (max(total, 1) / self._span)))
+        self._plan = plan
+        #: ranks with GPU samples: the samples' files, steps, and the next row to read (their
+        #: steps come from the plan's check, done by the first read)
+        self._gpu: list[list[Any]] | None = None
+        self._span = self._width = 1
         self._hi: int | None = None
         self._open: dict[Path, pq.ParquetFile] = {}
 
+    def _start(self) -> list[list[Any]]:
+        """The GPU samples' lanes, and the first window's width (once)."""
+        gpu = [[rp.rank, rp.gpu_files, rp.gpu_steps, 0] for rp in self._plan.ranks
+               if rp.gpu_steps is not None]  # fmt: skip
+        lows = [lane[0].lo for _, lane in self._lanes] + [int(g[2][0]) for g in gpu]
+        top = max([g.hi for _, lane in self._lanes for g in lane]
+                  + [int(g[2][-1]) for g in gpu], default=0)  # fmt: skip
+        self._span = top - min(lows, default=0) + 1
+        total = sum(g.nbytes for _, lane in self._lanes for g in lane)
+        self._width = max(1, int(WINDOW_BYTES / (max(total, 1) / self._span)))
+        self._gpu = gpu
+        return gpu
+
     def next(self) -> Window | None:
         """The next window (None: everything was read)."""
+        gpu = self._gpu if self._gpu is not None else self._start()
         starts = [
             lane[i].lo
             for (_, lane), i in zip(self._lanes, self._next, strict=True)
             if i < len(lane)
-        ] + [int(steps[i]) for _, _, steps, i in self._gpu if i < len(steps)]
+        ] + [int(steps[i]) for _, _, steps, i in gpu if i < len(steps)]
         if not starts:
             return None
         lo = max(min(starts), self._hi if self._hi is not None else min(starts))
@@ -171,7 +181,7 @@ class Loader:
                 if t is not None:
                     other.setdefault(rank, {})[table] = t
         gpu_steps: dict[int, Any] = {}
-        for g in self._gpu:
+        for g in gpu:
             rank, files, steps, a = g
             b = int(np.searchsorted(steps, hi))
             if b > a:
@@ -181,7 +191,7 @@ class Loader:
         self._hi = hi
         last = all(
             i >= len(lane) for (_, lane), i in zip(self._lanes, self._next, strict=True)
-        ) and all(i >= len(steps) for _, _, steps, i in self._gpu)
+        ) and all(i >= len(steps) for _, _, steps, i in gpu)
         items = self._items(other, gpu_steps, marks)
         return Window(lo, hi, {t: r.columns() for t, r in rows.items()}, marks, last, items)
 
@@ -242,12 +252,12 @@ class Loader:
         if t is None:
             return
         step = t["step"].to_numpy()
-        ts = t["ts"].to_numpy()  # microseconds
+        ts = t["ts"].to_numpy().view(np.int64)  # microseconds
         cut = np.flatnonzero(step[1:] != step[:-1]) + 1
         first = np.concatenate(([0], cut))
         marks.setdefault(rank, []).append((step[first], np.maximum.reduceat(ts, first)))
         into.parts.append((
-            np.full(len(step), rank, np.int64), ts, step, self._names.codes(t["name"]),
+            np.full(len(step), rank, np.int32), ts, step, self._names.codes(t["name"]),
             t["value"].to_numpy(), self._specs.codes(t["reduce"]),
         ))  # fmt: skip
 
@@ -274,7 +284,8 @@ class Loader:
                         pa.array(np.zeros(t.num_rows, np.int32)), pa.array([g.spec])
                     )
                     t = t.append_column("reduce", spec)
-                t = t.set_column(t.schema.get_field_index("ts"), "ts", t["ts"].cast(pa.int64()))
+                if columns is not _COLUMNS:  # as frame_events takes them
+                    t = t.set_column(t.schema.get_field_index("ts"), "ts", t["ts"].cast(pa.int64()))
             step = t["step"].to_numpy()
             a, b = np.searchsorted(step, [lo, hi]).tolist()  # steps never go down in a lane
             if b < len(step):
