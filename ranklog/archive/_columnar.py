@@ -17,7 +17,8 @@ completeness, params and targets are untouched and the output is byte for byte t
 same.
 
 A row group that spans two windows is read by both (the part after the first window
-stays in the cache, up to its size); memory holds two windows (one read, one reduced).
+stays in the cache, up to its size); memory holds :data:`_AHEAD` windows read ahead and
+the one being reduced.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class ColumnarTails:
         self._dataset = dataset
         self._names, self._specs = Words(), Words()
         self._loader = Loader(plan, self._names, self._specs)
-        #: the next window, read by a thread while this one is reduced (decoding Parquet
+        #: the next windows, read by a thread while this one is reduced (decoding Parquet
         #: releases the GIL)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ranklog-replay")
         #: windows being read, in order (the pool's one thread reads them one by one)
