@@ -109,15 +109,18 @@ def _writer(
 
 def _job(spool: Path, seed: int, *, ends: str = "ok", params_ranks: int = 1,
          extra: dict[int, list[Event]] | None = None, phases: int = 2,
-         config: dict[int, list[dict[str, Any]]] | None = None) -> int:  # fmt: skip
+         config: dict[int, list[dict[str, Any]]] | None = None,
+         world: int | None = None) -> int:  # fmt: skip
     """A job whose ranks log in order (random names, specs, frames); returns its steps.
 
     ``ends``: "ok" (every rank writes rank_end ok), or "mixed" (some end by a signal,
     some die without an end, some stop early). ``extra``: events appended to rank 0's
-    frame of step 2 (to break the plan). Compacted after each of ``phases`` parts.
+    frame of step 2 (to break the plan). ``config``: rank -> params events it logs before
+    its first step. ``world``: how many ranks (else a random 1 to 5). Compacted after each
+    of ``phases`` parts.
     """
     rng = random.Random(seed)
-    world = rng.randrange(1, 6)
+    world = world or rng.randrange(1, 6)
     steps = rng.randrange(4, 40)
     names = [f"m{i}" for i in range(rng.randrange(1, 6))]
     stops = {r: steps for r in range(world)}
@@ -214,6 +217,14 @@ def _replays(dataset: Path, out: Path, monkeypatch: pytest.MonkeyPatch, **kw: An
     return fast.read_bytes()
 
 
+def _event_path(dataset: Path, out: Path, monkeypatch: pytest.MonkeyPatch, why: str) -> bytes:
+    """The plan refuses ``dataset`` for ``why``; its replay (event by event) is returned."""
+    planned, reason = _planned(dataset)
+    assert not planned
+    assert why in reason
+    return _replays(dataset, out, monkeypatch)
+
+
 class TestSameBytes:
     @pytest.mark.parametrize("seed", range(12))
     def test_random_plain_jobs(
@@ -307,21 +318,18 @@ class TestParams:
     ) -> None:
         """Ranks whose params differ (even as 4 against 4.0), or that log a key again: what
         the engine ships depends on the order it reads them in, so the event path decides."""
-        seed = next(s for s in range(400, 500) if random.Random(s).randrange(1, 6) > 1)
         config = {0: other, 1: other} if "again" in why else {0: self.CONFIG, 1: other}
-        _job(spool, seed, params_ranks=0, config=config, phases=1)
-        planned, reason = _planned(tmp_path / "pq")
-        assert not planned and why in reason
-        _replays(tmp_path / "pq", tmp_path, monkeypatch)
+        _job(spool, 400, params_ranks=0, config=config, phases=1, world=2)
+        _event_path(tmp_path / "pq", tmp_path, monkeypatch, why)
 
 
 class TestEventPath:
     @pytest.mark.parametrize(
-        ("extra", "params_ranks", "why"),
+        ("extra", "config", "why"),
         [
-            ({2: [Metrics(T0 + 9, 1, {"m0": 5.0})]}, 1, "late values"),
-            ({2: _gpu(random.Random(0), 0)}, 1, "GPU samples for steps it had closed"),
-            (None, 2, "params differ"),
+            ({2: [Metrics(T0 + 9, 1, {"m0": 5.0})]}, None, "late values"),
+            ({2: _gpu(random.Random(0), 0)}, None, "GPU samples for steps it had closed"),
+            (None, {0: [{"lr": 0.1}], 1: [{"lr": 0.2}]}, "params differ"),
         ],
     )
     def test_departures_go_event_by_event(
@@ -330,25 +338,15 @@ class TestEventPath:
         tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch,
         extra: dict[int, list[Event]] | None,
-        params_ranks: int,
+        config: dict[int, list[dict[str, Any]]] | None,
         why: str,
     ) -> None:
-        """A late value, a GPU sample for a closed step, params from two ranks: the plan
-        says why, and replay (event by event) still equals live shipping."""
-        seed = 3
-        while True:  # a job where the second rank logs params, when that is the point
-            if params_ranks == 1 or random.Random(seed).randrange(1, 6) > 1:
-                break
-            seed += 1
-        _job(spool, seed, params_ranks=params_ranks, extra=extra, phases=1)
-        planned, reason = _planned(tmp_path / "pq")
-        if params_ranks == 2 and "params" not in reason:
-            pytest.skip("the random job logged no params on a second rank")  # pragma: no cover
-        assert not planned
-        assert why in reason
+        """A late value, a GPU sample for a closed step, params that differ between ranks:
+        the plan says why, and replay (event by event) still equals live shipping."""
+        _job(spool, 3, params_ranks=0, extra=extra, phases=1, config=config, world=3)
         live = tmp_path / "live.jsonl"
         ship(spool, live)
-        assert _replays(tmp_path / "pq", tmp_path, monkeypatch) == live.read_bytes()
+        assert _event_path(tmp_path / "pq", tmp_path, monkeypatch, why) == live.read_bytes()
 
     def test_a_requeued_rank(self, spool: Path, tmp_path: Path) -> None:
         """Two incarnations of a rank: the event path decides which values count."""
@@ -488,9 +486,7 @@ class TestMoreDepartures:
             [Metrics(T0 + 2, 2, {"x": 1.0}), StepEnd(T0 + 2, 2, 1)],
         ])  # fmt: skip
         compact(spool, tmp_path / "pq")
-        planned, why = _planned(tmp_path / "pq")
-        assert not planned and "which it had closed" in why
-        _replays(tmp_path / "pq", tmp_path, monkeypatch)
+        _event_path(tmp_path / "pq", tmp_path, monkeypatch, "which it had closed")
 
     def test_a_rank_outside_the_world_size(
         self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -503,9 +499,7 @@ class TestMoreDepartures:
                 write_frame(w, [Metrics(T0 + s, s, {"x": float(r)}), StepEnd(T0 + s, s, 1)])
             w.close()
         compact(spool, tmp_path / "pq")
-        planned, why = _planned(tmp_path / "pq")
-        assert not planned and "outside the world size 2" in why
-        _replays(tmp_path / "pq", tmp_path, monkeypatch)
+        _event_path(tmp_path / "pq", tmp_path, monkeypatch, "outside the world size 2")
 
     def test_a_dataset_from_an_older_release(
         self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -516,9 +510,7 @@ class TestMoreDepartures:
         for path in (tmp_path / "pq" / "ranks").glob("*.parquet"):
             t = pq.read_table(path)
             pq.write_table(t.drop_columns(["events"]), path)
-        planned, why = _planned(tmp_path / "pq")
-        assert not planned and "has no events" in why
-        _replays(tmp_path / "pq", tmp_path, monkeypatch)
+        _event_path(tmp_path / "pq", tmp_path, monkeypatch, "has no events")
 
     def test_an_output_name_two_names_share(
         self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -12,12 +12,15 @@
 from __future__ import annotations
 
 import contextlib
+import cProfile
 import gc
 import importlib.metadata
+import io
 import json
 import math
 import os
 import platform
+import pstats
 import signal
 import statistics
 import subprocess
@@ -157,6 +160,16 @@ def run_measured(cmd: list[str], scratch: Path, timeout: float) -> ChildRun:
         except subprocess.TimeoutExpired:
             kill(proc)
         return collect(proc, result, stderr)
+
+
+def profile_lines(call: Callable[[], object], title: str, top: int = 12) -> list[str]:
+    """Run ``call`` under cProfile: its top functions by own time, as Markdown lines."""
+    prof = cProfile.Profile()
+    prof.runcall(call)
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    body = [line for line in text.getvalue().splitlines() if line.strip()][-top - 1 :]
+    return ["", f"{title}, own time:", "", "```", *body, "```"]
 
 
 def short(text: str, limit: int = 100) -> str:

@@ -27,13 +27,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import cProfile
 import gc
 import importlib
-import io
 import json
 import math
-import pstats
 import shutil
 import subprocess
 import sys
@@ -45,7 +42,7 @@ from pathlib import Path
 from typing import Any, Final
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import fmt, names, rate, short, verdict, write_json, write_spool
+from _bench import fmt, names, profile_lines, rate, short, verdict, write_json, write_spool
 
 TARGET_SHIP: Final = 5_000_000  # values/s, JSONL target
 TARGET_STEPS: Final = {"mlflow": 500, "tensorboard": 2_000, "wandb": 500}  # reduced steps/s
@@ -324,14 +321,12 @@ def _profile(base: Path, ranks: int, steps: int, top: int = 12) -> list[str]:
         write_spool(tmp / "spool", ranks, steps)
         shipper = Shipper(str(tmp / "spool"), JsonlTarget(tmp / "out.jsonl"), name="p",
                           dead_after=3600, start_grace=0)  # fmt: skip
-        prof = cProfile.Profile()
         with _tuned():
-            prof.runcall(shipper.run_forever, once=True)
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
-    body = [line for line in out.getvalue().splitlines() if line.strip()][-top - 1 :]
-    return ["", f"Profile of the shipper ({ranks} ranks x {steps} steps), own time:", "",
-            "```", *body, "```"]  # fmt: skip
+            return profile_lines(
+                lambda: shipper.run_forever(once=True),
+                f"Profile of the shipper ({ranks} ranks x {steps} steps)",
+                top,
+            )
 
 
 # -- output -----------------------------------------------------------------------------

@@ -35,12 +35,9 @@ numbers depend on the machine and its load.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
 import os
 import platform
-import pstats
 import shutil
 import subprocess
 import sys
@@ -62,6 +59,7 @@ from _bench import (
     kill,
     launch,
     percentile,
+    profile_lines,
     rate,
     run_measured,
     short,
@@ -547,13 +545,7 @@ def _archive_profile(
         if replay:
             runs.append(("replay", lambda: replay_dataset(tmp / "pq", JsonlTarget(tmp / "r"))))
         for what, call in runs:
-            prof = cProfile.Profile()
-            prof.runcall(call)
-            text = io.StringIO()
-            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
-            body = [line for line in text.getvalue().splitlines() if line.strip()][-top - 1 :]
-            out += ["", f"Profile of {what} ({ranks} ranks x {steps} steps), own time:", "",
-                    "```", *body, "```"]  # fmt: skip
+            out += profile_lines(call, f"Profile of {what} ({ranks} ranks x {steps} steps)", top)
     return out
 
 

@@ -35,7 +35,7 @@ from ranklog.archive._plan import REDUCED, Plan
 from ranklog.archive._windows import Loader, Window, Words
 from ranklog.errors import ArchiveError
 from ranklog.shippers._cursor import Cursor
-from ranklog.shippers._reduce import SUMMED, Partial, fsums, parse_ops
+from ranklog.shippers._reduce import Partial, fsums, parse_ops
 from ranklog.shippers._steps import Named, StepPartial, _slower
 from ranklog.shippers._tail import RankView, StepGap, TailCommit, TailPoll
 from ranklog.spool import RunInfo
@@ -197,8 +197,9 @@ class ColumnarTails:
                     built[s] = part = StepPartial(s)
                 into = part.timers if timers else part.metrics
             ops = ops_of[sid]
-            if not timers and ops in SUMMED and total - total == 0.0:  # finite: the usual
-                into[words[j]] = Named(first, specs[sid], Partial(b - a, total))
+            summed = None if timers else Partial.summed(b - a, total, ops)
+            if summed is not None:  # the usual group
+                into[words[j]] = Named(first, specs[sid], summed)
                 continue
             vals = values[a:b]
             last = _NO_LAST

@@ -45,7 +45,7 @@ from ranklog.schemas import ParamValue
 from ranklog.shippers._tail import ParamsRead
 from ranklog.spool import NO_STEP, SegmentId
 
-__all__ = ["ITEMS", "REDUCED", "Plan", "RankPlan", "RowGroup", "check", "plan", "scan"]
+__all__ = ["ITEMS", "READ", "REDUCED", "Plan", "RankPlan", "RowGroup", "check", "plan", "scan"]
 
 #: tables reduced on columns (each row group is indexed by its steps)
 REDUCED: Final = ("metrics", "timers")
@@ -196,7 +196,7 @@ def _scan_rank(rank: int, segs: Segments, cache: GroupCache) -> RankPlan:
 
 
 def _check_rank(rp: RankPlan, segs: Segments, manifest: Manifest, cache: GroupCache) -> None:
-    heads: list[tuple[Any, ...]] = []  # per table and file: (seq, idx, step, code, extra)
+    heads: list[tuple[Any, ...]] = []  # per table and file: (seq, idx, step, code, events counted)
     params: dict[tuple[int, int], list[tuple[str, str]]] = {}
     expected = 0
     ended_last = False
@@ -210,7 +210,7 @@ def _check_rank(rp: RankPlan, segs: Segments, manifest: Manifest, cache: GroupCa
                 pf = _open(path, table, cache)
                 seq, idx, step, last[table] = _heads(pf, path, last.get(table))
                 what = _GPU if table == "gpu" else _STEP
-                heads.append((seq, idx, step, np.full(len(seq), what, np.int8), None))
+                heads.append((seq, idx, step, np.full(len(seq), what, np.int8), _uncounted(seq)))
                 seqs.append(seq)
         for path in tables.get("params", []):
             pf = _open(path, "params", cache)
@@ -219,10 +219,10 @@ def _check_rank(rp: RankPlan, segs: Segments, manifest: Manifest, cache: GroupCa
                 params.setdefault((q, i), []).append((name, value))
             seq, idx, _, last["params"] = _heads(pf, path, last.get("params"))
             heads.append((seq, idx, np.full(len(seq), NO_STEP), np.full(len(seq), _PARAMS, np.int8),
-                          None))  # fmt: skip
+                          _uncounted(seq)))  # fmt: skip
             seqs.append(seq)
         for path in tables.get("ranks", []):
-            t = _open(path, "ranks", cache).read(columns=["seq", "idx", *_NEEDED["ranks"]])
+            t = _open(path, "ranks", cache).read(columns=["seq", "idx", *READ["ranks"]])
             seq, idx = t["seq"].to_numpy(), t["idx"].to_numpy()
             _in_order(seq, idx, path)
             is_end = pc.equal(t["kind"], "step_end").to_numpy(zero_copy_only=False)
@@ -260,19 +260,17 @@ def _stream(
 ) -> None:
     """Walk one rank's events in write order, as the engine's watermarks would."""
     rank = out.rank
-    seq = np.concatenate([h[0] for h in heads]) if heads else np.zeros(0, np.int64)
-    idx = np.concatenate([h[1] for h in heads]) if heads else np.zeros(0, np.int64)
-    step = np.concatenate([h[2] for h in heads]).astype(np.int64) if heads else seq
-    code = np.concatenate([h[3] for h in heads]) if heads else np.zeros(0, np.int8)
-    counted = np.concatenate(
-        [h[4] if h[4] is not None else np.full(len(h[0]), -1) for h in heads]
-    ) if heads else seq  # fmt: skip
+    if not heads:
+        return
+    seq, idx, step, code, counted = (np.concatenate(col) for col in zip(*heads, strict=True))
+    if not len(seq):
+        return
     order = np.lexsort((idx, seq))
     seq, idx, step, code, counted = seq[order], idx[order], step[order], code[order], counted[order]
-    closed = np.maximum.accumulate(np.where(code == _END, step, NO_STEP)) if len(seq) else seq
-    top = np.maximum.accumulate(np.where(code == _STEP, step, NO_STEP)) if len(seq) else seq
-    before_closed = np.concatenate(([NO_STEP], closed[:-1])) if len(seq) else seq
-    before_top = np.concatenate(([NO_STEP], top[:-1])) if len(seq) else seq
+    closed = np.maximum.accumulate(np.where(code == _END, step, NO_STEP))
+    top = np.maximum.accumulate(np.where(code == _STEP, step, NO_STEP))
+    before_closed = np.concatenate(([NO_STEP], closed[:-1]))
+    before_top = np.concatenate(([NO_STEP], top[:-1]))
     own = np.maximum(before_closed, before_top - 1)
     is_step = code == _STEP
     if np.any(is_step & (step <= own)):
@@ -298,8 +296,7 @@ def _stream(
         if np.any(steps_of[1:] < steps_of[:-1]):
             raise _No(f"rank {rank} has GPU samples out of step order")
         out.gpu_steps = steps_of
-    if len(seq):
-        out.watermark = int(max(closed[-1], top[-1] - 1))
+    out.watermark = int(max(closed[-1], top[-1] - 1))
     for i in np.flatnonzero(code == _PARAMS).tolist():
         q, k = int(seq[i]), int(idx[i])
         effective = int(before_top[i]) + 1 if before_top[i] >= 0 else 0
@@ -311,10 +308,10 @@ def _stream(
         out.said.append((effective, tuple(items)))
 
 
-#: the columns the columnar path reads of each table (besides seq and idx)
-_NEEDED: Final = {
-    **{t: ["ts", "step", "name", "value", "reduce"] for t in REDUCED},
-    **{t: ["ts", *COLUMNS[t]] for t in (*ITEMS, "gpu")},
+#: the columns the columnar path reads of each table, besides seq and idx (as
+#: :data:`~ranklog.archive._rows.COLUMNS` names them, with ts)
+READ: Final = {
+    **{t: ["ts", *COLUMNS[t]] for t in (*REDUCED, *ITEMS, "gpu")},
     "params": ["name", "value"],
     "ranks": ["kind", "step", "events", "world_size", "status"],
 }
@@ -325,10 +322,15 @@ def _open(path: Path, table: str, cache: GroupCache) -> pq.ParquetFile:
     left to the event path (which reads absent columns as nulls)."""
     pf = pq.ParquetFile(path, metadata=cache.footer(path))
     names = set(pf.schema_arrow.names)
-    missing = [c for c in ("seq", "idx", *_NEEDED[table]) if c not in names]
+    missing = [c for c in ("seq", "idx", *READ[table]) if c not in names]
     if missing:
         raise _No(f"{path.name} has no {', '.join(missing)} (an older release wrote it)")
     return pf
+
+
+def _uncounted(seq: Any) -> Any:
+    """The ``events`` of rows that count none (all but step_ends)."""
+    return np.full(len(seq), -1, np.int64)
 
 
 def _heads(

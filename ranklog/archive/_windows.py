@@ -23,8 +23,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ranklog.archive._plan import ITEMS, REDUCED, Plan, RowGroup
-from ranklog.archive._rows import COLUMNS, frame_events
+from ranklog.archive._plan import ITEMS, READ, REDUCED, Plan, RowGroup
+from ranklog.archive._rows import frame_events
 from ranklog.schemas import Gpu, StepEvent
 from ranklog.shippers._steps import Contributed
 
@@ -34,9 +34,9 @@ __all__ = ["WINDOW_BYTES", "Loader", "Window", "Words"]
 #: 400 K rows of metrics (two windows in flight: ~230 MB peak on the bench spool); a
 #: table of images or tables counts by its bytes too
 WINDOW_BYTES: Final = 12 << 20
-_COLUMNS: Final = ["ts", "step", "name", "value", "reduce"]
+_COLUMNS: Final = READ["metrics"]  # timers' too
 #: the columns the item tables are read with (as frame_events takes them)
-_ITEM_COLUMNS: Final = {t: ["seq", "idx", "ts", *COLUMNS[t]] for t in (*ITEMS, "gpu")}
+_ITEM_COLUMNS: Final = {t: ["seq", "idx", *READ[t]] for t in (*ITEMS, "gpu")}
 _ONE_SPEC: Final = _COLUMNS[:-1]
 #: string columns of the reduced tables read as dictionaries (mapped to codes, not read)
 _WORDS: Final = ("name", "reduce")
@@ -104,6 +104,17 @@ class Window:
     items: list[tuple[int, int, Contributed]]
 
 
+@dataclass(slots=True)
+class _GpuLane:
+    """One rank's GPU samples: their files (rows in write order), each row's step."""
+
+    rank: int
+    files: list[tuple[Path, int]]
+    steps: Any
+    #: the next row to read
+    next: int = 0
+
+
 class Loader:
     """Reads a planned dataset window by window, each lane (a rank's table) in write order."""
 
@@ -122,18 +133,18 @@ class Loader:
         self._plan = plan
         #: ranks with GPU samples: the samples' files, steps, and the next row to read (their
         #: steps come from the plan's check, done by the first read)
-        self._gpu: list[list[Any]] | None = None
+        self._gpu: list[_GpuLane] | None = None
         self._span = self._width = 1
         self._hi: int | None = None
         self._open: dict[Path, pq.ParquetFile] = {}
 
-    def _start(self) -> list[list[Any]]:
+    def _start(self) -> list[_GpuLane]:
         """The GPU samples' lanes, and the first window's width (once)."""
-        gpu = [[rp.rank, rp.gpu_files, rp.gpu_steps, 0] for rp in self._plan.ranks
+        gpu = [_GpuLane(rp.rank, rp.gpu_files, rp.gpu_steps) for rp in self._plan.ranks
                if rp.gpu_steps is not None]  # fmt: skip
-        lows = [lane[0].lo for _, lane in self._lanes] + [int(g[2][0]) for g in gpu]
+        lows = [lane[0].lo for _, lane in self._lanes] + [int(g.steps[0]) for g in gpu]
         top = max([g.hi for _, lane in self._lanes for g in lane]
-                  + [int(g[2][-1]) for g in gpu], default=0)  # fmt: skip
+                  + [int(g.steps[-1]) for g in gpu], default=0)  # fmt: skip
         self._span = top - min(lows, default=0) + 1
         total = sum(g.nbytes for _, lane in self._lanes for g in lane)
         self._width = max(1, int(WINDOW_BYTES / (max(total, 1) / self._span)))
@@ -147,7 +158,7 @@ class Loader:
             lane[i].lo
             for (_, lane), i in zip(self._lanes, self._next, strict=True)
             if i < len(lane)
-        ] + [int(steps[i]) for _, _, steps, i in gpu if i < len(steps)]
+        ] + [int(g.steps[g.next]) for g in gpu if g.next < len(g.steps)]
         if not starts:
             return None
         lo = max(min(starts), self._hi if self._hi is not None else min(starts))
@@ -182,16 +193,15 @@ class Loader:
                     other.setdefault(rank, {})[table] = t
         gpu_steps: dict[int, Any] = {}
         for g in gpu:
-            rank, files, steps, a = g
-            b = int(np.searchsorted(steps, hi))
-            if b > a:
-                other.setdefault(rank, {})["gpu"] = self._gpu_rows(files, a, b)
-                gpu_steps[rank] = steps[a:b]
-                g[3] = b
+            end = int(np.searchsorted(g.steps, hi))
+            if end > g.next:
+                other.setdefault(g.rank, {})["gpu"] = self._gpu_rows(g.files, g.next, end)
+                gpu_steps[g.rank] = g.steps[g.next : end]
+                g.next = end
         self._hi = hi
         last = all(
             i >= len(lane) for (_, lane), i in zip(self._lanes, self._next, strict=True)
-        ) and all(i >= len(steps) for _, _, steps, i in gpu)
+        ) and all(g.next >= len(g.steps) for g in gpu)
         items = self._items(other, gpu_steps, marks)
         return Window(lo, hi, {t: r.columns() for t, r in rows.items()}, marks, last, items)
 
@@ -243,11 +253,8 @@ class Loader:
         into: _Rows,
         marks: dict[int, list[tuple[Any, Any]]],
     ) -> None:
-        """The rows of ``groups`` (one lane's) for steps ``lo <= step < hi``.
-
-        What a group holds past ``hi`` stays in the cache for the next window (the cache
-        drops the least recently used past its size; those are read again).
-        """
+        """The metrics or timers of ``groups`` (one lane's) for steps ``lo <= step < hi``,
+        as numpy columns into ``into``, and each step's latest time stamp into ``marks``."""
         t = self._rows(groups, lo, hi, _COLUMNS)
         if t is None:
             return

@@ -27,11 +27,11 @@ from typing import Final
 from ranklog.errors import ConfigError
 from ranklog.schemas import REDUCE_OPS
 
-__all__ = ["SUMMED", "Partial", "exact_parts", "fsums", "output_names", "parse_ops"]
+__all__ = ["Partial", "exact_parts", "fsums", "output_names", "parse_ops"]
 
 _NEEDS_VALUES: Final = frozenset({"median", "std"})
 #: ops whose partial is the count and the sum alone (when every value is finite)
-SUMMED: Final = frozenset({("mean",), ("sum",), ("count",)})
+_SUMMED: Final = frozenset({("mean",), ("sum",), ("count",)})
 _op_cache: dict[str, tuple[str, ...]] = {}
 
 
@@ -86,8 +86,10 @@ class Partial:
             finite = math.isfinite(total)
         except (ValueError, OverflowError):  # inf + -inf, or an intermediate overflow
             finite = False
-        if finite and not exact and ops in SUMMED:  # the usual value: count and sum only
-            return cls(len(values), total)  # (no ``last``: these ops never read it)
+        if finite and not exact:
+            summed = cls.summed(len(values), total, ops)
+            if summed is not None:
+                return summed
         keep = needs_values(ops)
         if finite:  # the common case: no NaN, no inf
             return cls(
@@ -124,6 +126,16 @@ class Partial:
             last=last[2],
             values=list(values) if keep else None,
         )
+
+    @classmethod
+    def summed(cls, count: int, total: float, ops: tuple[str, ...]) -> Partial | None:
+        """The partial of ``count`` values whose ``math.fsum`` is ``total``, when ``ops``
+        need nothing else (mean, sum or count of finite values: the usual case); None
+        otherwise (then :meth:`of` takes the values themselves). Not mergeable exactly.
+        """
+        if ops in _SUMMED and total - total == 0.0:  # finite
+            return cls(count, total)  # (no ``last``: these ops never read it)
+        return None
 
     def merge(self, other: Partial) -> Partial:
         """The partial of both inputs' values together."""
@@ -200,8 +212,7 @@ def fsums(values: list[float], starts: list[int], ends: list[int]) -> list[float
     """``math.fsum`` of each ``values[a:b]``, in one C loop; None if one raises (inf - inf,
     an intermediate overflow): then :meth:`Partial.of` takes those values one by one.
 
-    A finite sum of a group whose ops are in :data:`SUMMED` is all its partial needs:
-    ``Partial(count, total)`` is what :meth:`Partial.of` gives for it.
+    With such a sum, :meth:`Partial.summed` may be all a group's partial needs.
     """
     try:
         return list(map(math.fsum, map(values.__getitem__, map(slice, starts, ends))))
