@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.dataset as ds
@@ -129,6 +130,48 @@ class TestRoundTrip:
         again = compact(spool, out)
         assert again.files == 0 and _dataset(out) == before
 
+    def test_each_value_keeps_its_name_and_op(self, spool: Path, tmp_path: Path) -> None:
+        """Events with different names, name orders and reduce forms: every row its own."""
+        run = rank(spool, 0, 1)
+        logged = [
+            ({"a": 1.0, "b": 2.0}, "mean"),
+            ({"b": 3.0, "a": 4.0}, "max"),  # same names, other order, other op
+            ({"c": 5.0}, {"c": "min"}),  # a map of ops
+            ({"a": 6.0, "d": 7.0}, {"d": ("sum", "max")}),  # a name absent from the map
+            ({"a": 8.0, "b": 9.0}, "mean"),
+        ]
+        for step, (values, reduce) in enumerate(logged):
+            run.log_metrics(values, step=step, reduce=reduce)
+            run.step_end(step)
+        run.close()
+        compact(spool, tmp_path / "pq")
+        rows = _table(tmp_path / "pq", "metrics").to_pylist()
+        got = [(x["step"], x["name"], x["value"], x["reduce"]) for x in rows]
+        assert got == [
+            (0, "a", 1.0, "mean"), (0, "b", 2.0, "mean"),
+            (1, "b", 3.0, "max"), (1, "a", 4.0, "max"),
+            (2, "c", 5.0, "min"),
+            (3, "a", 6.0, "mean"), (3, "d", 7.0, "sum,max"),
+            (4, "a", 8.0, "mean"), (4, "b", 9.0, "mean"),
+        ]  # fmt: skip
+
+    def test_segment_tables_types(self, spool: Path) -> None:
+        """segment_tables gives the documented types; with dictionary, the same rows encoded."""
+        from ranklog.archive import segment_tables
+        from ranklog.spool import SegmentReader
+
+        _job(spool)
+        seg = SpoolLayout(spool).segments(0)[0]
+        frames = SegmentReader(seg.path).read(0, writer_gone=True).frames
+        plain = segment_tables("run", seg, frames)
+        encoded = segment_tables("run", seg, frames, dictionary=True)
+        assert plain.keys() == encoded.keys() and "metrics" in plain
+        for t, table in plain.items():
+            assert table.schema.equals(SCHEMAS[t], check_metadata=False), t
+            rows = [_nan_safe(r) for r in table.to_pylist()]
+            assert [_nan_safe(r) for r in encoded[t].to_pylist()] == rows, t
+        assert pa.types.is_dictionary(encoded["metrics"].schema.field("name").type)
+
 
 class TestIncremental:
     def test_live_segment_continues(self, spool: Path, tmp_path: Path) -> None:
@@ -185,6 +228,40 @@ class TestIncremental:
         compact(spool, out)
         assert _dataset(out) == _dataset(whole)
 
+    @pytest.mark.parametrize("save_bytes", [0, 64 << 20])
+    def test_failed_write_is_raised_and_never_listed(
+        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, save_bytes: int
+    ) -> None:
+        """A write that fails on the writer thread is raised; the manifest never lists its files.
+
+        The rerun compacts what was not listed and ends equal to an uninterrupted run.
+        """
+        import ranklog.archive._compact as parquet
+
+        monkeypatch.setattr(parquet, "SAVE_BYTES", save_bytes)
+        _job(spool)
+        whole = tmp_path / "whole"
+        compact(spool, whole)
+        out = tmp_path / "pq"
+        real = parquet._write_tables
+        calls = {"n": 0}
+
+        def failing(*args: Any) -> list[str]:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise OSError(28, "No space left on device")
+            return real(*args)
+
+        monkeypatch.setattr(parquet, "_write_tables", failing)
+        with pytest.raises(OSError, match="No space left"):
+            compact(spool, out)
+        assert calls["n"] == 3  # the failure stopped the run at the next chunk or save
+        listed = {f for e in load_manifest(out).segments.values() for f in e.files}
+        assert all((out / f).is_file() for f in listed)
+        monkeypatch.setattr(parquet, "_write_tables", real)
+        compact(spool, out)
+        assert _dataset(out) == _dataset(whole)
+
 
 class TestDelete:
     def test_only_sealed_verified_segments(self, spool: Path, tmp_path: Path) -> None:
@@ -200,6 +277,37 @@ class TestDelete:
         assert any("not sealed" in k for k in result.kept)
         # the rows are still all in Parquet
         assert _table(out, "metrics").num_rows > 0
+
+    def test_nan_and_negative_zero_verify(self, spool: Path, tmp_path: Path) -> None:
+        """Segments with NaN, -0.0 and NaN in a histogram verify and are deleted."""
+        run = rank(spool, 0, 1)
+        for s in range(5):
+            run.log_metrics({"loss": math.nan, "zero": -0.0, "x": 1.5}, step=s)
+            run.log_histogram("h", [math.nan, 1.0, -0.0], step=s)
+            run.step_end(s)
+        run.close()
+        result = compact(spool, tmp_path / "pq", delete=True)
+        assert result.kept == [] and len(result.deleted) == 1
+
+    def test_changed_bits_are_not_trusted(self, spool: Path, tmp_path: Path) -> None:
+        """A value whose bits changed in Parquet (-0.0 written as 0.0) keeps its segment."""
+        import pyarrow.compute as pc
+        import pyarrow.parquet as pq
+
+        run = rank(spool, 0, 1)
+        for s in range(3):
+            run.log_metrics({"zero": -0.0, "one": 1.0}, step=s)
+            run.step_end(s)
+        run.close()
+        out = tmp_path / "pq"
+        compact(spool, out)
+        (f,) = (out / "metrics").glob("*.parquet")
+        t = pq.read_table(f)
+        i = t.schema.get_field_index("value")
+        zeroed = pc.if_else(pc.equal(t["value"], 0.0), 0.0, t["value"])  # -0.0 -> 0.0
+        pq.write_table(t.set_column(i, "value", zeroed), f)
+        result = compact(spool, out, delete=True)
+        assert result.deleted == [] and "metrics" in result.kept[0]
 
     def test_corrupt_parquet_is_not_trusted(self, spool: Path, tmp_path: Path) -> None:
         """A segment whose Parquet rows do not read back equal is kept."""

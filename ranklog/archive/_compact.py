@@ -14,6 +14,10 @@ continued next time), idempotent (the same range gives the same file) and
 crash-safe (files are written tmp -> fsync -> rename, then the manifest; files a
 crashed run left that the manifest does not list are removed before the range is
 written again). The tables are described in :mod:`ranklog.archive._tables`.
+
+One chunk's files are written on a thread (:class:`_Writer`) while the next chunk is read
+and turned into columns: Parquet encoding, compression and fsync run without the GIL.
+The manifest is saved only once every file it lists is durable.
 """
 
 from __future__ import annotations
@@ -21,11 +25,13 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ranklog._fs import DIR_MODE, atomic_write, fsync_dir
@@ -91,11 +97,43 @@ def _write_tables(
     return files
 
 
+class _Writer:
+    """Writes one chunk's files on a thread while the next chunk is read and built.
+
+    Encoding, compressing and fsync'ing Parquet run without the GIL, so they overlap
+    the decoding and column building of the next chunk. At most one chunk is in
+    flight (memory stays at two chunks' tables); :meth:`wait` returns once every
+    submitted file is durable, and raises what a write raised.
+    """
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ranklog-compact")
+        self._pending: Future[list[str]] | None = None
+
+    def submit(
+        self, out: Path, key: str, start: int, end: int, tables: dict[str, pa.Table]
+    ) -> list[str]:
+        """Start writing ``tables``; the files they will be, relative to ``out``."""
+        self.wait()
+        self._pending = self._pool.submit(_write_tables, out, key, start, end, tables)
+        return [f"{table}/{key}-{start:012d}-{end:012d}.parquet" for table in tables]
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """Wait for the write in flight (whatever happened) and stop the thread."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
 class _Saver:
     """Saves the manifest every :data:`SAVE_BYTES` of spool compacted, and at the end.
 
-    Before each save, the directories of the files written since the last one are
-    fsync'd: their renames are durable before the manifest lists them. A crash between
+    Before each save, the writes in flight are waited for and the directories of the
+    files written since the last one are fsync'd: their renames are durable before the
+    manifest lists them. A crash between
     saves leaves files no manifest lists; the next run removes them and compacts those
     frames again (:func:`_remove_orphans`).
     """
@@ -105,6 +143,7 @@ class _Saver:
         self.dirs: set[Path] = set()
         self.pending = 0  # spool bytes compacted since the last save
         self._bad = 0  # damaged ranges of this run already in the manifest
+        self.writer = _Writer()
 
     def wrote(self, files: list[str], nbytes: int) -> None:
         self.dirs.update((self.out / rel).parent for rel in files)
@@ -115,6 +154,7 @@ class _Saver:
             self.save()
 
     def save(self) -> None:
+        self.writer.wait()
         for d in sorted(self.dirs):
             fsync_dir(d)
         self.dirs.clear()
@@ -127,16 +167,22 @@ class _Saver:
 
 _DICTIONARY: Final = ("run_id", "name", "reduce", "kind", "host", "status", "format",
                       "gpu_name", "version")  # fmt: skip
+#: columns written without min/max statistics: payloads no reader filters on, where
+#: statistics cost more than they serve (replay plans with step, name and reduce's)
+_NO_STATISTICS: Final = ("run_id", "idx", "value", "text", "values", "data", "columns", "rows")
 
 
 def _parquet_writer(data: pa.Table) -> Callable[[str], None]:
-    names = set(data.schema.names)
+    schema = data.schema
+    names = set(schema.names)
     encodings = {
         c: e
         for c, e in _ENCODINGS.items()
-        if c in names
-        and (e != "BYTE_STREAM_SPLIT" or pa.types.is_floating(data.schema.field(c).type))
+        if c in names and (e != "BYTE_STREAM_SPLIT" or pa.types.is_floating(schema.field(c).type))
     }
+    # dictionary columns (the metrics table's strings) are written as the plain strings
+    # of SCHEMAS: no Arrow schema is stored, so every reader reads them back as strings
+    encoded = any(pa.types.is_dictionary(f.type) for f in schema)
 
     def write(path: str) -> None:
         pq.write_table(
@@ -146,6 +192,8 @@ def _parquet_writer(data: pa.Table) -> Callable[[str], None]:
             row_group_size=_ROW_GROUP,
             use_dictionary=[c for c in _DICTIONARY if c in names],
             column_encoding=encodings,
+            write_statistics=[c for c in schema.names if c not in _NO_STATISTICS],
+            store_schema=not encoded,
         )
 
     return write
@@ -178,18 +226,21 @@ def compact(
     manifest.world_size, manifest.created = run.world_size, run.created
     result = CompactResult()
     saver = _Saver(outdir, manifest, result)
-    for rank in layout.ranks():
-        segs = layout.segments(rank)
-        for i, seg in enumerate(segs):
-            later = i + 1 < len(segs)
-            key = seg.id.stem
-            entry = manifest.segments.setdefault(key, SegmentEntry())
-            if entry.done:
-                continue
-            _remove_orphans(outdir, key, entry)
-            _compact_segment(run.run_id, seg, later, outdir, key, entry, result, saver)
-            saver.maybe()
-    saver.save()
+    try:
+        for rank in layout.ranks():
+            segs = layout.segments(rank)
+            for i, seg in enumerate(segs):
+                later = i + 1 < len(segs)
+                key = seg.id.stem
+                entry = manifest.segments.setdefault(key, SegmentEntry())
+                if entry.done:
+                    continue
+                _remove_orphans(outdir, key, entry)
+                _compact_segment(run.run_id, seg, later, outdir, key, entry, result, saver)
+                saver.maybe()
+        saver.save()
+    finally:
+        saver.writer.close()
     if delete:
         _delete_verified(layout, run.run_id, outdir, manifest, result)
         save_manifest(outdir, manifest)
@@ -229,8 +280,8 @@ def _compact_segment(
             return
         if res.frames:
             start = res.frames[0].offset
-            tables = segment_tables(run_id, seg, res.frames, upto, mark=mark)
-            files = _write_tables(outdir, key, start, res.end, tables)
+            tables = segment_tables(run_id, seg, res.frames, upto, mark=mark, dictionary=True)
+            files = saver.writer.submit(outdir, key, start, res.end, tables)
             saver.wrote(files, res.end - entry.offset)
             entry.files += files
             for table, data in tables.items():
@@ -309,6 +360,28 @@ def _verify(run_id: str, seg: SegmentName, outdir: Path, entry: SegmentEntry) ->
                 return f"{table}: no Parquet file for {want.num_rows} rows"
             continue
         got = pa.concat_tables([pq.read_table(outdir / f) for f in files]).cast(SCHEMAS[table])
-        if want is None or not got.equals(want):
+        if want is None or not _same(got, want):
             return f"{table}: the Parquet rows differ from the segment"
     return None
+
+
+def _same(a: pa.Table, b: pa.Table) -> bool:
+    """Whether two tables hold the same rows, floats compared bit for bit.
+
+    (``Table.equals`` takes NaN for unequal to itself: a segment with a NaN loss would
+    never verify.)
+    """
+    x, y = _bits(a), _bits(b)
+    return len(x) == len(y) and all(p.equals(q) for p, q in zip(x, y, strict=True))
+
+
+def _bits(table: pa.Table) -> list[pa.Array]:
+    """The columns of ``table``, float64 values as their bits (lists: lengths, then values)."""
+    out = []
+    for column in table.itercolumns():
+        arr = column.combine_chunks()
+        if pa.types.is_list(arr.type) and pa.types.is_float64(arr.type.value_type):
+            out.append(pc.list_value_length(arr))
+            arr = arr.flatten()
+        out.append(arr.view(pa.int64()) if pa.types.is_float64(arr.type) else arr)
+    return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from itertools import chain
+from operator import attrgetter
 from typing import Any, Final
 
 import numpy as np
@@ -124,42 +125,40 @@ def segment_tables(
     relogged_upto: int = -1,
     *,
     mark: list[int] | None = None,
+    dictionary: bool = False,
 ) -> dict[str, pa.Table]:
     """The rows of ``frames`` (one segment's), as one Arrow table per kind (empty ones left out).
 
     Rows of steps up to ``relogged_upto`` (the steps an earlier incarnation of the rank had
     closed) are marked ``relogged``: training logged them again after a restart. ``mark``
     ([highest step_end, highest step of any step event]) is raised by what ``frames`` hold.
+    Every table has the types of :data:`SCHEMAS`, except with ``dictionary``: the metrics
+    table's strings are then dictionary-encoded, as its columns are built (compaction writes
+    them so, and Parquet does not hash every string again).
     """
     out = {t: _Columns(t) for t in TABLES if t != "metrics"}
     base = {"run_id": run_id, "rank": seg.rank, "incarnation": seg.incarnation,
             "segment": seg.segment}  # fmt: skip
     metrics = _MetricColumns()
-    m_events, m_seq, m_idx = metrics.events, metrics.seq, metrics.idx
-    ends: tuple[list[StepEnd], list[int], list[int]] = ([], [], [])
-    e_events, e_seq, e_idx = ends
+    ends = _Split()
     for frame in frames:
-        seq = frame.seq
-        for idx, ev in enumerate(frame.events):
-            if type(ev) is Metrics:
-                m_events.append(ev)
-                m_seq.append(seq)
-                m_idx.append(idx)
-            elif type(ev) is StepEnd:  # one per step and rank: the common case, columnar
-                e_events.append(ev)
-                e_seq.append(seq)
-                e_idx.append(idx)
-            else:
+        seq, events = frame.seq, frame.events
+        types = list(map(type, events))
+        taken = metrics.take(seq, events, types) + ends.take(seq, events, types)
+        if taken == len(events):
+            continue
+        for idx, ev in enumerate(events):  # everything else, row by row
+            if types[idx] is not Metrics and types[idx] is not StepEnd:
                 key = base.copy()
-                key["seq"], key["idx"], key["ts"] = frame.seq, idx, _us(ev.ts)
-                _ADD[type(ev)](out, ev, key)
+                key["seq"], key["idx"], key["ts"] = seq, idx, _us(ev.ts)
+                _ADD[types[idx]](out, ev, key)
     tables = {t: c.table(t) for t, c in out.items() if len(c)}
     if metrics.events and metrics.rows:
         tables["metrics"] = metrics.table(run_id, seg)
     if mark is not None:
-        _raise_mark(mark, tables, e_events, m_events)
-    if e_events:
-        step_ends = _step_end_table(run_id, seg, *ends)
+        _raise_mark(mark, tables, ends.events, metrics.events)
+    if ends.events:
+        step_ends = _step_end_table(run_id, seg, ends)
         other = tables.get("ranks")
         merged = step_ends if other is None else pa.concat_tables([other, step_ends])
         tables["ranks"] = merged.sort_by([("seq", "ascending"), ("idx", "ascending")])
@@ -168,7 +167,29 @@ def segment_tables(
         if t is not None:
             flag = pc.less_equal(t["step"], pa.scalar(relogged_upto, pa.int64()))
             tables[name] = t.append_column("relogged", flag)
-    return {t: tables[t] for t in TABLES if t in tables}
+    return {
+        t: tables[t] if dictionary else tables[t].cast(SCHEMAS[t]) for t in TABLES if t in tables
+    }
+
+
+class _Split:
+    """The events of one type (:class:`StepEnd` here), gathered frame by frame in C loops."""
+
+    kind: type = StepEnd
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+        self.seq: list[int] = []
+        self.idx: list[int] = []
+
+    def take(self, seq: int, events: list[Any], types: list[type]) -> int:
+        """Gather this frame's events of :attr:`kind`; how many there were."""
+        kind = self.kind
+        idx = [i for i, t in enumerate(types) if t is kind]
+        self.events += map(events.__getitem__, idx)
+        self.idx += idx
+        self.seq += [seq] * len(idx)
+        return len(idx)
 
 
 def _raise_mark(
@@ -187,110 +208,124 @@ def _raise_mark(
 
 def _timestamps(events: list[Any]) -> pa.Array:
     """Each event's ``ts`` in whole microseconds (as ``round(ts * 1e6)``: half to even)."""
-    secs = np.fromiter((ev.ts for ev in events), np.float64, len(events))
+    secs = np.fromiter(map(_TS_OF, events), np.float64, len(events))
     return pa.array(np.rint(secs * 1_000_000).astype(np.int64)).cast(_TS)
 
 
-def _step_end_table(
-    run_id: str, seg: SegmentName, ends: list[StepEnd], seq: list[int], idx: list[int]
-) -> pa.Table:
-    n = len(seq)
+_TS_OF: Final = attrgetter("ts")
+_STEP_OF: Final = attrgetter("step")
+_VALUES_OF: Final = attrgetter("values")
+_REDUCE_OF: Final = attrgetter("reduce")
+
+
+def _constant(value: Any, type_: pa.DataType, n: int) -> pa.Array:
+    return pa.repeat(pa.scalar(value, type_), n)
+
+
+def _step_end_table(run_id: str, seg: SegmentName, ends: _Split) -> pa.Table:
+    evs, n = ends.events, len(ends.events)
     schema = SCHEMAS["ranks"]
     cols = {
-        "run_id": pa.repeat(pa.scalar(run_id, pa.string()), n),
-        "rank": pa.repeat(pa.scalar(seg.rank, pa.int32()), n),
-        "incarnation": pa.repeat(pa.scalar(seg.incarnation, pa.int32()), n),
-        "segment": pa.repeat(pa.scalar(seg.segment, pa.int32()), n),
-        "seq": pa.array(seq, pa.int64()),
-        "idx": pa.array(idx, pa.int32()),
-        "ts": _timestamps(ends),
-        "kind": pa.repeat(pa.scalar("step_end", pa.string()), n),
-        "step": pa.array(np.fromiter((ev.step for ev in ends), np.int64, n)),
-        "events": pa.array(np.fromiter((ev.events for ev in ends), np.int32, n)),
+        "run_id": _constant(run_id, pa.string(), n),
+        "rank": _constant(seg.rank, pa.int32(), n),
+        "incarnation": _constant(seg.incarnation, pa.int32(), n),
+        "segment": _constant(seg.segment, pa.int32(), n),
+        "seq": pa.array(ends.seq, pa.int64()),
+        "idx": pa.array(ends.idx, pa.int32()),
+        "ts": _timestamps(evs),
+        "kind": _constant("step_end", pa.string(), n),
+        "step": pa.array(np.fromiter(map(_STEP_OF, evs), np.int64, n)),
+        "events": pa.array(np.fromiter((ev.events for ev in evs), np.int32, n)),
     }
     return pa.table([cols.get(f.name, pa.nulls(n, f.type)) for f in schema], schema=schema)
 
 
-class _MetricColumns:
-    """The metrics table: events collected as they come, turned into columns at once.
+_DICT: Final = pa.dictionary(pa.int32(), pa.string())
+#: the metrics table as :func:`segment_tables` builds it (``relogged`` is added after)
+_METRICS: Final = pa.schema(
+    [
+        f.with_type(_DICT) if f.name in ("run_id", "name", "reduce") else f
+        for f in SCHEMAS["metrics"]
+        if f.name != "relogged"
+    ]
+)
 
-    The columns are built by comprehensions over all events (one pass per column, no
-    per-event call) and expanded to one row per value with numpy.
+
+class _MetricColumns(_Split):
+    """The metrics table: events gathered as they come, turned into columns at once.
+
+    Every column is built by one C-level pass over the events (``map`` of an attribute
+    getter into ``numpy.fromiter``, no Python code per event or per value) and expanded
+    to one row per value with numpy; strings come out dictionary-encoded.
     """
 
-    def __init__(self) -> None:
-        self.events: list[Metrics] = []
-        self.seq: list[int] = []
-        self.idx: list[int] = []
+    kind = Metrics
 
     @property
     def rows(self) -> int:
-        return sum([len(ev.values) for ev in self.events])
+        return sum(map(len, map(_VALUES_OF, self.events)))
 
     def table(self, run_id: str, seg: SegmentName) -> pa.Table:
         evs = self.events
-        counts = np.fromiter((len(ev.values) for ev in evs), np.int64, len(evs))
+        values = list(map(_VALUES_OF, evs))
+        counts = np.fromiter(map(len, values), np.int64, len(evs))
         n = int(counts.sum())
         row_event = np.repeat(np.arange(len(evs), dtype=np.int64), counts)
-        reds = [ev.reduce for ev in evs]
-        if all(type(r) is str for r in reds):
-            reduce = pa.array(reds, pa.string()).take(row_event)
-        else:  # some event reduces per name: one op per row
-            reduce = pa.array(
-                [
-                    r if isinstance(r, str) else r.get(name, "mean")
-                    for ev, r in zip(evs, reds, strict=True)
-                    for name in ev.values
-                ],
-                pa.string(),
-            )
-        ts = _timestamps(evs)
+        zeros = pa.array(np.zeros(n, np.int32))
         return pa.table(
             [
-                pa.repeat(pa.scalar(run_id, pa.string()), n),
-                pa.repeat(pa.scalar(seg.rank, pa.int32()), n),
-                pa.repeat(pa.scalar(seg.incarnation, pa.int32()), n),
-                pa.repeat(pa.scalar(seg.segment, pa.int32()), n),
+                pa.DictionaryArray.from_arrays(zeros, pa.array([run_id], pa.string())),
+                _constant(seg.rank, pa.int32(), n),
+                _constant(seg.incarnation, pa.int32(), n),
+                _constant(seg.segment, pa.int32(), n),
                 pa.array(np.asarray(self.seq, np.int64)[row_event]),
                 pa.array(np.asarray(self.idx, np.int32)[row_event]),
-                ts.take(row_event),
-                pa.array(np.fromiter((ev.step for ev in evs), np.int64, len(evs))[row_event]),
-                _names(evs, n),
-                pa.array(
-                    np.fromiter(
-                        chain.from_iterable(ev.values.values() for ev in evs), np.float64, n
-                    )
-                ),
-                reduce,
+                _timestamps(evs).take(row_event),
+                pa.array(np.fromiter(map(_STEP_OF, evs), np.int64, len(evs))[row_event]),
+                _names(values, n),
+                pa.array(np.fromiter(chain.from_iterable(map(dict.values, values)), np.float64, n)),
+                _reduce(evs, row_event, zeros),
             ],
-            schema=SCHEMAS["metrics"].remove(SCHEMAS["metrics"].get_field_index("relogged")),
+            schema=_METRICS,
         )
 
 
-def _names(evs: list[Metrics], n: int) -> pa.Array:
-    """The name of every value of ``evs``, in order, as one string column.
+def _reduce(evs: list[Metrics], row_event: np.ndarray, zeros: pa.Array) -> pa.Array:
+    """Every row's reduce spec, dictionary-encoded."""
+    reds = list(map(_REDUCE_OF, evs))
+    if len(set(map(type, reds))) == 1 and type(reds[0]) is str:
+        if len(set(reds)) == 1:  # one spec for the whole segment: the common case
+            return pa.DictionaryArray.from_arrays(zeros, pa.array(reds[:1], pa.string()))
+        return pa.array(reds, pa.string()).dictionary_encode().take(pa.array(row_event))
+    # some event reduces per name: one op per row
+    per_row = [
+        r if isinstance(r, str) else r.get(name, "mean")
+        for ev, r in zip(evs, reds, strict=True)
+        for name in ev.values
+    ]
+    return pa.array(per_row, pa.string()).dictionary_encode()
+
+
+def _names(values: list[dict[str, float]], n: int) -> pa.Array:
+    """The name of every value of ``values`` (the events' maps), in order, dictionary-encoded.
 
     Events of a segment mostly log the same names: each distinct tuple of names is looked
     up once and the column is built from indices into the names (in C, not per value).
     """
+    keys = list(map(tuple, values))
     names: dict[str, int] = {}
-    shapes: dict[tuple[str, ...], int] = {}
-    kinds: list[Any] = []  # per distinct tuple of names: their indices
-    which: list[int] = []  # per event: its tuple's place in kinds
-    for ev in evs:
-        key = tuple(ev.values)
-        shape = shapes.get(key)
-        if shape is None:
-            shape = shapes[key] = len(kinds)
-            kinds.append(np.array([names.setdefault(k, len(names)) for k in key], np.int32))
-        which.append(shape)
-    if len(kinds) == 1:
-        indices = np.tile(kinds[0], len(evs))
+    shapes: dict[tuple[str, ...], int] = {}  # each distinct tuple of names: its place
+    codes: list[np.ndarray] = []  # per distinct tuple: its names' codes
+    for key in dict.fromkeys(keys):
+        shapes[key] = len(codes)
+        codes.append(np.array([names.setdefault(k, len(names)) for k in key], np.int32))
+    if len(codes) == 1:
+        indices = np.tile(codes[0], len(keys))
     else:
-        indices = np.concatenate([kinds[w] for w in which]) if which else np.zeros(0, np.int32)
+        which = list(map(shapes.__getitem__, keys))
+        indices = np.concatenate([codes[w] for w in which]) if which else np.zeros(0, np.int32)
     assert len(indices) == n
-    words = pa.array(list(names), pa.string())
-    return pa.DictionaryArray.from_arrays(pa.array(indices), words).cast(pa.string())
+    return pa.DictionaryArray.from_arrays(pa.array(indices), pa.array(list(names), pa.string()))
 
 
 def _timer(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
