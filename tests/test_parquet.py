@@ -228,6 +228,38 @@ class TestIncremental:
         compact(spool, out)
         assert _dataset(out) == _dataset(whole)
 
+    def test_orphans_of_a_grown_segment_are_removed(
+        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A crashed run's unlisted file of a live segment is removed once the segment grew.
+
+        The rerun writes the segment's frames under another byte range (the segment is
+        longer now): the old file would hold its rows a second time.
+        """
+        import ranklog.archive._compact as parquet
+
+        run = rank(spool, 0, 1)
+        log_steps(run, range(10))
+        run.flush()  # a live segment: no seal
+        out = tmp_path / "pq"
+
+        def dying(*args: object) -> None:
+            raise KeyboardInterrupt("killed")
+
+        real = parquet.save_manifest
+        monkeypatch.setattr(parquet, "save_manifest", dying)
+        with pytest.raises(KeyboardInterrupt):
+            compact(spool, out)
+        (orphan,) = (out / "metrics").glob("*.parquet")
+        monkeypatch.setattr(parquet, "save_manifest", real)
+        log_steps(run, range(10, 20))
+        run.close()
+        compact(spool, out)
+        assert not orphan.exists()
+        compact(spool, tmp_path / "whole")
+        assert _dataset(out) == _dataset(tmp_path / "whole")
+        assert _table(out, "metrics").num_rows == 20
+
     @pytest.mark.parametrize("save_bytes", [0, 64 << 20])
     def test_failed_write_is_raised_and_never_listed(
         self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, save_bytes: int

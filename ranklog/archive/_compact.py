@@ -135,7 +135,7 @@ class _Saver:
     files written since the last one are fsync'd: their renames are durable before the
     manifest lists them. A crash between
     saves leaves files no manifest lists; the next run removes them and compacts those
-    frames again (:func:`_remove_orphans`).
+    frames again (:class:`_Orphans`).
     """
 
     def __init__(self, out: Path, manifest: Manifest, result: CompactResult) -> None:
@@ -199,13 +199,33 @@ def _parquet_writer(data: pa.Table) -> Callable[[str], None]:
     return write
 
 
-def _remove_orphans(out: Path, key: str, entry: SegmentEntry) -> None:
-    """Files of this segment that a crashed run wrote but the manifest never listed."""
-    listed = set(entry.files)
-    for table in TABLES:
-        for path in (out / table).glob(f"{key}-*.parquet"):
-            if f"{table}/{path.name}" not in listed:
-                path.unlink()
+class _Orphans:
+    """Files of the dataset by source segment, listed once per run.
+
+    A file a crashed run wrote but the manifest never listed is an orphan: it is removed
+    before its segment is compacted again. Each table's directory is listed once, at the
+    start of the run (one listing per segment would cost a run O(segments x files), not
+    O(new data)).
+    """
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.by_key: dict[str, list[str]] = {}
+        for table in TABLES:
+            try:
+                names = os.listdir(out / table)
+            except FileNotFoundError:
+                continue
+            for name in names:
+                parts = name.rsplit("-", 2)  # <key>-<start>-<end>.parquet
+                if len(parts) == 3 and name.endswith(".parquet") and not name.startswith("."):
+                    self.by_key.setdefault(parts[0], []).append(f"{table}/{name}")
+
+    def remove(self, key: str, entry: SegmentEntry) -> None:
+        listed = set(entry.files)
+        for rel in self.by_key.pop(key, ()):
+            if rel not in listed:
+                (self.out / rel).unlink(missing_ok=True)
 
 
 def compact(
@@ -226,6 +246,7 @@ def compact(
     manifest.world_size, manifest.created = run.world_size, run.created
     result = CompactResult()
     saver = _Saver(outdir, manifest, result)
+    orphans = _Orphans(outdir)
     try:
         for rank in layout.ranks():
             segs = layout.segments(rank)
@@ -235,7 +256,7 @@ def compact(
                 entry = manifest.segments.setdefault(key, SegmentEntry())
                 if entry.done:
                     continue
-                _remove_orphans(outdir, key, entry)
+                orphans.remove(key, entry)
                 _compact_segment(run.run_id, seg, later, outdir, key, entry, result, saver)
                 saver.maybe()
         saver.save()
