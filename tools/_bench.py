@@ -184,10 +184,11 @@ def write_rank(
     """One rank's incarnation: rank_start, then frames of STEPS_PER_FRAME steps, rank_end.
 
     With ``end=False`` the rank is still running: no rank_end, no seal, and its writer is
-    returned with the segment still open (the caller closes it, unsealed, with ``abandon``).
+    returned with the segment still open (the caller goes on with :func:`write_steps`, and
+    closes it, unsealed, with ``abandon``).
     """
     from ranklog import __version__
-    from ranklog.schemas import Event, Metrics, RankEnd, RankStart, StepEnd, encoder
+    from ranklog.schemas import RankEnd, RankStart, encoder
     from ranklog.spool import IncarnationWriter, SpoolLayout, ensure_run
 
     info = ensure_run(spool, world_size=world_size)
@@ -196,18 +197,27 @@ def write_rank(
     start = RankStart(t0, info.run_id, rank, world_size, rank % 8, platform.node(), os.getpid(),
                       writer.incarnation, __version__)  # fmt: skip
     writer.write_events(1, [encoder.encode([start])])
-    for first in range(0, steps, STEPS_PER_FRAME):
-        events: list[Event] = []
-        for step in range(first, min(first + STEPS_PER_FRAME, steps)):
-            ts = t0 + step * 0.1
-            events.append(Metrics(ts, step, values(rank, step, metrics)))
-            events.append(StepEnd(ts + 0.05, step))
-        writer.write_events(len(events), [encoder.encode(events)])
+    write_steps(writer, rank, t0, range(steps), metrics)
     if not end:  # a rank still running: no rank_end, no seal, the file open
         return writer
     writer.write_events(1, [encoder.encode([RankEnd(t0 + steps * 0.1, "ok", 0)])])
     writer.close(sync=False)
     return None
+
+
+def write_steps(
+    writer: IncarnationWriter, rank: int, t0: float, steps: range, metrics: int = METRICS
+) -> None:
+    """``steps`` of one rank (metrics and step_end), in frames of STEPS_PER_FRAME steps."""
+    from ranklog.schemas import Event, Metrics, StepEnd, encoder
+
+    for first in range(steps.start, steps.stop, STEPS_PER_FRAME):
+        events: list[Event] = []
+        for step in range(first, min(first + STEPS_PER_FRAME, steps.stop)):
+            ts = t0 + step * 0.1
+            events.append(Metrics(ts, step, values(rank, step, metrics)))
+            events.append(StepEnd(ts + 0.05, step))
+        writer.write_events(len(events), [encoder.encode(events)])
 
 
 def write_spool(spool: Path, ranks: int, steps: int, metrics: int = METRICS) -> None:

@@ -24,6 +24,10 @@ It prints one Markdown table measured in this run:
   polled every millisecond) minus the latest ``step_end`` return of S over the
   ranks. Once with the native observer (inotify on a local disk), once with
   ``--poll 1``. The shipper must exit by itself once every rank closed;
+- incremental compaction: ``ranklog compact`` of 64 live ranks (open, unsealed
+  segments) from scratch, then of N/10 new steps on every rank, three times, then of
+  nothing new; on datasets of N/4 and 2N steps, whose rounds of new steps should cost
+  the same (O(new data), not O(dataset));
 - idle cost: a following shipper (``--poll 1``, and the native observer) over
   ``--idle-ranks`` ranks (default 1,024) that each hold one open, unsealed segment
   and write nothing: its CPU time over wall time (share of one core) and its RSS.
@@ -69,6 +73,7 @@ from _bench import (
     write_json,
     write_rank,
     write_spool,
+    write_steps,
 )
 
 if TYPE_CHECKING:
@@ -230,6 +235,78 @@ def _bench_archive(base: Path, ranks: int, steps: int, timeout: float) -> tuple[
             )
         )
     return rows, metrics_bytes / values
+
+
+INCREMENTS: Final = 3  # rounds of new steps compacted on top of each dataset; medians
+#: a rerun with the same new data on an 8x bigger dataset may cost this much more at most
+TARGET_INCREMENTAL_GROWTH: Final = 1.25
+
+
+def _bench_incremental(
+    base: Path, ranks: int, steps: int, timeout: float
+) -> tuple[list[Row], dict[str, object]]:
+    """``ranklog compact`` of the same new steps on a small and on an 8x bigger dataset.
+
+    Every rank is live (its segment open and unsealed, as during training): each round
+    appends ``steps // 10`` steps to every rank and compacts again. The cost of a round
+    should follow the new data, not the dataset: the rounds on the big dataset are
+    compared with those on the small one. A last run finds nothing new.
+    """
+    from ranklog.spool import read_run
+
+    delta = steps // 10
+    rows: list[Row] = []
+    medians: dict[int, float] = {}
+    for first in (steps // 4, 2 * steps):
+        with tempfile.TemporaryDirectory(prefix="incremental-", dir=base) as name:
+            tmp = Path(name)
+            spool, pq = tmp / "spool", tmp / "pq"
+            writers = [write_rank(spool, r, ranks, first, end=False) for r in range(ranks)]
+            t0 = read_run(spool).created
+            cmd = [sys.executable, "-m", "ranklog.cli", "compact", str(spool), "--out", str(pq)]
+            full = run_measured(cmd, tmp, timeout)
+            runs, top = [], first
+            for _ in range(INCREMENTS):
+                for rank, writer in enumerate(writers):
+                    assert writer is not None
+                    write_steps(writer, rank, t0, range(top, top + delta))
+                top += delta
+                os.sync()
+                runs.append(run_measured(cmd, tmp, timeout))
+            idle = run_measured(cmd, tmp, timeout)
+            for writer in writers:
+                assert writer is not None
+                writer.abandon()
+            files = sum(1 for _ in pq.rglob("*.parquet"))
+        inc = sorted(runs, key=lambda r: r.wall_s)[len(runs) // 2]
+        medians[first] = inc.wall_s
+        dataset = ranks * first * METRICS
+        new = ranks * delta * METRICS
+        failed = [r for r in (full, *runs, idle) if r.returncode]
+        problem = f"exit {failed[0].returncode}: {short(failed[0].stderr)}" if failed else ""
+        for label, run, values_done, note in (
+            (f"compact, a {dataset / 1e6:.2f} M-value dataset from scratch", full, dataset,
+             "every rank live (open, unsealed segments)"),
+            (f"compact +{delta:,} steps on it (median of {INCREMENTS})", inc, new,
+             f"values/s of the new data; {files:,} files in the dataset at the end"),
+            ("compact, nothing new", idle, 0, "the fixed cost of a run: start, manifest, listing"),
+        ):  # fmt: skip
+            rows.append(Row(
+                label, f"{ranks} ranks x {first:,} steps", wall_s=run.wall_s,
+                values_per_s=values_done / run.wall_s if values_done else None,
+                values_per_cpu_s=values_done / run.cpu_s if values_done and run.cpu_s else None,
+                cpu_s=run.cpu_s, rss_mb=run.maxrss_mb, ok=not problem,
+                note=f"FAILED: {problem}" if problem else note,
+            ))  # fmt: skip
+    small, big = (medians[k] for k in sorted(medians))
+    growth = big / small if small else float("inf")
+    check = {
+        "what": "incremental compaction costs O(new data): the same new steps on an 8x bigger "
+        f"dataset take <= {TARGET_INCREMENTAL_GROWTH:g}x the time",
+        "figure": f"{big:.2f} s vs {small:.2f} s ({growth:.2f}x)",
+        "ok": all(r.ok for r in rows) and growth <= TARGET_INCREMENTAL_GROWTH,
+    }
+    return rows, check
 
 
 #: backend targets compared on the same spool; {tmp} is the run's temp directory
@@ -698,9 +775,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     archive, bytes_per_value = _bench_archive(
         base, THROUGHPUT_RANKS, budget.steps, budget.ship_timeout_s
     )
+    incremental, incremental_check = _bench_incremental(
+        base, THROUGHPUT_RANKS, budget.steps, budget.ship_timeout_s
+    )
     backends = _bench_targets(base, THROUGHPUT_RANKS, budget.steps // 4, budget.ship_timeout_s)
     idle = [_bench_idle(base, idle_seconds, p, n) for n in args.idle_ranks for p in polls]
-    rows = [small, large, *archive, *backends, _startup_row(base, budget.ship_timeout_s),
+    rows = [small, large, *archive, *incremental, *backends,
+            _startup_row(base, budget.ship_timeout_s),
             *latency, *idle]  # fmt: skip
     lines += _table(rows)
     lines += _targets(small, large, latency)
@@ -719,6 +800,7 @@ def main(argv: Sequence[str] | None = None) -> int:
          "ok": rep.ok and (rep.values_per_s or 0) >= (live.values_per_s or 0)},
         {"what": f"replay peak RSS <= {TARGET_RSS_MB:g} MB", "figure": f"{fmt(rep.rss_mb)} MB",
          "ok": (rep.rss_mb or 0) <= TARGET_RSS_MB},
+        incremental_check,
     ]  # fmt: skip
     lines += [f"- {verdict(c['ok'])}: {c['what']}: {c['figure']}" for c in archive_checks]
     if not archive_checks[0]["ok"] or not archive_checks[3]["ok"]:
