@@ -121,6 +121,20 @@ class TestRoundTrip:
         hist = _table(out, "histograms").to_pylist()
         assert hist[0]["values"][:2] == [1.0, 2.0]
 
+    def test_chunks_give_the_same_rows(
+        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A segment read in several chunks (several files) gives the rows of one read."""
+        import ranklog.archive._compact as parquet
+
+        _job(spool)
+        compact(spool, tmp_path / "whole")
+        monkeypatch.setattr(parquet, "CHUNK_BYTES", 512)
+        chunked = compact(spool, tmp_path / "pq")
+        per_segment = len(list((tmp_path / "whole").rglob("*.parquet")))
+        assert chunked.files > per_segment
+        assert _dataset(tmp_path / "pq") == _dataset(tmp_path / "whole")
+
     def test_twice_is_once(self, spool: Path, tmp_path: Path) -> None:
         """A second run adds nothing."""
         _job(spool)

@@ -414,6 +414,33 @@ class TestWindows:
         assert max(sizes) <= 2 * 200 + 2 * 50  # + what one group per lane may overshoot
         assert len([n for n in sizes if n]) >= 2 * 6
 
+    def test_windows_hold_at_most_window_steps(
+        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """One rank with many small steps: WINDOW_BYTES would take them all at once, each
+        window takes at most WINDOW_STEPS, and the result is the event path's."""
+        monkeypatch.setattr(compact_mod, "_ROW_GROUP", 50)
+        info = ensure_run(spool, world_size=1)
+        w = IncarnationWriter.create(SpoolLayout(spool), info, 0, world_size=1)
+        for s in range(500):
+            write_frame(w, [Metrics(T0 + s, s, {"a": s / 3, "b": -s}), StepEnd(T0 + s, s, 1)])
+        w.close()
+        compact(spool, tmp_path / "pq")
+        monkeypatch.setattr(windows_mod, "WINDOW_STEPS", 64)
+        spans: list[int] = []
+        real = windows_mod.Loader.next
+
+        def spy(self: Any) -> Any:
+            window = real(self)
+            if window is not None:
+                spans.append(window.hi - window.lo)
+            return window
+
+        monkeypatch.setattr(windows_mod.Loader, "next", spy)
+        assert _planned(tmp_path / "pq") == (True, "")
+        _replays(tmp_path / "pq", tmp_path, monkeypatch)
+        assert spans and max(spans) <= 64 and len(spans) >= 500 // 64
+
 
 class _FailsOnce(JsonlTarget):
     """A JSONL target whose second write fails before writing anything (a full disk)."""

@@ -63,12 +63,17 @@ class Manifest(msgspec.Struct, forbid_unknown_fields=False):
         return self.marks.setdefault(seg.incarnation_key, [NO_STEP, NO_STEP])
 
     def relogged_upto(self, rank: int, incarnation: int) -> int:
-        """The highest step an earlier incarnation of ``rank`` had closed (-1: none)."""
+        """The highest step an earlier incarnation of ``rank`` had closed (-1: none).
+
+        Incarnations are numbered from 1 (0 is looked up too): a lookup per earlier
+        incarnation, not a pass over every rank's marks (which made compacting a job
+        of N ranks cost O(N²)).
+        """
         best = NO_STEP
-        for key, (step_end, top) in self.marks.items():
-            r, inc = (int(x) for x in key.split("/"))
-            if r == rank and inc < incarnation:
-                best = max(best, watermark(step_end, top))
+        for inc in range(incarnation):
+            mark = self.marks.get(SegmentId(rank, inc, 0).incarnation_key)
+            if mark is not None:
+                best = max(best, watermark(*mark))
         return best
 
 

@@ -28,12 +28,16 @@ from ranklog.archive._rows import frame_events
 from ranklog.schemas import Gpu, StepEvent
 from ranklog.shippers._steps import Contributed
 
-__all__ = ["WINDOW_BYTES", "Loader", "Window", "Words"]
+__all__ = ["WINDOW_BYTES", "WINDOW_STEPS", "Loader", "Window", "Words"]
 
 #: row-group bytes (uncompressed, as the footers count them) of one window of steps: about
 #: 400 K rows of metrics (two windows in flight: ~230 MB peak on the bench spool); a
 #: table of images or tables counts by its bytes too
 WINDOW_BYTES: Final = 12 << 20
+#: steps of one window at most: each becomes the engine's objects (a few KB per step of 20
+#: metrics), so a job with few ranks (many steps in WINDOW_BYTES) is bounded too (one rank's
+#: 64 MiB segment: ~425 MB peak without this bound)
+WINDOW_STEPS: Final = 2_048
 _COLUMNS: Final = READ["metrics"]  # timers' too
 #: the columns the item tables are read with (as frame_events takes them)
 _ITEM_COLUMNS: Final = {t: ["seq", "idx", *READ[t]] for t in (*ITEMS, "gpu")}
@@ -169,7 +173,7 @@ class Loader:
             width //= 2
         while width < self._span and self._estimate(lo, lo + width) < WINDOW_BYTES / 4:
             width *= 2
-        self._width = width
+        width = self._width = min(width, WINDOW_STEPS)
         hi = lo + width
         rows = {t: _Rows() for t in REDUCED}
         marks: dict[int, list[tuple[Any, Any]]] = {}
