@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import msgspec
+import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -440,6 +442,67 @@ class TestWindows:
         assert _planned(tmp_path / "pq") == (True, "")
         _replays(tmp_path / "pq", tmp_path, monkeypatch)
         assert spans and max(spans) <= 64 and len(spans) >= 500 // 64
+
+
+class TestGroupCache:
+    @staticmethod
+    def _group(n: int = 1_000) -> pa.Table:
+        return pa.table({"a": np.arange(n, dtype=np.int64)})  # 8 bytes a row
+
+    def test_a_full_cache_keeps_what_it_holds(self) -> None:
+        """An entry that does not fit is turned away and what the cache holds stays
+        (lanes are read in turn: the oldest entry is the next one needed)."""
+        cache = GroupCache(10_000)
+        cache.put(("a", 0), self._group())
+        cache.put(("b", 0), self._group())
+        assert cache.get(("a", 0)) is not None
+        assert cache.get(("b", 0)) is None
+        cache.put(("a", 0), self._group(100))  # in place of the old: fits
+        got = cache.get(("a", 0))
+        assert got is not None and got.num_rows == 100
+
+    def test_cut_copies_a_small_part_and_keeps_the_rest(self) -> None:
+        """A part under half of the group is a copy (it does not hold the group's
+        buffers); the rows past it are kept under the key until a cut reaches the end."""
+        cache = GroupCache(1 << 20)
+        part = cache.cut(("f", 0), self._group(), 0, 100)
+        assert part is not None and part["a"].to_pylist() == list(range(100))
+        assert part.get_total_buffer_size() == 100 * 8
+        rest = cache.get(("f", 0))
+        assert rest is not None and rest["a"].to_pylist() == list(range(100, 1_000))
+        assert cache.cut(("f", 0), rest, 0, 0) is None  # no row: the rest stays
+        assert cache.get(("f", 0)) is rest
+        last = cache.cut(("f", 0), rest, 0, rest.num_rows)
+        assert last is not None and last.num_rows == 900
+        assert cache.get(("f", 0)) is None
+
+    def test_footers_are_parsed_once_while_there_is_room(self, tmp_path: Path) -> None:
+        """A footer is kept and handed out again; past ``footers`` files, each call
+        parses the file again and keeps nothing."""
+        paths = [tmp_path / f"{k}.parquet" for k in range(2)]
+        for path in paths:
+            pq.write_table(self._group(10), path)
+        cache = GroupCache(1 << 20, footers=1)
+        first = cache.footer(paths[0])
+        assert cache.footer(paths[0]) is first and cache.known(paths[0]) is first
+        other = cache.footer(paths[1])
+        assert other.num_rows == 10 and cache.known(paths[1]) is None
+        assert cache.footer(paths[1]) is not other
+
+    def test_the_plan_keeps_the_footers_the_reader_needs(self, spool: Path, tmp_path: Path) -> None:
+        """Planning a replay keeps the footers of the files read by window (metrics), not
+        those it reads once (ranks, params)."""
+        _job(spool, 3)
+        dataset = spool.parent / "pq"
+        manifest = load_manifest(dataset)
+        listed = {f for entry in manifest.segments.values() for f in entry.files}
+        cache = GroupCache(1 << 20)
+        found, why = plan(_segment_files(dataset, listed), manifest, cache)
+        assert found is not None, why
+        for table, kept in (("metrics", True), ("ranks", False), ("params", False)):
+            files = sorted((dataset / table).glob("*.parquet"))
+            assert files, table
+            assert all((cache.known(f) is not None) is kept for f in files), table
 
 
 class _FailsOnce(JsonlTarget):

@@ -39,7 +39,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ranklog.archive._manifest import Manifest
-from ranklog.archive._rows import COLUMNS, GroupCache
+from ranklog.archive._rows import COLUMNS, GroupCache, open_file
 from ranklog.archive._tables import TABLES
 from ranklog.schemas import ParamValue
 from ranklog.shippers._tail import ParamsRead
@@ -56,6 +56,8 @@ _NULL: Final = -(2**62)
 _BATCH: Final = 256 * 1024
 #: a string statistic this short is never truncated
 _SHORT: Final = 64
+#: tables whose footers are not kept (the window reader does not read them)
+_ONCE: Final = ("params", "ranks")
 # event codes in a rank's stream
 _STEP, _END, _PARAMS, _OTHER, _GPU = 0, 1, 2, 3, 4
 
@@ -214,7 +216,7 @@ def _check_rank(rp: RankPlan, segs: Segments, manifest: Manifest, cache: GroupCa
                 seqs.append(seq)
         for path in tables.get("params", []):
             pf = _open(path, "params", cache)
-            t = pf.read(columns=["seq", "idx", "name", "value"])
+            t = pf.read(columns=["seq", "idx", "name", "value"], use_threads=False)
             for q, i, name, value in zip(*(t[c].to_pylist() for c in t.column_names), strict=True):
                 params.setdefault((q, i), []).append((name, value))
             seq, idx, _, last["params"] = _heads(pf, path, last.get("params"))
@@ -222,7 +224,9 @@ def _check_rank(rp: RankPlan, segs: Segments, manifest: Manifest, cache: GroupCa
                           _uncounted(seq)))  # fmt: skip
             seqs.append(seq)
         for path in tables.get("ranks", []):
-            t = _open(path, "ranks", cache).read(columns=["seq", "idx", *READ["ranks"]])
+            t = _open(path, "ranks", cache).read(
+                columns=["seq", "idx", *READ["ranks"]], use_threads=False
+            )
             seq, idx = t["seq"].to_numpy(), t["idx"].to_numpy()
             _in_order(seq, idx, path)
             is_end = pc.equal(t["kind"], "step_end").to_numpy(zero_copy_only=False)
@@ -319,8 +323,14 @@ READ: Final = {
 
 def _open(path: Path, table: str, cache: GroupCache) -> pq.ParquetFile:
     """``path`` opened; a file an older release wrote, without a column read here, is
-    left to the event path (which reads absent columns as nulls)."""
-    pf = pq.ParquetFile(path, metadata=cache.footer(path))
+    left to the event path (which reads absent columns as nulls).
+
+    The footers of the files a replay reads by window are kept (the reader needs them
+    again); those of params and ranks files are not (read twice here, then never)."""
+    known = cache.known(path)
+    pf = open_file(path, known)
+    if known is None and table not in _ONCE:  # parsed by this open: kept for the next
+        cache.footer(path, pf.metadata)
     names = set(pf.schema_arrow.names)
     missing = [c for c in ("seq", "idx", *READ[table]) if c not in names]
     if missing:
@@ -343,7 +353,11 @@ def _heads(
     """
     columns = ["seq", "idx"] + (["step"] if "step" in pf.schema_arrow.names else [])
     parts: list[list[Any]] = [[], [], []]
-    for batch in pf.iter_batches(batch_size=_BATCH, columns=columns):
+    if pf.metadata.num_rows <= _BATCH:  # one read: quicker for a small file
+        batches: Iterable[pa.RecordBatch] = pf.read(columns=columns, use_threads=False).to_batches()
+    else:
+        batches = pf.iter_batches(batch_size=_BATCH, columns=columns)
+    for batch in batches:
         seq, idx = batch.column(0).to_numpy(), batch.column(1).to_numpy()
         if len(columns) == 3:
             step = batch.column(2).fill_null(_NULL).to_numpy()

@@ -37,7 +37,14 @@ import pyarrow.parquet as pq
 from ranklog.archive._columnar import ColumnarTails
 from ranklog.archive._manifest import Manifest, load_manifest, require_manifest
 from ranklog.archive._plan import check, scan
-from ranklog.archive._rows import COLUMNS, GroupCache, RowGroups, frame_events, read_rows
+from ranklog.archive._rows import (
+    COLUMNS,
+    GroupCache,
+    RowGroups,
+    frame_events,
+    open_file,
+    read_rows,
+)
 from ranklog.archive._tables import STEP_TABLES, TABLES
 from ranklog.errors import ConfigError, SpoolFormatError
 from ranklog.schemas import SCHEMA_VERSION, RankEnd
@@ -129,9 +136,11 @@ class _ParquetReader:
         for name, files in self._files.items():
             metas = {}
             for path in files:
-                pf = pq.ParquetFile(path)
+                pf = open_file(path)
                 metas[path] = pf.metadata
-                t = pf.read(columns=["seq", "kind"] if name == "ranks" else ["seq"])
+                t = pf.read(
+                    columns=["seq", "kind"] if name == "ranks" else ["seq"], use_threads=False
+                )
                 seqs.append(t["seq"].to_numpy())
                 if name == "ranks":
                     ended = ended or bool(pc.any(pc.equal(t["kind"], "rank_end")).as_py())
@@ -333,7 +342,7 @@ def _columnar(dataset: Path, manifest: Manifest) -> ColumnarTails | None:
         try:
             if not any(rp.gpu_files for rp in found.ranks):
                 tails.start()
-            why = check(found, manifest, GroupCache(_CACHE_BYTES))  # not the thread's cache
+            why = check(found, manifest, found.cache)  # its footers, parsed once
         except BaseException:
             tails.close()
             raise

@@ -40,10 +40,23 @@ from ranklog.schemas import (
     Timer,
 )
 
-__all__ = ["COLUMNS", "GroupCache", "RowGroups", "frame_events", "read_rows"]
+__all__ = ["COLUMNS", "GroupCache", "RowGroups", "frame_events", "open_file", "read_rows"]
 
 Slot = tuple[int, Event]  # an event and its index in its frame
 _KEY: Final = ("incarnation", "segment", "seq", "idx")
+
+
+def open_file(
+    path: Path, metadata: Any = None, read_dictionary: list[str] | None = None
+) -> pq.ParquetFile:
+    """``path`` opened for reads of a few columns (``metadata``: its footer, parsed).
+
+    Without pre-buffering: its I/O threads cost more than reading a small file (a rank's
+    ten steps: about twice as long), and column chunks are read whole anyway.
+    """
+    return pq.ParquetFile(
+        path, metadata=metadata, read_dictionary=read_dictionary, pre_buffer=False
+    )
 
 
 def _read(pf: pq.ParquetFile, table: str, wanted: list[str], group: int | None = None) -> pa.Table:
@@ -82,7 +95,7 @@ def read_rows(files: list[Path] | None, table: str, columns: list[str]) -> pa.Ta
     if not files:
         return None
     wanted = [*_KEY, "ts", *columns]
-    parts = [_read(pq.ParquetFile(path), table, wanted) for path in files]
+    parts = [_read(open_file(path), table, wanted) for path in files]
     t = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
     return None if t.num_rows == 0 else _ordered(t)
 
@@ -121,7 +134,7 @@ class RowGroups:
         out = cls(table, columns, cache)
         prev = -1
         for path in files:
-            meta = metas[path] if metas is not None else pq.ParquetFile(path).metadata
+            meta = metas[path] if metas is not None else pq.read_metadata(path)
             cache.footer(path, meta)
             col = meta.schema.names.index("seq")
             for i in range(meta.num_row_groups):
@@ -160,7 +173,7 @@ class RowGroups:
 
     def _decode(self, k: int) -> pa.Table:
         path = self.paths[k]
-        pf = pq.ParquetFile(path, metadata=self._cache.footer(path))
+        pf = open_file(path, self._cache.footer(path))
         return _ordered(_read(pf, self._table, self._wanted, self.index[k]))
 
     def rows(self, lo: int, hi: int) -> pa.Table | None:
@@ -177,49 +190,56 @@ class RowGroups:
             if t is None:
                 t = self._decode(k)
             a, b = np.searchsorted(t["seq"].to_numpy(), [lo, hi + 1]).tolist()
-            if b < t.num_rows:
-                rest = t.slice(b)
-                if 2 * rest.num_rows < t.num_rows:  # a copy: let the group's buffers go
-                    rest = t.take(pa.array(np.arange(b, t.num_rows)))
-                self._cache.put(key, rest)
-            else:
-                self._cache.drop(key)
-            if b > a:
-                parts.append(t.slice(a, b - a))
+            part = self._cache.cut(key, t, a, b)
+            if part is not None:
+                parts.append(part)
             k += 1
         if not parts:
             return None
         return parts[0] if len(parts) == 1 else pa.concat_tables(parts)
 
 
-class GroupCache:
-    """Decoded row groups, least recently used dropped first past ``limit`` bytes."""
+#: parsed footers kept at most: about 22 KB each (a table's dozen columns, one row group),
+#: so ~180 MB for a dataset of this many files (a job of 4,096 ranks: one metrics and one
+#: ranks file each); a dataset of more files parses the others at each read
+FOOTERS: Final = 8_192
 
-    def __init__(self, limit: int, footers: int = 256) -> None:
+
+class GroupCache:
+    """Decoded row groups (the rows a read left for the next), up to ``limit`` bytes, and
+    parsed footers, up to ``footers`` files.
+
+    What does not fit is not kept, rather than dropping what is: readers take their
+    lanes (a rank's files) in turn, so the oldest entry is the next one needed, and
+    dropping it would make every read miss once the lanes' rows outgrow the cache. The
+    footers may be shared by two threads (a replay's plan check and its reader): each
+    footer is kept once, and never dropped.
+    """
+
+    def __init__(self, limit: int, footers: int = FOOTERS) -> None:
         self.limit = limit
         self._items: dict[tuple[str, int], pa.Table] = {}
         self._bytes = 0
-        self._footers: dict[Path, Any] = {}  # parsed Parquet footers, the latest used
+        self._footers: dict[Path, Any] = {}
         self._most_footers = footers
 
     def footer(self, path: Path, parsed: Any = None) -> Any:
-        """``path``'s parsed footer (``parsed``, when given, is it): kept for the last files
-        used, parsed again otherwise."""
-        meta = self._footers.pop(path, None)
-        if parsed is not None:
-            meta = parsed
+        """``path``'s parsed footer (``parsed``, when given, is it), kept if there is room
+        (a re-parsed footer costs a replay of many small files more time and memory than
+        keeping it: parsing churns the heap)."""
+        meta = self._footers.get(path)
         if meta is None:
-            meta = pq.ParquetFile(path).metadata
-        while len(self._footers) >= self._most_footers:
-            del self._footers[next(iter(self._footers))]
-        self._footers[path] = meta
+            meta = parsed if parsed is not None else pq.read_metadata(path)
+            if len(self._footers) < self._most_footers:
+                self._footers[path] = meta
         return meta
 
+    def known(self, path: Path) -> Any:
+        """``path``'s footer if it is kept (None: it is not)."""
+        return self._footers.get(path)
+
     def get(self, key: tuple[str, int]) -> pa.Table | None:
-        t = self._items.pop(key, None)
-        if t is not None:
-            self._items[key] = t  # most recently used last
-        return t
+        return self._items.get(key)
 
     def drop(self, key: tuple[str, int]) -> None:
         t = self._items.pop(key, None)
@@ -227,12 +247,32 @@ class GroupCache:
             self._bytes -= t.nbytes
 
     def put(self, key: tuple[str, int], t: pa.Table) -> None:
+        """Keep ``t`` under ``key`` (in place of what was), if it fits."""
         self.drop(key)
+        if self._items and self._bytes + t.nbytes > self.limit:
+            return
         self._items[key] = t
         self._bytes += t.nbytes
-        while self._bytes > self.limit and len(self._items) > 1:
-            old = next(iter(self._items))
-            self._bytes -= self._items.pop(old).nbytes
+
+    def cut(self, key: tuple[str, int], t: pa.Table, a: int, b: int) -> pa.Table | None:
+        """Rows ``a <= row < b`` of ``t``, a group read (or its cached rest) under ``key``
+        (None: no row); the rows past ``b`` kept for the next read, if they fit."""
+        if b < t.num_rows:
+            self.put(key, _rows_of(t, b, t.num_rows))
+        else:
+            self.drop(key)
+        return _rows_of(t, a, b) if b > a else None
+
+
+def _rows_of(t: pa.Table, a: int, b: int) -> pa.Table:
+    """Rows ``a <= row < b`` of ``t``: a slice, or a copy where they are less than half of
+    it (a slice keeps all of ``t``'s buffers: a window's slices of many groups would hold
+    every group it touched)."""
+    if a == 0 and b == t.num_rows:
+        return t
+    if 2 * (b - a) < t.num_rows:
+        return t.take(pa.array(np.arange(a, b)))
+    return t.slice(a, b - a)
 
 
 def _in_key_order(t: pa.Table) -> bool:

@@ -24,7 +24,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ranklog.archive._plan import ITEMS, READ, REDUCED, Plan, RowGroup
-from ranklog.archive._rows import frame_events
+from ranklog.archive._rows import frame_events, open_file
 from ranklog.schemas import Gpu, StepEvent
 from ranklog.shippers._steps import Contributed
 
@@ -46,6 +46,9 @@ _ONE_SPEC: Final = _COLUMNS[:-1]
 _WORDS: Final = ("name", "reduce")
 #: Parquet files kept open between windows
 _OPEN: Final = 256
+#: a row group is decoded on threads (a column each) past this size; below, handing the
+#: columns out costs more than it gains
+_THREADS: Final = 1 << 20
 
 
 class Words:
@@ -277,8 +280,8 @@ class Loader:
     ) -> pa.Table | None:
         """The rows of ``groups`` (one lane's) for steps ``lo <= step < hi``, ts as int.
 
-        What a group holds past ``hi`` stays in the cache for the next window (the cache
-        drops the least recently used past its size; those are read again).
+        What a group holds past ``hi`` stays in the cache for the next window, if it fits
+        (else it is read again).
         """
         cache = self._cache
         tables = []
@@ -288,7 +291,7 @@ class Loader:
             if t is None:
                 one = g.spec is not None and columns is _COLUMNS
                 t = self._file(g.path).read_row_group(
-                    g.index, columns=_ONE_SPEC if one else columns
+                    g.index, columns=_ONE_SPEC if one else columns, use_threads=g.nbytes > _THREADS
                 )
                 if one:  # one spec for the group: not read, repeated
                     spec = pa.DictionaryArray.from_arrays(
@@ -299,15 +302,9 @@ class Loader:
                     t = t.set_column(t.schema.get_field_index("ts"), "ts", t["ts"].cast(pa.int64()))
             step = t["step"].to_numpy()
             a, b = np.searchsorted(step, [lo, hi]).tolist()  # steps never go down in a lane
-            if b < len(step):
-                rest = t.slice(b)
-                if 2 * rest.num_rows < t.num_rows:  # a copy: let the group's buffers go
-                    rest = t.take(pa.array(np.arange(b, t.num_rows)))
-                cache.put(key, rest)
-            else:
-                cache.drop(key)
-            if b > a:
-                tables.append(t.slice(a, b - a))
+            part = cache.cut(key, t, a, b)
+            if part is not None:
+                tables.append(part)
         if not tables:
             return None
         return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
@@ -337,9 +334,7 @@ class Loader:
         if pf is None:
             meta = self._cache.footer(path)
             names = set(meta.schema.to_arrow_schema().names)
-            pf = pq.ParquetFile(
-                path, metadata=meta, read_dictionary=[c for c in _WORDS if c in names]
-            )
+            pf = open_file(path, meta, [c for c in _WORDS if c in names])
             while len(self._open) >= _OPEN:
                 self._open.pop(next(iter(self._open))).close()
         self._open[path] = pf
