@@ -839,6 +839,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     comp, rep, live = archive
     comps = [comp, *(r for r in shapes if r.name.startswith("compact"))]
     reps = [rep, *(r for r in shapes if r.name.startswith("replay"))]
+    live_of = {r.size: r for r in shapes if r.name.startswith("ship")}
     archive_checks = [
         {"what": f"compaction >= {TARGET_COMPACT / 1e6:g} M values/s (wall, interpreter start "
                  "included)", "figure": f"{rate(comp.values_per_s)} values/s",
@@ -857,6 +858,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         {"what": "replay of the other spools: byte-identical to live shipping",
          "figure": "yes" if all(r.ok for r in reps) else "no",
          "ok": all(r.ok for r in reps)},
+        {"what": "replay of the other spools at least as fast as live shipping",
+         "figure": ", ".join(f"{rate(r.values_per_s)} vs {rate(live_of[r.size].values_per_s)} "
+                             f"values/s ({r.size})" for r in reps[1:]),
+         "ok": all((r.values_per_s or 0) >= (live_of[r.size].values_per_s or 0)
+                   for r in reps[1:])},
         incremental_check,
     ]  # fmt: skip
     lines += [f"- {verdict(c['ok'])}: {c['what']}: {c['figure']}" for c in archive_checks]
