@@ -69,6 +69,8 @@ log = logging.getLogger("ranklog.replay")
 _ROWS_PER_READ: Final = 8_192  # about what 256 KiB of a segment holds
 #: decoded row groups kept for every segment of a replay together
 _CACHE_BYTES: Final = 32 * 1024 * 1024
+#: parsed footers the event path keeps (it reads each segment's files through once)
+_EVENT_FOOTERS: Final = 256
 
 
 def _segment_files(dataset: Path, listed: set[str]) -> dict[SegmentId, dict[str, list[Path]]]:
@@ -287,7 +289,8 @@ class ParquetSource:
         files = _segment_files(self.dataset, listed)
         last_of_rank = {k.rank: k for k in files}  # sorted: the last key of each rank wins
         cutoffs = _cutoffs(self.dataset, listed) if relogged == "last" else {}
-        cache = GroupCache(_CACHE_BYTES)
+        # footers of the last files read only: the engine reads each segment through once
+        cache = GroupCache(_CACHE_BYTES, footers=_EVENT_FOOTERS)
         for sid, tables in files.items():
             rank, inc, seg = sid
             header = SegmentHeader(rank, inc, seg, run.created, run.run_id, run.world_size)
