@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -155,6 +156,32 @@ class TestMemory:
         fast.close(), slow.close()
         ship(spool, out)
         assert [x["step"] for x in lines(out)] == list(range(500))
+
+    def test_many_ranks_read_less_each_per_round(
+        self, spool: Path, out: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A round reads ROUND_TOTAL_BYTES from all ranks together: with 8 ranks, each
+        reads an eighth (what waits in memory does not grow with the ranks), and every
+        step still ships once."""
+        import ranklog.shippers._tail as tail
+        from ranklog.spool import SegmentReader
+
+        monkeypatch.setattr(tail, "ROUND_TOTAL_BYTES", 8 * 1024)
+        asked: list[int | None] = []
+        real = SegmentReader.read
+
+        def spy(self: SegmentReader, offset: int = 0, **kw: Any) -> Any:
+            asked.append(kw.get("max_bytes"))
+            return real(self, offset, **kw)
+
+        monkeypatch.setattr(SegmentReader, "read", spy)
+        runs = [rank(spool, r, 8) for r in range(8)]
+        for run in runs:
+            log_steps(run, range(200))
+            run.close()
+        ship(spool, out)
+        assert asked and set(asked) == {1024}
+        assert [x["step"] for x in lines(out)] == list(range(200))
 
 
 class TestIncarnations:

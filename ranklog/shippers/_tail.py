@@ -45,6 +45,7 @@ __all__ = [
     "MAX_PENDING_STEPS",
     "NO_GAP",
     "ROUND_BYTES",
+    "ROUND_TOTAL_BYTES",
     "ParamsRead",
     "RankState",
     "RankTail",
@@ -57,6 +58,10 @@ log = logging.getLogger("ranklog.ship")
 
 #: bytes read from one segment per round: bounds memory whatever the spool's size
 ROUND_BYTES: Final = 256 * 1024
+#: bytes read from all ranks together per round: a round's events wait in memory until
+#: their steps ship, so with many ranks each reads less (64 ranks: ROUND_BYTES each; 1,024
+#: ranks: 16 KiB each), never under one frame
+ROUND_TOTAL_BYTES: Final = 16 * 1024 * 1024
 #: past this many steps waiting in memory, only the ranks holding them back are read
 MAX_PENDING_STEPS: Final = 1024
 #: at most this many steps are marked partial after one gap in a rank's frames
@@ -283,6 +288,8 @@ class RankTail:
         """Read one bounded slice of every readable segment; True if anything was read."""
         progressed = False
         readable = self._readable_ranks(now, floor)
+        ranks = len(self.source.by_rank) if readable is None else len(readable)
+        budget = min(ROUND_BYTES, ROUND_TOTAL_BYTES // max(ranks, 1))
         for rank, segs in self.source.by_rank.items():
             state = self.ranks[rank]
             self._probe(state, segs, now)
@@ -296,7 +303,7 @@ class RankTail:
                 later = i + 1 < len(segs)  # a later segment or incarnation: writer gone
                 if seg.size <= seg.offset and not later:
                     break  # the live tail of this rank: nothing new
-                res = seg.reader.read(seg.offset, writer_gone=later, max_bytes=ROUND_BYTES)
+                res = seg.reader.read(seg.offset, writer_gone=later, max_bytes=budget)
                 if res.end != seg.offset or res.frames:
                     progressed = True
                 if seg.reader.header is not None and not self._identity_ok(seg):
