@@ -489,6 +489,20 @@ class TestGroupCache:
         assert other.num_rows == 10 and cache.known(paths[1]) is None
         assert cache.footer(paths[1]) is not other
 
+    def test_latest_keeps_the_footers_used_last(self, tmp_path: Path) -> None:
+        """With ``latest`` (the event path, which reads each file through once), a new
+        footer takes the place of the least recently used."""
+        paths = [tmp_path / f"{k}.parquet" for k in range(3)]
+        for path in paths:
+            pq.write_table(self._group(10), path)
+        cache = GroupCache(1 << 20, footers=2, latest=True)
+        first = cache.footer(paths[0])
+        cache.footer(paths[1])
+        assert cache.footer(paths[0]) is first  # used again: now the latest
+        cache.footer(paths[2])
+        assert cache.known(paths[1]) is None
+        assert cache.known(paths[0]) is first and cache.known(paths[2]) is not None
+
     def test_the_plan_keeps_the_footers_the_reader_needs(self, spool: Path, tmp_path: Path) -> None:
         """Planning a replay keeps the footers of the files read by window (metrics), not
         those it reads once (ranks, params)."""

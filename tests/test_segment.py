@@ -65,6 +65,34 @@ class TestWriterReader:
         last = reader.read(second.end)
         assert last.sealed and last.frames == []
 
+    def test_reads_with_a_limit_read_each_byte_about_once(
+        self, spool: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Reads of at most ``max_bytes`` read little past it: a frame cut by a buffer's
+        end is read again whole, not with a chunk of the segment after it."""
+        _writer, written = write_segment(spool, 2_000)
+        (seg,) = SpoolLayout(spool).segments(0)
+        size = seg.path.stat().st_size
+        read_bytes = 0
+        real = os.pread
+
+        def counting(fd: int, n: int, offset: int) -> bytes:
+            nonlocal read_bytes
+            data = real(fd, n, offset)
+            read_bytes += len(data)
+            return data
+
+        monkeypatch.setattr(os, "pread", counting)
+        reader, offset, frames = SegmentReader(seg.path), 0, []
+        while True:
+            res = reader.read(offset, max_bytes=1_000)  # a dozen frames each
+            frames += res.frames
+            if res.sealed:
+                break
+            offset = res.end
+        assert [f.events for f in frames] == written
+        assert read_bytes < 2 * size
+
     def test_roll_over(self, spool: Path) -> None:
         """Past the size limit a segment is sealed and the next one continues the sequence."""
         _, written = write_segment(spool, 200, max_segment_bytes=4096)

@@ -290,7 +290,7 @@ class ParquetSource:
         last_of_rank = {k.rank: k for k in files}  # sorted: the last key of each rank wins
         cutoffs = _cutoffs(self.dataset, listed) if relogged == "last" else {}
         # footers of the last files read only: the engine reads each segment through once
-        cache = GroupCache(_CACHE_BYTES, footers=_EVENT_FOOTERS)
+        cache = GroupCache(_CACHE_BYTES, footers=_EVENT_FOOTERS, latest=True)
         for sid, tables in files.items():
             rank, inc, seg = sid
             header = SegmentHeader(rank, inc, seg, run.created, run.run_id, run.world_size)

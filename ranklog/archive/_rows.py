@@ -212,26 +212,31 @@ class GroupCache:
     What does not fit is not kept, rather than dropping what is: readers take their
     lanes (a rank's files) in turn, so the oldest entry is the next one needed, and
     dropping it would make every read miss once the lanes' rows outgrow the cache. The
-    footers may be shared by two threads (a replay's plan check and its reader): each
-    footer is kept once, and never dropped.
+    same goes for footers, unless ``latest`` (a reader that goes through each file once
+    keeps the footers it used last). Without ``latest`` the footers may be shared by two
+    threads (a replay's plan check and its reader): each is kept once, never dropped.
     """
 
-    def __init__(self, limit: int, footers: int = FOOTERS) -> None:
+    def __init__(self, limit: int, footers: int = FOOTERS, *, latest: bool = False) -> None:
         self.limit = limit
         self._items: dict[tuple[str, int], pa.Table] = {}
         self._bytes = 0
         self._footers: dict[Path, Any] = {}
         self._most_footers = footers
+        self._latest = latest
 
     def footer(self, path: Path, parsed: Any = None) -> Any:
         """``path``'s parsed footer (``parsed``, when given, is it), kept if there is room
         (a re-parsed footer costs a replay of many small files more time and memory than
         keeping it: parsing churns the heap)."""
-        meta = self._footers.get(path)
+        meta = self._footers.pop(path, None) if self._latest else self._footers.get(path)
         if meta is None:
             meta = parsed if parsed is not None else pq.read_metadata(path)
-            if len(self._footers) < self._most_footers:
-                self._footers[path] = meta
+            if not self._latest and len(self._footers) >= self._most_footers:
+                return meta
+        while self._latest and len(self._footers) >= self._most_footers:
+            del self._footers[next(iter(self._footers))]  # the least recently used
+        self._footers[path] = meta
         return meta
 
     def known(self, path: Path) -> Any:

@@ -58,9 +58,10 @@ log = logging.getLogger("ranklog.ship")
 
 #: bytes read from one segment per round: bounds memory whatever the spool's size
 ROUND_BYTES: Final = 256 * 1024
-#: bytes read from all ranks together per round: a round's events wait in memory until
-#: their steps ship, so with many ranks each reads less (64 ranks: ROUND_BYTES each; 1,024
-#: ranks: 16 KiB each), never under one frame
+#: bytes a tail reads per round, shared among its ranks: a round's events wait in memory
+#: until their steps ship, so with many ranks each reads less (64 ranks: ROUND_BYTES each;
+#: 1,024 ranks: 16 KiB each). A read always takes a whole frame, so a round may read a
+#: frame more per segment; each reader of a fan-in is a tail with its own budget
 ROUND_TOTAL_BYTES: Final = 16 * 1024 * 1024
 #: past this many steps waiting in memory, only the ranks holding them back are read
 MAX_PENDING_STEPS: Final = 1024

@@ -158,7 +158,7 @@ class SegmentReader:
         path = str(self.path)
         pos = res.end  # absolute offset of the first byte not yet examined
         bad_start: int | None = None  # start of a bad region being skipped
-        want = CHUNK if limit is None else max(FRAME_HEADER, min(CHUNK, limit - pos))
+        want = _want(pos, limit, 0)
         while pos < size:
             asked = min(size - pos, want)
             data = os.pread(fd, asked, pos)
@@ -167,7 +167,6 @@ class SegmentReader:
                 size = pos + n  # the file shrank under us: trust what is there
             if n == 0:
                 break
-            want = CHUNK
             i = 0
             need = 0  # bytes a frame starting at pos+i needs but this buffer lacks
             while i < n:
@@ -224,10 +223,12 @@ class SegmentReader:
             if need:
                 if pos + i + need > size:
                     break  # an incomplete frame (or garbage) at the end of the file
-                want = max(CHUNK, need)  # re-read so the whole frame is in one buffer
             elif pos + n >= size and i <= 0:
                 break
             pos += i
+            # the next buffer (a frame cut by this one's end is read again, whole): up to the
+            # limit, not a chunk past it, unless bad bytes are being skipped
+            want = _want(pos, limit if bad_start is None else None, need)
         if size > res.end:
             if writer_gone:
                 reason = "bad frame at end" if bad_start is not None else "incomplete frame at end"
@@ -235,6 +236,15 @@ class SegmentReader:
                 res.end = size
             else:
                 res.pending = size - res.end
+
+
+def _want(pos: int, limit: int | None, need: int) -> int:
+    """Bytes to read at ``pos``: a chunk, or with a limit what is left before it (a read
+    with a small limit would otherwise read a chunk to use one frame); at least ``need``,
+    the frame that starts there."""
+    if limit is None:
+        return max(CHUNK, need)
+    return max(need, FRAME_HEADER, min(CHUNK, limit - pos))
 
 
 def read_segment(path: str | os.PathLike[str], *, writer_gone: bool = True) -> ReadResult:
