@@ -66,8 +66,12 @@ def run_demo(spool: Path, *, ranks: int = 4, steps: int = 300, step_seconds: flo
 
     Returns the exit code: 0 when every rank and every shipper succeeded.
     """
+    from ranklog.spool import ensure_run
+
     out = spool.parent
-    spool.mkdir(parents=True, exist_ok=True)
+    # the run exists before the shipper starts (`ranklog ship` refuses a directory that is
+    # not a spool yet); the ranks find it, as ranks find the one their first rank created
+    ensure_run(spool, world_size=ranks)
     print(f"demo: {ranks} ranks x {steps} steps into {spool}", flush=True)
     every = max(1, steps // 6)
     targets = [f"jsonl:{out / 'metrics.jsonl'}", f"console:{every}", *_backends(out)]

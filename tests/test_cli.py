@@ -289,3 +289,22 @@ class TestDemo:
         assert any((tmp_path / "replayed-tensorboard").glob("events.out.tfevents.*"))
         for opener in ("tensorboard --logdir", "mlflow ui --backend-store-uri", "wandb sync"):
             assert opener in out
+
+    def test_the_run_exists_before_the_shipper_starts(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The shipper is launched into a spool that already has its run.json (it refuses a
+        directory that is not a spool: on a slow machine the ranks could lose the race)."""
+        import ranklog._demo as demo
+
+        seen: list[bool] = []
+        real = subprocess.Popen
+
+        def launch(cmd: list[str], *args: object, **kw: object) -> object:
+            if "ship" in cmd:
+                seen.append((tmp_path / "spool" / "run.json").is_file())
+            return real(cmd, *args, **kw)  # type: ignore[call-overload]
+
+        monkeypatch.setattr(demo.subprocess, "Popen", launch)
+        assert demo.run_demo(tmp_path / "spool", ranks=1, steps=3) == 0
+        assert seen == [True]
