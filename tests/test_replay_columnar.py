@@ -503,7 +503,7 @@ class TestGroupCache:
         assert cache.known(paths[1]) is None
         assert cache.known(paths[0]) is first and cache.known(paths[2]) is not None
 
-    def test_the_plan_keeps_the_footers_the_reader_needs(self, spool: Path, tmp_path: Path) -> None:
+    def test_the_plan_keeps_the_footers_the_reader_needs(self, spool: Path) -> None:
         """Planning a replay keeps the footers of the files read by window (metrics), not
         those it reads once (ranks, params)."""
         _job(spool, 3)

@@ -79,6 +79,8 @@ from _bench import (
 )
 
 if TYPE_CHECKING:
+    from _bench import ChildRun
+
     from ranklog.spool import IncarnationWriter
 
 THROUGHPUT_RANKS: Final = 64
@@ -147,6 +149,27 @@ def _ship_cmd(spool: Path, out: Path, *extra: str) -> list[str]:
             "--quiet", *extra]  # fmt: skip
 
 
+def _compact_cmd(spool: Path, pq: Path) -> list[str]:
+    return [sys.executable, "-m", "ranklog.cli", "compact", str(spool), "--out", str(pq)]
+
+
+def _replay_cmd(pq: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "ranklog.cli", "replay", str(pq), "--to", f"jsonl:{out}"]
+
+
+def _run_row(
+    label: str, size: str, run: ChildRun, values: int, note: str, problem: str = ""
+) -> Row:
+    """The row of one measured command that handled ``values`` values; FAILED when it
+    exited non-zero (its stderr) or with ``problem``."""
+    problem = (f"exit {run.returncode}: {short(run.stderr)}" if run.returncode else "") or problem
+    return Row(
+        label, size, wall_s=run.wall_s, values_per_s=values / run.wall_s,
+        values_per_cpu_s=values / run.cpu_s if run.cpu_s else None, cpu_s=run.cpu_s,
+        rss_mb=run.maxrss_mb, ok=not problem, note=f"FAILED: {problem}" if problem else note,
+    )  # fmt: skip
+
+
 # -- throughput -------------------------------------------------------------------------
 
 
@@ -199,43 +222,24 @@ def _bench_archive(base: Path, ranks: int, steps: int, timeout: float) -> tuple[
             shutil.rmtree(spool / "leases", ignore_errors=True)
             shutil.rmtree(pq, ignore_errors=True)
             ships.append(run_measured(_ship_cmd(spool, live, "--once"), tmp, timeout))
-            comps.append(run_measured(
-                [sys.executable, "-m", "ranklog.cli", "compact", str(spool), "--out", str(pq)],
-                tmp, timeout,
-            ))  # fmt: skip
+            comps.append(run_measured(_compact_cmd(spool, pq), tmp, timeout))
             metrics_bytes = sum(p.stat().st_size for p in (pq / "metrics").glob("*.parquet"))
             total_bytes = sum(p.stat().st_size for p in pq.rglob("*.parquet"))
-            reps.append(run_measured(
-                [sys.executable, "-m", "ranklog.cli", "replay", str(pq), "--to", f"jsonl:{again}"],
-                tmp, timeout,
-            ))  # fmt: skip
+            reps.append(run_measured(_replay_cmd(pq, again), tmp, timeout))
             same = same and live.is_file() and again.is_file()
             same = same and live.read_bytes() == again.read_bytes()
         ship, comp, rep = (sorted(r, key=lambda x: x.wall_s)[len(r) // 2]
                            for r in (ships, comps, reps))  # fmt: skip
-    rows = []
-    for label, run, extra in (
-        ("compact (parquet)", comp,
-         f"{metrics_bytes / values:.2f} B/value in metrics, {total_bytes / values:.2f} B/value "
-         "with every table"),
-        ("replay (jsonl)", rep,
-         "JSONL byte-identical to live shipping" if same else "FAILED: JSONL differs from live"),
-        ("ship --once (jsonl), same spool", ship, "live shipping, for comparison"),
-    ):  # fmt: skip
-        problem = f"exit {run.returncode}: {short(run.stderr)}" if run.returncode else ""
-        rows.append(
-            Row(
-                label,
-                size,
-                wall_s=run.wall_s,
-                values_per_s=values / run.wall_s,
-                values_per_cpu_s=values / run.cpu_s if run.cpu_s else None,
-                cpu_s=run.cpu_s,
-                rss_mb=run.maxrss_mb,
-                ok=not problem and (same or label != "replay (jsonl)"),
-                note=f"FAILED: {problem}" if problem else extra,
-            )
-        )
+    differs = "" if same else "JSONL differs from live"
+    rows = [
+        _run_row("compact (parquet)", size, comp, values,
+                 f"{metrics_bytes / values:.2f} B/value in metrics, "
+                 f"{total_bytes / values:.2f} B/value with every table"),
+        _run_row("replay (jsonl)", size, rep, values, "JSONL byte-identical to live shipping",
+                 differs),
+        _run_row("ship --once (jsonl), same spool", size, ship, values,
+                 "live shipping, for comparison"),
+    ]  # fmt: skip
     return rows, metrics_bytes / values
 
 
@@ -262,27 +266,19 @@ def _bench_shapes(base: Path, budget: Budget) -> list[Row]:
             runs = {
                 "ship --once (jsonl)": run_measured(_ship_cmd(spool, live, "--once"), tmp,
                                                     budget.ship_timeout_s),
-                "compact (parquet)": run_measured(
-                    [sys.executable, "-m", "ranklog.cli", "compact", str(spool), "--out", str(pq)],
-                    tmp, budget.ship_timeout_s),
-                "replay (jsonl)": run_measured(
-                    [sys.executable, "-m", "ranklog.cli", "replay", str(pq), "--to",
-                     f"jsonl:{again}"], tmp, budget.ship_timeout_s),
+                "compact (parquet)": run_measured(_compact_cmd(spool, pq), tmp,
+                                                  budget.ship_timeout_s),
+                "replay (jsonl)": run_measured(_replay_cmd(pq, again), tmp,
+                                               budget.ship_timeout_s),
             }  # fmt: skip
             same = live.is_file() and again.is_file() and live.read_bytes() == again.read_bytes()
         for label, run in runs.items():
-            problem = f"exit {run.returncode}: {short(run.stderr)}" if run.returncode else ""
-            if label.startswith("replay") and not same:
-                problem = problem or "JSONL differs from live shipping"
+            replayed = label.startswith("replay")
             note = f"largest segment {biggest / 2**20:.1f} MiB"
-            if label.startswith("replay"):
+            if replayed:
                 note += "; JSONL byte-identical to live shipping"
-            rows.append(Row(
-                label, size, wall_s=run.wall_s, values_per_s=values / run.wall_s,
-                values_per_cpu_s=values / run.cpu_s if run.cpu_s else None, cpu_s=run.cpu_s,
-                rss_mb=run.maxrss_mb, ok=not problem,
-                note=f"FAILED: {problem}" if problem else note,
-            ))  # fmt: skip
+            problem = "JSONL differs from live shipping" if replayed and not same else ""
+            rows.append(_run_row(label, size, run, values, note, problem))
     return rows
 
 
@@ -312,7 +308,7 @@ def _bench_incremental(
             spool, pq = tmp / "spool", tmp / "pq"
             writers = [write_rank(spool, r, ranks, first, end=False) for r in range(ranks)]
             t0 = read_run(spool).created
-            cmd = [sys.executable, "-m", "ranklog.cli", "compact", str(spool), "--out", str(pq)]
+            cmd = _compact_cmd(spool, pq)
             full = run_measured(cmd, tmp, timeout)
             runs, top = [], first
             for _ in range(INCREMENTS):
@@ -379,22 +375,9 @@ def _bench_targets(base: Path, ranks: int, steps: int, timeout: float) -> list[R
             cmd[cmd.index("--to") + 1] = spec.format(tmp=tmp)
             cmd += ["--mode", "offline", "--dir", tmp, "--name", kind]
             run = run_measured(cmd, Path(tmp), timeout)
-            problem = f"exit {run.returncode}: {short(run.stderr)}" if run.returncode else ""
-            rows.append(
-                Row(
-                    f"ship --once ({kind})",
-                    size,
-                    wall_s=run.wall_s,
-                    values_per_s=values / run.wall_s,
-                    values_per_cpu_s=values / run.cpu_s if run.cpu_s else None,
-                    cpu_s=run.cpu_s,
-                    rss_mb=run.maxrss_mb,
-                    ok=not problem,
-                    note=f"FAILED: {problem}"
-                    if problem
-                    else f"{steps / run.wall_s:,.0f} reduced steps/s ({METRICS} values each)",
-                )
-            )
+            rows.append(_run_row(f"ship --once ({kind})", size, run, values,
+                                 f"{steps / run.wall_s:,.0f} reduced steps/s "
+                                 f"({METRICS} values each)"))  # fmt: skip
     return rows
 
 

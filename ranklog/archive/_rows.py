@@ -229,14 +229,17 @@ class GroupCache:
         """``path``'s parsed footer (``parsed``, when given, is it), kept if there is room
         (a re-parsed footer costs a replay of many small files more time and memory than
         keeping it: parsing churns the heap)."""
-        meta = self._footers.pop(path, None) if self._latest else self._footers.get(path)
+        kept = self._footers
+        meta = kept.pop(path, None) if self._latest else kept.get(path)
+        if meta is not None and not self._latest:
+            return meta
         if meta is None:
             meta = parsed if parsed is not None else pq.read_metadata(path)
-            if not self._latest and len(self._footers) >= self._most_footers:
-                return meta
-        while self._latest and len(self._footers) >= self._most_footers:
-            del self._footers[next(iter(self._footers))]  # the least recently used
-        self._footers[path] = meta
+        if self._latest:  # room made: the least recently used go
+            while len(kept) >= self._most_footers:
+                del kept[next(iter(kept))]
+        if len(kept) < self._most_footers:
+            kept[path] = meta
         return meta
 
     def known(self, path: Path) -> Any:
