@@ -18,12 +18,14 @@ import pytest
 import ranklog.archive._columnar as columnar_mod
 import ranklog.archive._compact as compact_mod
 import ranklog.archive._replay as replay_mod
+import ranklog.archive._spill as spill_mod
 import ranklog.archive._windows as windows_mod
 from ranklog.archive import compact, replay
 from ranklog.archive._manifest import load_manifest
 from ranklog.archive._plan import plan
 from ranklog.archive._replay import _segment_files
 from ranklog.archive._rows import GroupCache
+from ranklog.archive._spill import ROW, Spill
 from ranklog.errors import ArchiveError
 from ranklog.schemas import (
     Event,
@@ -442,6 +444,130 @@ class TestWindows:
         assert _planned(tmp_path / "pq") == (True, "")
         _replays(tmp_path / "pq", tmp_path, monkeypatch)
         assert spans and max(spans) <= 64 and len(spans) >= 500 // 64
+
+
+class TestDecodedOnce:
+    @staticmethod
+    def _tiny(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+        """Row groups of 50 rows, windows of a step or so; the groups decoded, recorded."""
+        monkeypatch.setattr(compact_mod, "_ROW_GROUP", 50)
+        monkeypatch.setattr(windows_mod, "WINDOW_BYTES", 1)
+        decoded: list[tuple[str, int]] = []
+        real = windows_mod.Loader._decode
+
+        def spy(self: Any, rank: int, g: Any) -> Any:
+            decoded.append((g.path.name, g.index))
+            return real(self, rank, g)
+
+        monkeypatch.setattr(windows_mod.Loader, "_decode", spy)
+        return decoded
+
+    def test_each_group_is_decoded_once(
+        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Windows much narrower than a row group: every metrics and timers row group is
+        decoded by one window, the others take its rows from what it left, and the result
+        is live shipping's."""
+        decoded = self._tiny(monkeypatch)
+        _job(spool, 7, world=4)
+        dataset = tmp_path / "pq"
+        groups = [
+            (f.name, i)
+            for table in ("metrics", "timers")
+            for f in sorted((dataset / table).glob("*.parquet"))
+            for i in range(pq.ParquetFile(f).metadata.num_row_groups)
+            if pq.ParquetFile(f).metadata.row_group(i).num_rows
+        ]
+        assert _planned(dataset) == (True, "")
+        replay(dataset, JsonlTarget(tmp_path / "once.jsonl"))
+        assert sorted(decoded) == sorted(groups)
+        spans = [
+            (st.max - st.min + 1)
+            for f in sorted((dataset / "metrics").glob("*.parquet"))
+            for i in range(pq.ParquetFile(f).metadata.num_row_groups)
+            if (st := pq.ParquetFile(f).metadata.row_group(i).column(7).statistics) is not None
+        ]
+        assert max(spans) >= 3  # a group serves three windows or more (a step each)
+        live = tmp_path / "live.jsonl"
+        ship(spool, live)
+        assert (tmp_path / "once.jsonl").read_bytes() == live.read_bytes()
+
+    @pytest.mark.parametrize("seed", range(300, 303))
+    def test_rows_kept_on_disk(
+        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int
+    ) -> None:
+        """No memory for rests and spill files of a few rows (a new one every write):
+        the rows come back from disk in order, and the result is live shipping's."""
+        self._tiny(monkeypatch)
+        monkeypatch.setattr(spill_mod, "MEMORY_BYTES", 0)
+        monkeypatch.setattr(spill_mod, "FILE_BYTES", 3 * ROW.itemsize)
+        spilled: list[int] = []
+        real = windows_mod.Loader.close
+
+        def spy(self: Any) -> None:
+            spilled.append(self.spilled)
+            real(self)
+
+        monkeypatch.setattr(windows_mod.Loader, "close", spy)
+        _job(spool, seed, world=3)
+        assert _planned(tmp_path / "pq") == (True, "")
+        got = _replays(tmp_path / "pq", tmp_path, monkeypatch)
+        live = tmp_path / "live.jsonl"
+        ship(spool, live)
+        assert got == live.read_bytes()
+        assert spilled and all(n > 0 for n in spilled)
+
+
+class TestSpill:
+    @staticmethod
+    def _rows(steps: list[int], rank: int = 3) -> Any:
+        rows = np.zeros(len(steps), ROW)
+        rows["rank"] = rank
+        rows["step"] = steps
+        rows["value"] = np.arange(len(steps)) / 7
+        rows["ts"] = np.arange(len(steps)) * 1_000_003
+        return rows
+
+    def test_taken_by_step_in_memory(self) -> None:
+        """Under its budget a rest stays in memory (a copy, not a view of its group); each
+        take hands out the rows of the steps below its bound, in order, and the memory is
+        given back when the last row is taken."""
+        group = self._rows([5, 5, 6, 6, 6, 9, 12, 12])
+        spill = Spill(memory_bytes=1 << 20)
+        rest = spill.keep(group[2:], nbytes=600.0)
+        assert rest.file is None and rest.rows.base is None
+        assert spill.in_memory == 6 * ROW.itemsize and spill.spilled == 0
+        assert (rest.first, rest.last, rest.left_bytes()) == (6, 12, 600.0)
+        assert spill.take(rest, 6) is None  # nothing below step 6
+        got = spill.take(rest, 10)
+        assert got is not None and got.tobytes() == group[2:6].tobytes()
+        assert (rest.first, rest.left_bytes()) == (12, 200.0)
+        assert spill.take(rest, 11) is None
+        last = spill.take(rest, 100)
+        assert last is not None and last.tobytes() == group[6:].tobytes()
+        assert rest.at == rest.count and spill.in_memory == 0
+
+    def test_over_budget_goes_to_disk(self) -> None:
+        """Past its memory budget a rest is written to a temporary file and read back the
+        same; a full file is followed by a new one, and a file whose rests are all taken
+        is closed (its space freed) once another is being written."""
+        spill = Spill(memory_bytes=0, file_bytes=4 * ROW.itemsize)
+        a, b = self._rows([1, 2, 2, 3]), self._rows([4, 4, 5], rank=9)
+        ra, rb = spill.keep(a, 40.0), spill.keep(b, 30.0)
+        assert ra.file is not None and rb.file is not None and ra.file is not rb.file
+        assert spill.spilled == 7 * ROW.itemsize and spill.in_memory == 0
+        first = ra.file.handle
+        got = spill.take(ra, 3)
+        assert got is not None and got.tobytes() == a[:3].tobytes()
+        assert not first.closed
+        got = spill.take(ra, 4)
+        assert got is not None and got.tobytes() == a[3:].tobytes()
+        assert first.closed  # used up, and no longer the file written to
+        got = spill.take(rb, 6)
+        assert got is not None and got.tobytes() == b.tobytes()
+        assert not rb.file.handle.closed  # still the file written to
+        spill.close()
+        assert rb.file.handle.closed
 
 
 class TestGroupCache:

@@ -237,20 +237,25 @@ def _ranks_and_ts(built: dict[int, StepPartial], marks: dict[int, list[tuple[Any
     """Each step's count of ranks that logged for it, and its latest event time."""
     if not marks:
         return
-    per_rank_steps = []
-    all_steps, all_ts = [], []
-    for parts in marks.values():
-        steps = np.concatenate([p[0] for p in parts])
-        per_rank_steps.append(np.unique(steps))
-        all_steps.append(steps)
-        all_ts.append(np.concatenate([p[1] for p in parts]))
-    uniq, counts = np.unique(np.concatenate(per_rank_steps), return_counts=True)
-    steps, ts = np.concatenate(all_steps), np.concatenate(all_ts)
-    order = np.argsort(steps, kind="stable")
-    steps, ts = steps[order], ts[order]
-    first = np.concatenate(([0], np.flatnonzero(steps[1:] != steps[:-1]) + 1))
+    steps = np.concatenate([p[0] for parts in marks.values() for p in parts])
+    ts = np.concatenate([p[1] for parts in marks.values() for p in parts])
+    if not len(steps):
+        return
+    lengths = [len(p[0]) for parts in marks.values() for p in parts]
+    owners = np.repeat(np.arange(len(lengths)), lengths)  # the part of each mark...
+    rank_of = np.repeat(
+        np.arange(len(marks)), [len(parts) for parts in marks.values()]
+    )  # ...and the rank of each part
+    ranks = rank_of[owners]
+    order = np.lexsort((ranks, steps))
+    steps, ts, ranks = steps[order], ts[order], ranks[order]
+    new_step = steps[1:] != steps[:-1]
+    first = np.concatenate(([0], np.flatnonzero(new_step) + 1))
+    new_rank = np.ones(len(steps), np.int64)  # a (step, rank) pair not met before
+    new_rank[1:] = new_step | (ranks[1:] != ranks[:-1])
+    counts = np.add.reduceat(new_rank, first).tolist()
     latest = np.maximum.reduceat(ts, first).tolist()
-    for s, c, t in zip(uniq.tolist(), counts.tolist(), latest, strict=True):
+    for s, c, t in zip(steps[first].tolist(), counts, latest, strict=True):
         part = built[s]
         part.ranks = c
         part.ts = t / 1e6 if t > 0 else 0.0  # as the engine's running max from 0.0

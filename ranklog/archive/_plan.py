@@ -56,7 +56,8 @@ _NULL: Final = -(2**62)
 _BATCH: Final = 256 * 1024
 #: a string statistic this short is never truncated
 _SHORT: Final = 64
-#: tables whose footers are not kept (the window reader does not read them)
+#: tables the scan does not open and whose footers are not kept (the check reads them
+#: once; the window reader does not)
 _ONCE: Final = ("params", "ranks")
 # event codes in a rank's stream
 _STEP, _END, _PARAMS, _OTHER, _GPU = 0, 1, 2, 3, 4
@@ -188,6 +189,8 @@ def _scan_rank(rank: int, segs: Segments, cache: GroupCache) -> RankPlan:
         if unknown:
             raise _No(f"{sid.stem} holds {', '.join(sorted(unknown))}")
         for table, paths in tables.items():
+            if table in _ONCE:  # read by the check alone
+                continue
             for path in paths:
                 pf = _open(path, table, cache)
                 if table == "gpu":
@@ -326,7 +329,7 @@ def _open(path: Path, table: str, cache: GroupCache) -> pq.ParquetFile:
     left to the event path (which reads absent columns as nulls).
 
     The footers of the files a replay reads by window are kept (the reader needs them
-    again); those of params and ranks files are not (read twice here, then never)."""
+    again); those of params and ranks files are not (the check reads them once)."""
     known = cache.known(path)
     pf = open_file(path, known)
     if known is None and table not in _ONCE:  # parsed by this open: kept for the next

@@ -8,8 +8,10 @@ groups as their statistics spread them over their steps, and returns its rows:
 metrics and timers as numpy columns (names and reduce specs as small integers, the
 same across files), the other tables' rows rebuilt as events (they are few).
 
-A row group that spans two windows is read by both; the part after the first window
-stays in the cache, up to its size.
+A metrics or timers row group is decoded once, by the first window that needs it: the
+rows it holds for later windows are kept as a :class:`~ranklog.archive._spill.Rest`
+(memory, then temporary files). A row group of the other tables that spans two windows
+is read by both; the part after the first window stays in the cache, up to its size.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import pyarrow.parquet as pq
 
 from ranklog.archive._plan import ITEMS, READ, REDUCED, Plan, RowGroup
 from ranklog.archive._rows import frame_events, open_file
+from ranklog.archive._spill import ROW, Rest, Spill
 from ranklog.schemas import Gpu, StepEvent
 from ranklog.shippers._steps import Contributed
 
@@ -42,6 +45,7 @@ _COLUMNS: Final = READ["metrics"]  # timers' too
 #: the columns the item tables are read with (as frame_events takes them)
 _ITEM_COLUMNS: Final = {t: ["seq", "idx", *READ[t]] for t in (*ITEMS, "gpu")}
 _ONE_SPEC: Final = _COLUMNS[:-1]
+_FIELDS: Final = ("rank", "ts", "step", "name", "value", "spec")  # as ROW has them
 #: string columns of the reduced tables read as dictionaries (mapped to codes, not read)
 _WORDS: Final = ("name", "reduce")
 #: Parquet files kept open between windows
@@ -74,6 +78,10 @@ class Words:
             out.append(lut[chunk.indices.to_numpy()] if len(lut) else np.zeros(0, np.int32))
         return np.concatenate(out) if out else np.zeros(0, np.int32)
 
+    def code(self, word: str) -> int:
+        """The code of one string."""
+        return self._id(word)
+
     def _id(self, word: str) -> int:
         got = self.ids.get(word)
         if got is None:
@@ -83,15 +91,16 @@ class Words:
 
 
 class _Rows:
-    """One table's rows of a window, as numpy columns (rank order, then write order)."""
+    """One table's rows of a window, as :data:`~ranklog.archive._spill.ROW` records (rank
+    order, then write order), handed out as numpy columns."""
 
     def __init__(self) -> None:
-        self.parts: list[tuple[Any, ...]] = []
+        self.parts: list[Any] = []
 
     def columns(self) -> tuple[Any, ...]:
         if not self.parts:
-            return tuple(np.zeros(0, np.int64) for _ in range(6))
-        return tuple(np.concatenate(c) for c in zip(*self.parts, strict=True))
+            return tuple(np.zeros(0, ROW[f]) for f in _FIELDS)
+        return tuple(np.concatenate([p[f] for p in self.parts]) for f in _FIELDS)
 
 
 @dataclass(slots=True)
@@ -135,8 +144,11 @@ class Loader:
                 lane = [g for g in rp.groups if g.table == table]
                 if lane:
                     self._lanes.append((rp.rank, lane))
-        #: each lane's first group still needed
+        #: each lane's first group still needed (metrics and timers: not decoded yet)
         self._next = [0] * len(self._lanes)
+        #: metrics and timers lanes: the rows of their last group decoded still to come
+        self._rests: list[Rest | None] = [None] * len(self._lanes)
+        self._spill = Spill()
         self._plan = plan
         #: ranks with GPU samples: the samples' files, steps, and the next row to read (their
         #: steps come from the plan's check, done by the first read)
@@ -162,9 +174,9 @@ class Loader:
         """The next window (None: everything was read)."""
         gpu = self._gpu if self._gpu is not None else self._start()
         starts = [
-            lane[i].lo
-            for (_, lane), i in zip(self._lanes, self._next, strict=True)
-            if i < len(lane)
+            rest.first if rest is not None else lane[i].lo
+            for (_, lane), i, rest in zip(self._lanes, self._next, self._rests, strict=True)
+            if rest is not None or i < len(lane)
         ] + [int(g.steps[g.next]) for g in gpu if g.next < len(g.steps)]
         if not starts:
             return None
@@ -182,6 +194,9 @@ class Loader:
         marks: dict[int, list[tuple[Any, Any]]] = {}
         other: dict[int, dict[str, pa.Table]] = {}  # rank -> item table -> its rows
         for k, (rank, lane) in enumerate(self._lanes):
+            if lane[0].table in REDUCED:
+                self._reduced(k, rank, hi, rows[lane[0].table], marks)
+                continue
             i = self._next[k]
             picked: list[RowGroup] = []
             while i + len(picked) < len(lane) and lane[i + len(picked)].lo < hi:
@@ -192,12 +207,9 @@ class Loader:
             if not picked:
                 continue
             table = picked[0].table
-            if table in REDUCED:
-                self._read(rank, picked, lo, hi, rows[table], marks)
-            else:
-                t = self._rows(picked, lo, hi, _ITEM_COLUMNS[table])
-                if t is not None:
-                    other.setdefault(rank, {})[table] = t
+            t = self._rows(picked, lo, hi, _ITEM_COLUMNS[table])
+            if t is not None:
+                other.setdefault(rank, {})[table] = t
         gpu_steps: dict[int, Any] = {}
         for g in gpu:
             end = int(np.searchsorted(g.steps, hi))
@@ -207,7 +219,8 @@ class Loader:
                 g.next = end
         self._hi = hi
         last = all(
-            i >= len(lane) for (_, lane), i in zip(self._lanes, self._next, strict=True)
+            i >= len(lane) and rest is None
+            for (_, lane), i, rest in zip(self._lanes, self._next, self._rests, strict=True)
         ) and all(g.next >= len(g.steps) for g in gpu)
         items = self._items(other, gpu_steps, marks)
         return Window(lo, hi, {t: r.columns() for t, r in rows.items()}, marks, last, items)
@@ -238,11 +251,21 @@ class Loader:
         for pf in self._open.values():
             pf.close()
         self._open = {}
+        self._spill.close()
+
+    @property
+    def spilled(self) -> int:
+        """Bytes of rows kept on disk so far (:mod:`ranklog.archive._spill`)."""
+        return self._spill.spilled
 
     def _estimate(self, lo: int, hi: int) -> float:
         """Bytes for steps ``lo <= step < hi``, each group's spread evenly over its steps."""
         total = 0.0
-        for (_, lane), i in zip(self._lanes, self._next, strict=True):
+        for (_, lane), i, rest in zip(self._lanes, self._next, self._rests, strict=True):
+            if rest is not None and rest.first < hi:  # its rows spread evenly over its steps
+                inside = min(rest.last, hi - 1) - max(rest.first, lo) + 1
+                if inside > 0:
+                    total += rest.left_bytes() * inside / (rest.last - rest.first + 1)
             while i < len(lane) and lane[i].lo < hi:
                 g = lane[i]
                 inside = min(g.hi, hi - 1) - max(g.lo, lo) + 1
@@ -251,29 +274,57 @@ class Loader:
                 i += 1
         return total
 
-    def _read(
-        self,
-        rank: int,
-        groups: list[RowGroup],
-        lo: int,
-        hi: int,
-        into: _Rows,
-        marks: dict[int, list[tuple[Any, Any]]],
+    def _reduced(
+        self, k: int, rank: int, hi: int, into: _Rows, marks: dict[int, list[tuple[Any, Any]]]
     ) -> None:
-        """The metrics or timers of ``groups`` (one lane's) for steps ``lo <= step < hi``,
-        as numpy columns into ``into``, and each step's latest time stamp into ``marks``."""
-        t = self._rows(groups, lo, hi, _COLUMNS)
-        if t is None:
-            return
-        step = t["step"].to_numpy()
-        ts = t["ts"].to_numpy().view(np.int64)  # microseconds
-        cut = np.flatnonzero(step[1:] != step[:-1]) + 1
-        first = np.concatenate(([0], cut))
-        marks.setdefault(rank, []).append((step[first], np.maximum.reduceat(ts, first)))
-        into.parts.append((
-            np.full(len(step), rank, np.int32), ts, step, self._names.codes(t["name"]),
-            t["value"].to_numpy(), self._specs.codes(t["reduce"]),
-        ))  # fmt: skip
+        """Lane ``k``'s metrics or timers for steps below ``hi`` (the window's first step is
+        its first row not taken yet) into ``into``, and each step's latest time stamp into
+        ``marks``: what its rest holds, then its next groups, each decoded once."""
+        lane = self._lanes[k][1]
+        parts = []
+        rest = self._rests[k]
+        if rest is not None:
+            got = self._spill.take(rest, hi)
+            if got is not None:
+                parts.append(got)
+            if rest.at == rest.count:
+                rest = self._rests[k] = None
+        i = self._next[k]
+        while rest is None and i < len(lane) and lane[i].lo < hi:
+            g = lane[i]
+            rows = self._decode(rank, g)
+            i += 1
+            b = int(np.searchsorted(rows["step"], hi))  # steps never go down in a lane
+            if b:  # a small part copied: a slice would hold its whole group
+                parts.append(rows[:b] if 2 * b >= len(rows) else rows[:b].copy())
+            if b < len(rows):
+                rest = self._rests[k] = self._spill.keep(
+                    rows[b:], g.nbytes * (len(rows) - b) / len(rows)
+                )
+        self._next[k] = i
+        for part in parts:
+            step = part["step"]
+            first = np.concatenate(([0], np.flatnonzero(step[1:] != step[:-1]) + 1))
+            marks.setdefault(rank, []).append((step[first], np.maximum.reduceat(part["ts"], first)))
+            into.parts.append(part)
+
+    def _decode(self, rank: int, g: RowGroup) -> Any:
+        """One metrics or timers row group of ``rank``'s, as :data:`ROW` records."""
+        one = g.spec is not None
+        t = self._file(g.path).read_row_group(
+            g.index, columns=_ONE_SPEC if one else _COLUMNS, use_threads=g.nbytes > _THREADS
+        )
+        rows = np.empty(t.num_rows, ROW)
+        rows["rank"] = rank
+        rows["ts"] = t["ts"].to_numpy().view(np.int64)  # microseconds
+        rows["step"] = t["step"].to_numpy()
+        rows["name"] = self._names.codes(t["name"])
+        rows["value"] = t["value"].to_numpy()
+        # one spec for the group (its statistics say so): not read
+        rows["spec"] = (
+            self._specs.code(g.spec) if g.spec is not None else self._specs.codes(t["reduce"])
+        )
+        return rows
 
     def _rows(
         self, groups: list[RowGroup], lo: int, hi: int, columns: list[str]
@@ -289,17 +340,11 @@ class Loader:
             key = (str(g.path), g.index)
             t = cache.get(key)
             if t is None:
-                one = g.spec is not None and columns is _COLUMNS
                 t = self._file(g.path).read_row_group(
-                    g.index, columns=_ONE_SPEC if one else columns, use_threads=g.nbytes > _THREADS
+                    g.index, columns=columns, use_threads=g.nbytes > _THREADS
                 )
-                if one:  # one spec for the group: not read, repeated
-                    spec = pa.DictionaryArray.from_arrays(
-                        pa.array(np.zeros(t.num_rows, np.int32)), pa.array([g.spec])
-                    )
-                    t = t.append_column("reduce", spec)
-                if columns is not _COLUMNS:  # as frame_events takes them
-                    t = t.set_column(t.schema.get_field_index("ts"), "ts", t["ts"].cast(pa.int64()))
+                # ts as int, as frame_events takes it
+                t = t.set_column(t.schema.get_field_index("ts"), "ts", t["ts"].cast(pa.int64()))
             step = t["step"].to_numpy()
             a, b = np.searchsorted(step, [lo, hi]).tolist()  # steps never go down in a lane
             part = cache.cut(key, t, a, b)
