@@ -45,7 +45,7 @@ _COLUMNS: Final = READ["metrics"]  # timers' too
 #: the columns the item tables are read with (as frame_events takes them)
 _ITEM_COLUMNS: Final = {t: ["seq", "idx", *READ[t]] for t in (*ITEMS, "gpu")}
 _ONE_SPEC: Final = _COLUMNS[:-1]
-_FIELDS: Final = ("rank", "ts", "step", "name", "value", "spec")  # as ROW has them
+_FIELDS: Final = tuple(ROW.names or ())
 #: string columns of the reduced tables read as dictionaries (mapped to codes, not read)
 _WORDS: Final = ("name", "reduce")
 #: Parquet files kept open between windows
