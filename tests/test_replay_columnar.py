@@ -569,6 +569,26 @@ class TestSpill:
         spill.close()
         assert rb.file.handle.closed
 
+    def test_a_long_lived_rest_does_not_hold_a_used_up_file(self) -> None:
+        """When a new file is started, an older one less than half still waiting has its
+        rows not taken yet copied into the new one and is closed: disk use follows the
+        rows waiting, not the longest-lived rest."""
+        spill = Spill(memory_bytes=0, file_bytes=4 * ROW.itemsize)
+        a, b = self._rows([1, 2]), self._rows([3, 3], rank=5)
+        ra, rb = spill.keep(a, 20.0), spill.keep(b, 20.0)
+        old = ra.file
+        assert old is not None and rb.file is old  # one full file
+        got = spill.take(ra, 2)
+        assert got is not None and got.tobytes() == a[:1].tobytes()
+        assert spill.take(rb, 4) is not None  # b used up: a quarter of the file waits
+        assert not old.handle.closed
+        rc = spill.keep(self._rows([7]), 10.0)  # a new file: ``a``'s last row moved to it
+        assert old.handle.closed and ra.file is rc.file and ra.file is not old
+        got = spill.take(ra, 100)
+        assert got is not None and got.tobytes() == a[1:].tobytes()
+        assert spill.spilled == 6 * ROW.itemsize  # a's and b's rows, c's, a's row moved
+        spill.close()
+
 
 class TestGroupCache:
     @staticmethod

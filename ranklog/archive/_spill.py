@@ -11,10 +11,13 @@ a :class:`Rest` keeps those rows instead, already turned into the window's colum
 Rests are held in memory up to :data:`MEMORY_BYTES` in all; past that they go to
 anonymous temporary files (``tempfile.TemporaryFile`` in ``$TMPDIR``: removed by the
 system even if the process dies), appended to, and read back with one ``pread`` per
-window and rank. A file is closed (its space freed) once every rest on it is used up
-and another file is being appended to. Disk use is bounded by the rests waiting at
-once: about one row group per rank and table, 36 bytes a row (4,096 ranks: ~1.2 GB at
-most, ~130 MB for the 4,096 ranks x 10 steps x 100 metrics of the benchmark).
+window and rank. A file is written up to :data:`FILE_BYTES`, then another is started;
+an older file is closed (its space freed) once every rest on it is used up, and when
+less than half of it is still waiting, what is (one long-lived rest keeps no more than
+itself) is copied into the new file first. So disk use stays under twice the rows
+waiting plus one file. About one row group per rank and table waits at once, 36 bytes
+a row: ~1.2 GB at most for 4,096 ranks, ~130 MB for the 4,096 ranks x 10 steps x 100
+metrics of the benchmark.
 
 Spill file format: rests appended one after another, each its rows as packed
 :data:`ROW` records (little-endian); what a rest spans (offset, rows, steps) is kept in
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Any, Final
 
 import numpy as np
@@ -42,7 +45,7 @@ ROW: Final = np.dtype([
 #: rests held in memory, in all; the next ones go to disk
 MEMORY_BYTES: Final = 24 << 20
 #: a spill file is not appended to past this size (a new one is started)
-FILE_BYTES: Final = 256 << 20
+FILE_BYTES: Final = 64 << 20
 
 
 @dataclass(slots=True, eq=False)
@@ -85,7 +88,11 @@ class _File:
     handle: IO[bytes]
     size: int = 0
     #: rests on it not used up yet
-    live: int = 0
+    rests: set[Rest] = field(default_factory=set)
+
+    def waiting(self) -> int:
+        """Bytes of its rests' rows not taken yet."""
+        return sum((r.count - r.at) * ROW.itemsize for r in self.rests)
 
 
 class Spill:
@@ -115,13 +122,9 @@ class Spill:
             self.in_memory += rows.nbytes
             return Rest(rows, None, 0, steps, starts, count, nbytes=nbytes)
         f = self._appending()
-        data = np.ascontiguousarray(rows).tobytes()
-        offset = f.size
-        os.pwrite(f.handle.fileno(), data, offset)
-        f.size += len(data)
-        f.live += 1
-        self.spilled += len(data)
-        return Rest(None, f, offset, steps, starts, count, nbytes=nbytes)
+        rest = Rest(None, f, self._write(f, rows.tobytes()), steps, starts, count, nbytes=nbytes)
+        f.rests.add(rest)
+        return rest
 
     def take(self, rest: Rest, hi: int) -> Any:
         """The rows of ``rest`` for steps below ``hi`` not taken yet (None: none); a rest
@@ -137,15 +140,9 @@ class Spill:
                 self.in_memory -= rest.rows.nbytes
                 rest.rows = None
             return rows
-        size = ROW.itemsize
-        data = os.pread(rest.file.handle.fileno(), (end - a) * size, rest.offset + a * size)
-        if len(data) != (end - a) * size:
-            raise ArchiveError(
-                f"replay spill file (in {tempfile.gettempdir()}): read {len(data)} bytes "
-                f"of {(end - a) * size} at offset {rest.offset + a * size}"
-            )
+        data = self._read(rest, a, end)
         if end == rest.count:
-            self._used_up(rest.file)
+            self._used_up(rest)
         return np.frombuffer(data, ROW)
 
     def close(self) -> None:
@@ -155,20 +152,61 @@ class Spill:
         self._files = []
         self._file = None
 
-    def _appending(self) -> _File:
-        f = self._file
-        if f is None or f.size >= self.file_bytes:
-            if f is not None and f.live == 0:
-                self._drop(f)
-            # closed by _drop or close (a file outlives this call by design)
-            handle = tempfile.TemporaryFile(prefix="ranklog-replay-")  # noqa: SIM115
-            f = self._file = _File(handle)
-            self._files.append(f)
-        return f
+    def _read(self, rest: Rest, a: int, end: int) -> bytes:
+        """Rows ``a <= row < end`` of a rest on disk, as bytes."""
+        assert rest.file is not None
+        size = ROW.itemsize
+        where = rest.offset + a * size
+        data = os.pread(rest.file.handle.fileno(), (end - a) * size, where)
+        if len(data) != (end - a) * size:
+            raise ArchiveError(
+                f"replay spill file (in {tempfile.gettempdir()}): read {len(data)} bytes "
+                f"of {(end - a) * size} at offset {where}"
+            )
+        return data
 
-    def _used_up(self, f: _File) -> None:
-        f.live -= 1
-        if f.live == 0 and f is not self._file:
+    def _write(self, f: _File, data: bytes) -> int:
+        """Append ``data`` to ``f``; where it starts."""
+        offset = done = f.size
+        view = memoryview(data)
+        try:
+            while done < offset + len(data):
+                done += os.pwrite(f.handle.fileno(), view[done - offset :], done)
+        except OSError as exc:
+            raise ArchiveError(
+                f"replay could not keep rows on disk in {tempfile.gettempdir()} ({exc}); "
+                "point TMPDIR at a directory with room"
+            ) from exc
+        f.size = done
+        self.spilled += len(data)
+        return offset
+
+    def _appending(self) -> _File:
+        """The file to append to: a new one once the current is full (older files mostly
+        used up are copied into it and closed)."""
+        f = self._file
+        if f is not None and f.size < self.file_bytes:
+            return f
+        # closed by _drop or close (a file outlives this call by design)
+        handle = tempfile.TemporaryFile(prefix="ranklog-replay-")  # noqa: SIM115
+        new = self._file = _File(handle)
+        for old in list(self._files):
+            if not old.rests:
+                self._drop(old)
+            elif 2 * old.waiting() < old.size:
+                for rest in old.rests:  # its rows not taken yet, moved
+                    moved = self._write(new, self._read(rest, rest.at, rest.count))
+                    rest.file, rest.offset = new, moved - rest.at * ROW.itemsize
+                    new.rests.add(rest)
+                self._drop(old)
+        self._files.append(new)
+        return new
+
+    def _used_up(self, rest: Rest) -> None:
+        f = rest.file
+        assert f is not None
+        f.rests.discard(rest)
+        if not f.rests and f is not self._file:
             self._drop(f)
 
     def _drop(self, f: _File) -> None:
