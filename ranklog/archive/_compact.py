@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,11 +41,14 @@ from ranklog.archive._manifest import (
     load_manifest,
     save_manifest,
 )
-from ranklog.archive._tables import SCHEMAS, TABLES, segment_tables
+from ranklog.archive._tables import SCHEMAS, TABLES, raw_segment_tables, segment_tables
 from ranklog.errors import ConfigError, RunMismatchError
+from ranklog.schemas import DecodeStats, Event, MetricsRaw, decode_events, decode_events_raw
 from ranklog.shippers import list_cursors
 from ranklog.spool import (
+    UNDECODABLE,
     BadRange,
+    Frame,
     SegmentId,
     SegmentName,
     SegmentReader,
@@ -287,19 +290,29 @@ def _compact_segment(
     saver: _Saver,
 ) -> None:
     manifest = saver.manifest
-    reader = SegmentReader(seg.path)
+    reader = SegmentReader(seg.path, decode=False)
     upto = manifest.relogged_upto(seg.rank, seg.incarnation)
     mark = manifest.mark(seg.id)
     while True:
         res = reader.read(entry.offset, writer_gone=later, max_bytes=CHUNK_BYTES)
-        for b in res.bad:
-            if b.offset >= entry.offset:
-                log.warning("corrupt spool bytes skipped: %s", b)
-                result.bad.append(b)
         header = reader.header
         foreign = header is not None and (header.run_id, header.rank, header.incarnation) != (
             run_id, seg.rank, seg.incarnation,
         )  # fmt: skip
+        tables: dict[str, pa.Table] = {}
+        if res.frames and not foreign:
+            decoded, undecodable = _decode(str(seg.path), res.frames, raw=True)
+            built = raw_segment_tables(run_id, seg, decoded, upto, mark=mark, dictionary=True)
+            if built is None:  # a values map Metrics refuses: the events as the reader has them
+                decoded, undecodable = _decode(str(seg.path), res.frames, raw=False)
+                built = raw_segment_tables(run_id, seg, decoded, upto, mark=mark, dictionary=True)
+            assert built is not None  # decoded Metrics: no map to refuse
+            tables = built
+            res.bad = sorted(res.bad + undecodable, key=lambda b: b.offset)  # in file order
+        for b in res.bad:
+            if b.offset >= entry.offset:
+                log.warning("corrupt spool bytes skipped: %s", b)
+                result.bad.append(b)
         if foreign:
             assert header is not None
             why = f"{seg.path}: segment of run {header.run_id} rank {header.rank}, skipped"
@@ -309,7 +322,6 @@ def _compact_segment(
             return
         if res.frames:
             start = res.frames[0].offset
-            tables = segment_tables(run_id, seg, res.frames, upto, mark=mark, dictionary=True)
             files = saver.writer.submit(outdir, key, start, res.end, tables)
             saver.wrote(files, res.end - entry.offset)
             entry.files += files
@@ -327,6 +339,29 @@ def _compact_segment(
         if not res.more:
             entry.done = res.sealed or (later and res.pending == 0)
             return
+
+
+@dataclass(slots=True)
+class _Decoded:
+    """A frame's events, as :func:`segment_tables` reads them."""
+
+    seq: int
+    events: Sequence[Event | MetricsRaw]
+
+
+def _decode(path: str, frames: list[Frame], *, raw: bool) -> tuple[list[_Decoded], list[BadRange]]:
+    """The events of ``frames`` (read undecoded), and the frames some of whose events do not
+    decode, as the reader reports them. ``raw``: Metrics values left undecoded."""
+    stats = DecodeStats()
+    decode = decode_events_raw if raw else decode_events
+    out, bad = [], []
+    for frame in frames:
+        assert frame.payload is not None  # read with decode=False
+        before = stats.invalid_events
+        out.append(_Decoded(frame.seq, decode(frame.payload, frame.schema, stats)))
+        if stats.invalid_events != before:
+            bad.append(BadRange(path, frame.offset, frame.end - frame.offset, UNDECODABLE))
+    return out, bad
 
 
 def _delete_verified(

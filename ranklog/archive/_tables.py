@@ -10,21 +10,25 @@ earlier incarnation of the rank had already closed.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
 from operator import attrgetter
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
+import msgspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ranklog.archive._bulk import Bulk, bulk_values
 from ranklog.schemas import (
+    Event,
     Gpu,
     Heartbeat,
     Histogram,
     Image,
     Metrics,
+    MetricsRaw,
     Params,
     RankEnd,
     RankStart,
@@ -32,10 +36,19 @@ from ranklog.schemas import (
     Table,
     Text,
     Timer,
+    metrics_values,
 )
 from ranklog.spool import Frame, SegmentName
 
-__all__ = ["COMMON", "SCHEMAS", "STEP_TABLES", "TABLES", "segment_tables"]
+__all__ = [
+    "COMMON",
+    "SCHEMAS",
+    "STEP_TABLES",
+    "TABLES",
+    "FrameEvents",
+    "raw_segment_tables",
+    "segment_tables",
+]
 
 _TS = pa.timestamp("us", tz="UTC")
 COMMON: Final = [
@@ -118,10 +131,20 @@ def _us(ts: float) -> int:
     return round(ts * 1_000_000)
 
 
+class FrameEvents(Protocol):
+    """A frame as :func:`segment_tables` reads it (a :class:`~ranklog.spool.Frame` is one)."""
+
+    @property
+    def seq(self) -> int: ...
+
+    @property
+    def events(self) -> Sequence[Event | MetricsRaw]: ...
+
+
 def segment_tables(
     run_id: str,
     seg: SegmentName,
-    frames: list[Frame],
+    frames: Sequence[Frame],
     relogged_upto: int = -1,
     *,
     mark: list[int] | None = None,
@@ -136,6 +159,27 @@ def segment_tables(
     table's strings are then dictionary-encoded, as its columns are built (compaction writes
     them so, and Parquet does not hash every string again).
     """
+    tables = raw_segment_tables(run_id, seg, frames, relogged_upto, mark=mark,
+                                dictionary=dictionary)  # fmt: skip
+    assert tables is not None  # decoded Metrics: no map to refuse
+    return tables
+
+
+def raw_segment_tables(
+    run_id: str,
+    seg: SegmentName,
+    frames: Sequence[FrameEvents],
+    relogged_upto: int = -1,
+    *,
+    mark: list[int] | None = None,
+    dictionary: bool = False,
+) -> dict[str, pa.Table] | None:
+    """As :func:`segment_tables`, with Metrics events that may be
+    :class:`~ranklog.schemas.MetricsRaw` (read by :func:`~ranklog.schemas.decode_events_raw`):
+    the same tables come out. None (and ``mark`` untouched) when one of their maps is one the
+    Metrics decoder refuses: the frames are then to be decoded by
+    :func:`~ranklog.schemas.decode_events`, which skips that event.
+    """
     out = {t: _Columns(t) for t in TABLES if t != "metrics"}
     base = {"run_id": run_id, "rank": seg.rank, "incarnation": seg.incarnation,
             "segment": seg.segment}  # fmt: skip
@@ -148,13 +192,18 @@ def segment_tables(
         if taken == len(events):
             continue
         for idx, ev in enumerate(events):  # everything else, row by row
-            if types[idx] is not Metrics and types[idx] is not StepEnd:
+            if types[idx] not in _COLUMNED:
                 key = base.copy()
                 key["seq"], key["idx"], key["ts"] = seq, idx, _us(ev.ts)
                 _ADD[types[idx]](out, ev, key)
     tables = {t: c.table(t) for t, c in out.items() if len(c)}
-    if metrics.events and metrics.rows:
-        tables["metrics"] = metrics.table(run_id, seg)
+    if metrics.events:
+        found = _values(metrics.events)
+        if found is None:
+            return None
+        built = metrics.table(run_id, seg, found)
+        if built is not None:
+            tables["metrics"] = built
     if mark is not None:
         _raise_mark(mark, tables, ends.events, metrics.events)
     if ends.events:
@@ -172,20 +221,24 @@ def segment_tables(
     }
 
 
-class _Split:
-    """The events of one type (:class:`StepEnd` here), gathered frame by frame in C loops."""
+#: the kinds :func:`segment_tables` gathers into columns, not row by row
+_COLUMNED: Final = frozenset({Metrics, MetricsRaw, StepEnd})
 
-    kind: type = StepEnd
+
+class _Split:
+    """The events of some types (:class:`StepEnd` here), gathered frame by frame in C loops."""
+
+    kinds: tuple[type, ...] = (StepEnd,)
 
     def __init__(self) -> None:
         self.events: list[Any] = []
         self.seq: list[int] = []
         self.idx: list[int] = []
 
-    def take(self, seq: int, events: list[Any], types: list[type]) -> int:
-        """Gather this frame's events of :attr:`kind`; how many there were."""
-        kind = self.kind
-        idx = [i for i, t in enumerate(types) if t is kind]
+    def take(self, seq: int, events: Sequence[Any], types: list[type]) -> int:
+        """Gather this frame's events of :attr:`kinds`; how many there were."""
+        kinds = self.kinds
+        idx = [i for i, t in enumerate(types) if t in kinds]
         self.events += map(events.__getitem__, idx)
         self.idx += idx
         self.seq += [seq] * len(idx)
@@ -193,7 +246,10 @@ class _Split:
 
 
 def _raise_mark(
-    mark: list[int], tables: dict[str, pa.Table], ends: list[StepEnd], metrics: list[Metrics]
+    mark: list[int],
+    tables: dict[str, pa.Table],
+    ends: list[StepEnd],
+    metrics: list[Metrics | MetricsRaw],
 ) -> None:
     """Raise [highest step_end, highest step event] by one read's events."""
     if ends:
@@ -206,10 +262,12 @@ def _raise_mark(
             mark[1] = max(mark[1], pc.max(t["step"]).as_py())
 
 
-def _timestamps(events: list[Any]) -> pa.Array:
-    """Each event's ``ts`` in whole microseconds (as ``round(ts * 1e6)``: half to even)."""
+def _timestamps(events: list[Any], counts: Any = None) -> pa.Array:
+    """Each event's ``ts`` in whole microseconds (as ``round(ts * 1e6)``: half to even),
+    ``counts[i]`` times for event ``i`` when given."""
     secs = np.fromiter(map(_TS_OF, events), np.float64, len(events))
-    return pa.array(np.rint(secs * 1_000_000).astype(np.int64)).cast(_TS)
+    micros = np.rint(secs * 1_000_000).astype(np.int64)
+    return pa.array(micros if counts is None else np.repeat(micros, counts)).cast(_TS)
 
 
 _TS_OF: Final = attrgetter("ts")
@@ -218,8 +276,16 @@ _VALUES_OF: Final = attrgetter("values")
 _REDUCE_OF: Final = attrgetter("reduce")
 
 
+_NUMPY: Final = {pa.int32(): np.int32, pa.int64(): np.int64}
+
+
 def _constant(value: Any, type_: pa.DataType, n: int) -> pa.Array:
-    return pa.repeat(pa.scalar(value, type_), n)
+    """``value`` ``n`` times (built by numpy, or a take: ``pa.repeat`` of an int scalar
+    costs ~1 ms for 40,000 rows, this ~10 µs)."""
+    kind = _NUMPY.get(type_)
+    if kind is not None:
+        return pa.array(np.full(n, value, kind), type_)
+    return pa.array([value], type_).take(pa.array(np.zeros(n, np.int32)))
 
 
 def _step_end_table(run_id: str, seg: SegmentName, ends: _Split) -> pa.Table:
@@ -256,21 +322,32 @@ class _MetricColumns(_Split):
 
     Every column is built by one C-level pass over the events (``map`` of an attribute
     getter into ``numpy.fromiter``, no Python code per event or per value) and expanded
-    to one row per value with numpy; strings come out dictionary-encoded.
+    to one row per value with numpy; strings come out dictionary-encoded. Events read
+    with their values undecoded (:class:`~ranklog.schemas.MetricsRaw`) have their maps
+    read in bulk (:mod:`ranklog.archive._bulk`): no dict nor float object per value.
     """
 
-    kind = Metrics
+    kinds = (Metrics, MetricsRaw)
 
-    @property
-    def rows(self) -> int:
-        return sum(map(len, map(_VALUES_OF, self.events)))
-
-    def table(self, run_id: str, seg: SegmentName) -> pa.Table:
+    def table(
+        self, run_id: str, seg: SegmentName, found: Bulk | list[dict[str, float]]
+    ) -> pa.Table | None:
+        """The table, or None when no event holds a value (``found``: their values)."""
         evs = self.events
-        values = list(map(_VALUES_OF, evs))
-        counts = np.fromiter(map(len, values), np.int64, len(evs))
-        n = int(counts.sum())
-        row_event = np.repeat(np.arange(len(evs), dtype=np.int64), counts)
+        if isinstance(found, Bulk):
+            counts, n = found.counts, len(found.values)
+            names = pa.DictionaryArray.from_arrays(
+                pa.array(found.codes), pa.array(found.names, pa.string())
+            )
+            values = pa.array(found.values)
+        else:
+            counts = np.fromiter(map(len, found), np.int64, len(evs))
+            n = int(counts.sum())
+            names = _names(found, n)
+            values = pa.array(np.fromiter(chain.from_iterable(map(dict.values, found)),
+                                          np.float64, n))  # fmt: skip
+        if not n:
+            return None
         zeros = pa.array(np.zeros(n, np.int32))
         return pa.table(
             [
@@ -278,30 +355,62 @@ class _MetricColumns(_Split):
                 _constant(seg.rank, pa.int32(), n),
                 _constant(seg.incarnation, pa.int32(), n),
                 _constant(seg.segment, pa.int32(), n),
-                pa.array(np.asarray(self.seq, np.int64)[row_event]),
-                pa.array(np.asarray(self.idx, np.int32)[row_event]),
-                _timestamps(evs).take(row_event),
-                pa.array(np.fromiter(map(_STEP_OF, evs), np.int64, len(evs))[row_event]),
-                _names(values, n),
-                pa.array(np.fromiter(chain.from_iterable(map(dict.values, values)), np.float64, n)),
-                _reduce(evs, row_event, zeros),
+                pa.array(np.repeat(np.asarray(self.seq, np.int64), counts)),
+                pa.array(np.repeat(np.asarray(self.idx, np.int32), counts)),
+                _timestamps(evs, counts),
+                pa.array(np.repeat(np.fromiter(map(_STEP_OF, evs), np.int64, len(evs)), counts)),
+                names,
+                values,
+                _reduce(evs, found, counts, zeros),
             ],
             schema=_METRICS,
         )
 
 
-def _reduce(evs: list[Metrics], row_event: np.ndarray, zeros: pa.Array) -> pa.Array:
-    """Every row's reduce spec, dictionary-encoded."""
+def _values(evs: list[Metrics | MetricsRaw]) -> Bulk | list[dict[str, float]] | None:
+    """The events' values: read in bulk when every event's map is undecoded and of a shape
+    :func:`~ranklog.archive._bulk.bulk_values` takes, else one dict per event; None when
+    a map is one the Metrics decoder refuses."""
+    if set(map(type, evs)) == {MetricsRaw}:
+        found = bulk_values(list(map(_VALUES_OF, evs)))
+        if found is not None:
+            return found
+    out = []
+    for ev in evs:
+        if type(ev) is Metrics:
+            out.append(ev.values)
+            continue
+        try:
+            out.append(metrics_values(ev))  # type: ignore[arg-type]  # the other of the two
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return None
+    return out
+
+
+def _reduce(
+    evs: list[Metrics | MetricsRaw],
+    found: Bulk | list[dict[str, float]],
+    counts: np.ndarray,
+    zeros: pa.Array,
+) -> pa.Array:
+    """Every row's reduce spec, dictionary-encoded (``found``: the events' values,
+    ``counts``: how many each holds)."""
     reds = list(map(_REDUCE_OF, evs))
     if len(set(map(type, reds))) == 1 and type(reds[0]) is str:
         if len(set(reds)) == 1:  # one spec for the whole segment: the common case
             return pa.DictionaryArray.from_arrays(zeros, pa.array(reds[:1], pa.string()))
+        row_event = np.repeat(np.arange(len(evs), dtype=np.int64), counts)
         return pa.array(reds, pa.string()).dictionary_encode().take(pa.array(row_event))
     # some event reduces per name: one op per row
+    keys: Iterable[Iterable[str]]
+    if isinstance(found, Bulk):
+        keys = map(found.shapes.__getitem__, found.shape_of.tolist())
+    else:
+        keys = found  # iterating a dict gives its names
     per_row = [
         r if isinstance(r, str) else r.get(name, "mean")
-        for ev, r in zip(evs, reds, strict=True)
-        for name in ev.values
+        for names, r in zip(keys, reds, strict=True)
+        for name in names
     ]
     return pa.array(per_row, pa.string()).dictionary_encode()
 

@@ -4,7 +4,13 @@ The kinds and their pinned tags are in :mod:`ranklog.schemas._events`; the
 reused encoder and the never-raising decoder in :mod:`ranklog.schemas._codec`.
 """
 
-from ranklog.schemas._codec import DecodeStats, decode_events, encoder
+from ranklog.schemas._codec import (
+    DecodeStats,
+    decode_events,
+    decode_events_raw,
+    encoder,
+    metrics_values,
+)
 from ranklog.schemas._events import (
     DEFAULT_METRIC_REDUCE,
     DEFAULT_TIMER_REDUCE,
@@ -20,6 +26,7 @@ from ranklog.schemas._events import (
     Histogram,
     Image,
     Metrics,
+    MetricsRaw,
     Params,
     ParamValue,
     RankEnd,
@@ -48,6 +55,7 @@ __all__ = [
     "Histogram",
     "Image",
     "Metrics",
+    "MetricsRaw",
     "ParamValue",
     "Params",
     "RankEnd",
@@ -59,5 +67,7 @@ __all__ = [
     "Text",
     "Timer",
     "decode_events",
+    "decode_events_raw",
     "encoder",
+    "metrics_values",
 ]

@@ -5,18 +5,24 @@ reused. Decoding takes a fast path (one typed decode of the whole payload) and
 falls back to decoding event by event when the fast path fails or when the frame
 was written by a newer schema; the slow path skips and counts unknown kinds,
 unknown trailing fields and events that do not validate, and never raises.
+
+:func:`decode_events_raw` is the same with each Metrics event's values map left as
+msgpack bytes (:class:`~ranklog.schemas.MetricsRaw`); its fast path checks everything
+but those maps, and any frame it cannot take goes to :func:`decode_events` whole, so
+the two agree on every frame whose maps are valid. :func:`metrics_values` decodes one
+map as the Metrics decoder would, raising where it would have refused the event.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Union, cast, get_args
 
 import msgspec
 
-from ranklog.schemas._events import KINDS, SCHEMA_VERSION, Event
+from ranklog.schemas._events import KINDS, SCHEMA_VERSION, Event, Metrics, MetricsRaw
 
-__all__ = ["DecodeStats", "decode_events", "encoder"]
+__all__ = ["DecodeStats", "decode_events", "decode_events_raw", "encoder", "metrics_values"]
 
 #: The process-wide encoder. msgspec encoders are not thread-safe for concurrent
 #: ``encode_into`` on the *same buffer*, but are safe to share otherwise.
@@ -25,6 +31,10 @@ _list_decoder: Final = msgspec.msgpack.Decoder(list[Event])
 _raw_decoder: Final = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _one_decoder: Final = msgspec.msgpack.Decoder(Event)
 _any_decoder: Final = msgspec.msgpack.Decoder()
+#: an Event, with MetricsRaw in place of Metrics (the union built from Event's own)
+_RAW_EVENT: Any = Union[tuple(MetricsRaw if k is Metrics else k for k in get_args(Event))]  # noqa: UP007
+_raw_list_decoder: Final = msgspec.msgpack.Decoder(list[_RAW_EVENT])
+_values_decoder: Final = msgspec.msgpack.Decoder(dict[str, float])
 _FIELD_COUNT: Final = {tag: len(cls.__struct_fields__) for tag, cls in KINDS.items()}
 
 
@@ -60,6 +70,33 @@ def decode_events(
         except (msgspec.ValidationError, msgspec.DecodeError):
             pass
     return _decode_slow(payload, schema, stats if stats is not None else DecodeStats())
+
+
+def decode_events_raw(
+    payload: bytes | memoryview, schema: int = SCHEMA_VERSION, stats: DecodeStats | None = None
+) -> list[Event | MetricsRaw]:
+    """As :func:`decode_events`, with Metrics events as :class:`MetricsRaw` (values undecoded).
+
+    A frame the raw decode cannot take (a newer schema, an event that does not validate)
+    is decoded by :func:`decode_events` instead: its Metrics events are then plain ones.
+    """
+    if schema <= SCHEMA_VERSION:
+        try:
+            return cast(list[Event | MetricsRaw], _raw_list_decoder.decode(payload))
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            pass
+    out: list[Event | MetricsRaw] = []
+    out += decode_events(payload, schema, stats)
+    return out
+
+
+def metrics_values(event: MetricsRaw) -> dict[str, float]:
+    """``event``'s values, as :class:`~ranklog.schemas.Metrics` decodes them.
+
+    Raises :class:`msgspec.ValidationError` or :class:`msgspec.DecodeError` where the
+    Metrics decoder would have refused the event.
+    """
+    return _values_decoder.decode(event.values)
 
 
 def _decode_slow(payload: bytes | memoryview, schema: int, stats: DecodeStats) -> list[Event]:

@@ -34,6 +34,7 @@ __all__ = [
     "Histogram",
     "Image",
     "Metrics",
+    "MetricsRaw",
     "ParamValue",
     "Params",
     "RankEnd",
@@ -89,6 +90,20 @@ class Metrics(EventBase, tag="metrics", frozen=True):
 
     step: int
     values: dict[str, float]
+    reduce: str | dict[str, str] = DEFAULT_METRIC_REDUCE
+
+
+class MetricsRaw(EventBase, tag="metrics", frozen=True):
+    """A :class:`Metrics` event read with its values map left as msgpack bytes.
+
+    Not an event kind of its own: what :func:`~ranklog.schemas.decode_events_raw` gives
+    in place of Metrics, for a reader that turns many events' values into columns at
+    once (compaction) instead of building a dict per event. Its fields mirror Metrics'
+    (names, order, defaults; a test checks): change both together.
+    """
+
+    step: int
+    values: msgspec.Raw
     reduce: str | dict[str, str] = DEFAULT_METRIC_REDUCE
 
 

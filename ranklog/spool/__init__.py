@@ -57,7 +57,14 @@ from ranklog.spool._layout import (
     read_run,
     require_run,
 )
-from ranklog.spool._reader import BadRange, Frame, ReadResult, SegmentReader, read_segment
+from ranklog.spool._reader import (
+    UNDECODABLE,
+    BadRange,
+    Frame,
+    ReadResult,
+    SegmentReader,
+    read_segment,
+)
 from ranklog.spool._segid import SegmentId
 from ranklog.spool._watermark import NO_STEP, watermark
 from ranklog.spool._writer import DEFAULT_SEGMENT_BYTES, IncarnationWriter
@@ -68,6 +75,7 @@ __all__ = [
     "HEADER_SIZE",
     "MAX_FRAME_BYTES",
     "NO_STEP",
+    "UNDECODABLE",
     "BadRange",
     "Frame",
     "IncarnationWriter",

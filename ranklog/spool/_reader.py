@@ -37,9 +37,11 @@ from ranklog.spool._format import (
     unpack_header,
 )
 
-__all__ = ["BadRange", "Frame", "ReadResult", "SegmentReader", "read_segment"]
+__all__ = ["UNDECODABLE", "BadRange", "Frame", "ReadResult", "SegmentReader", "read_segment"]
 
 CHUNK: Final = 4 * 1024 * 1024
+#: the reason of a frame's :class:`BadRange` when some of its events do not decode
+UNDECODABLE: Final = "undecodable events"
 _seal_decoder: Final = msgspec.msgpack.Decoder(dict[str, object])
 
 
@@ -58,13 +60,18 @@ class BadRange:
 
 @dataclass(slots=True)
 class Frame:
-    """One valid events frame: its byte range, sequence number and decoded events."""
+    """One valid events frame: its byte range, sequence number and decoded events.
+
+    A reader made with ``decode=False`` leaves ``events`` empty and keeps the frame's
+    checked ``payload`` for the caller to decode.
+    """
 
     offset: int
     end: int
     seq: int
     schema: int
     events: list[Event]
+    payload: memoryview | None = None
 
 
 @dataclass(slots=True)
@@ -98,12 +105,17 @@ class ReadResult:
 
 
 class SegmentReader:
-    """Reads one segment file incrementally; re-opens it on every read (NFS-safe)."""
+    """Reads one segment file incrementally; re-opens it on every read (NFS-safe).
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    With ``decode=False`` frames keep their payload, undecoded (and undecodable events
+    are not looked for): for a caller that decodes them its own way.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, decode: bool = True) -> None:
         self.path = Path(path)
         self.header: SegmentHeader | None = None
         self.header_error: str | None = None
+        self.decode = decode
 
     def _open(self) -> int:
         # O_NONBLOCK: a FIFO put where a segment was must not block the reader; on a
@@ -210,11 +222,14 @@ class SegmentReader:
                         res.bad.append(BadRange(path, res.end, size - res.end, "bytes after seal"))
                         res.end = size
                     return
-                before = res.stats.invalid_events
-                events = decode_events(payload, schema, res.stats)
-                if res.stats.invalid_events != before:
-                    res.bad.append(BadRange(path, start, total, "undecodable events"))
-                res.frames.append(Frame(start, start + total, seq, schema, events))
+                if self.decode:
+                    before = res.stats.invalid_events
+                    events = decode_events(payload, schema, res.stats)
+                    if res.stats.invalid_events != before:
+                        res.bad.append(BadRange(path, start, total, UNDECODABLE))
+                    res.frames.append(Frame(start, start + total, seq, schema, events))
+                else:
+                    res.frames.append(Frame(start, start + total, seq, schema, [], payload))
                 if limit is not None and res.end >= limit and bad_start is None:
                     if res.end < size:
                         res.more = True
