@@ -4,6 +4,7 @@
 
     _compact.py    ranklog compact: segments -> one long-format table per kind, incremental
     _tables.py     the tables' schemas, and events turned into rows
+    _bulk.py       metric values read in bulk from their msgpack bytes (no dict per event)
     _manifest.py   DIR/_manifest.json: what is compacted, per segment and incarnation
     _rows.py       rows turned back into events, in write order
     _replay.py     ranklog replay: the dataset as the engine's source, shipped like live
