@@ -40,7 +40,7 @@ class Bulk:
 
     #: the distinct names, in order of first appearance
     names: list[str]
-    #: per map: its names, as indices into a shape of :attr:`shapes`
+    #: per map: the index of its shape (its names) in :attr:`shapes`
     shape_of: Any
     #: per shape: its names in map order
     shapes: list[tuple[str, ...]]
