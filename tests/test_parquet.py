@@ -121,6 +121,28 @@ class TestRoundTrip:
         hist = _table(out, "histograms").to_pylist()
         assert hist[0]["values"][:2] == [1.0, 2.0]
 
+    def test_columns_are_encoded_as_documented(self, spool: Path, tmp_path: Path) -> None:
+        """Row numbers, steps and timestamps are delta-encoded, values byte-stream-split,
+        strings dictionary-encoded, everything zstd-compressed (formats.md)."""
+        import pyarrow.parquet as pq
+
+        _job(spool)
+        out = tmp_path / "pq"
+        compact(spool, out)
+        for t in ("metrics", "ranks"):
+            meta = pq.read_metadata(next((out / t).glob("*.parquet")))
+            group = meta.row_group(0)
+            cols = {
+                group.column(i).path_in_schema: group.column(i) for i in range(meta.num_columns)
+            }
+            for name in ("seq", "idx", "ts", "step"):
+                assert "DELTA_BINARY_PACKED" in cols[name].encodings, (t, name)
+            assert all(c.compression == "ZSTD" for c in cols.values()), t
+        meta = pq.read_metadata(next((out / "metrics").glob("*.parquet")))
+        cols = {c.path_in_schema: c for c in map(meta.row_group(0).column, range(meta.num_columns))}
+        assert "BYTE_STREAM_SPLIT" in cols["value"].encodings
+        assert "RLE_DICTIONARY" in cols["name"].encodings
+
     def test_chunks_give_the_same_rows(
         self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
@@ -301,7 +323,8 @@ class TestIncremental:
         monkeypatch.setattr(parquet, "_write_tables", failing)
         with pytest.raises(OSError, match="No space left"):
             compact(spool, out)
-        assert calls["n"] == 3  # the failure stopped the run at the next chunk or save
+        # the failure stopped the run at the next save, or once the writers were all busy
+        assert 3 <= calls["n"] <= 2 + parquet.WRITERS
         listed = {f for e in load_manifest(out).segments.values() for f in e.files}
         assert all((out / f).is_file() for f in listed)
         monkeypatch.setattr(parquet, "_write_tables", real)

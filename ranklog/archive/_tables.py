@@ -10,10 +10,11 @@ earlier incarnation of the rank had already closed.
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
 from operator import attrgetter
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, Self
 
 import msgspec
 import numpy as np
@@ -183,19 +184,16 @@ def raw_segment_tables(
     out = {t: _Columns(t) for t in TABLES if t != "metrics"}
     base = {"run_id": run_id, "rank": seg.rank, "incarnation": seg.incarnation,
             "segment": seg.segment}  # fmt: skip
-    metrics = _MetricColumns()
-    ends = _Split()
-    for frame in frames:
-        seq, events = frame.seq, frame.events
-        types = list(map(type, events))
-        taken = metrics.take(seq, events, types) + ends.take(seq, events, types)
-        if taken == len(events):
-            continue
-        for idx, ev in enumerate(events):  # everything else, row by row
-            if types[idx] not in _COLUMNED:
-                key = base.copy()
-                key["seq"], key["idx"], key["ts"] = seq, idx, _us(ev.ts)
-                _ADD[types[idx]](out, ev, key)
+    every = _Gathered.of(frames)
+    group = np.fromiter(map(_GROUP.__getitem__, map(type, every.events)), np.int8,
+                        len(every.events))  # fmt: skip
+    metrics = _MetricColumns.part(every, group == _METRICS_GROUP)
+    ends = _Gathered.part(every, group == _STEP_END_GROUP)
+    rest = _Gathered.part(every, group == _ROW_GROUP)
+    for ev, seq, idx in zip(rest.events, rest.seq.tolist(), rest.idx.tolist(), strict=True):
+        key = base.copy()  # everything else, row by row
+        key["seq"], key["idx"], key["ts"] = seq, idx, _us(ev.ts)
+        _ADD[type(ev)](out, ev, key)
     tables = {t: c.table(t) for t, c in out.items() if len(c)}
     if metrics.events:
         found = _values(metrics.events)
@@ -221,28 +219,45 @@ def raw_segment_tables(
     }
 
 
-#: the kinds :func:`segment_tables` gathers into columns, not row by row
-_COLUMNED: Final = frozenset({Metrics, MetricsRaw, StepEnd})
+#: each event type's group: its rows built row by row (:data:`_ADD`), or gathered into
+#: columns (Metrics, StepEnd); an unknown type reads as row by row (and :data:`_ADD`
+#: then refuses it, as it always did)
+_ROW_GROUP, _METRICS_GROUP, _STEP_END_GROUP = 0, 1, 2
+_GROUP: Final[defaultdict[type, int]] = defaultdict(
+    int, {Metrics: _METRICS_GROUP, MetricsRaw: _METRICS_GROUP, StepEnd: _STEP_END_GROUP}
+)
+_SEQ_OF: Final = attrgetter("seq")
+_EVENTS_OF: Final = attrgetter("events")
 
 
-class _Split:
-    """The events of some types (:class:`StepEnd` here), gathered frame by frame in C loops."""
+class _Gathered:
+    """Events of a read, in write order, each with its frame's ``seq`` and its ``idx``
+    in the frame (numpy arrays): gathered by C loops over all frames at once, with no
+    Python code per event."""
 
-    kinds: tuple[type, ...] = (StepEnd,)
+    __slots__ = ("events", "idx", "seq")
 
-    def __init__(self) -> None:
-        self.events: list[Any] = []
-        self.seq: list[int] = []
-        self.idx: list[int] = []
+    def __init__(self, events: list[Any], seq: np.ndarray, idx: np.ndarray) -> None:
+        self.events, self.seq, self.idx = events, seq, idx
 
-    def take(self, seq: int, events: Sequence[Any], types: list[type]) -> int:
-        """Gather this frame's events of :attr:`kinds`; how many there were."""
-        kinds = self.kinds
-        idx = [i for i, t in enumerate(types) if t in kinds]
-        self.events += map(events.__getitem__, idx)
-        self.idx += idx
-        self.seq += [seq] * len(idx)
-        return len(idx)
+    @classmethod
+    def of(cls, frames: Sequence[FrameEvents]) -> Self:
+        """Every event of ``frames``."""
+        lists = list(map(_EVENTS_OF, frames))
+        lens = np.fromiter(map(len, lists), np.int64, len(lists))
+        events = list(chain.from_iterable(lists))
+        seq = np.repeat(np.fromiter(map(_SEQ_OF, frames), np.int64, len(frames)), lens)
+        first = np.repeat(np.cumsum(lens) - lens, lens)  # each event's frame's first
+        idx = (np.arange(len(events), dtype=np.int64) - first).astype(np.int32)
+        return cls(events, seq, idx)
+
+    @classmethod
+    def part(cls, every: _Gathered, mask: np.ndarray) -> Self:
+        """The events of ``every`` where ``mask`` holds, in the same order."""
+        at = np.flatnonzero(mask)
+        if len(at) == len(every.events):
+            return cls(every.events, every.seq, every.idx)
+        return cls(list(map(every.events.__getitem__, at.tolist())), every.seq[at], every.idx[at])
 
 
 def _raise_mark(
@@ -288,7 +303,7 @@ def _constant(value: Any, type_: pa.DataType, n: int) -> pa.Array:
     return pa.array([value], type_).take(pa.array(np.zeros(n, np.int32)))
 
 
-def _step_end_table(run_id: str, seg: SegmentName, ends: _Split) -> pa.Table:
+def _step_end_table(run_id: str, seg: SegmentName, ends: _Gathered) -> pa.Table:
     evs, n = ends.events, len(ends.events)
     schema = SCHEMAS["ranks"]
     cols = {
@@ -317,7 +332,7 @@ _METRICS: Final = pa.schema(
 )
 
 
-class _MetricColumns(_Split):
+class _MetricColumns(_Gathered):
     """The metrics table: events gathered as they come, turned into columns at once.
 
     Every column is built by one C-level pass over the events (``map`` of an attribute
@@ -327,7 +342,7 @@ class _MetricColumns(_Split):
     read in bulk (:mod:`ranklog.archive._bulk`): no dict nor float object per value.
     """
 
-    kinds = (Metrics, MetricsRaw)
+    __slots__ = ()
 
     def table(
         self, run_id: str, seg: SegmentName, found: Bulk | list[dict[str, float]]
@@ -355,8 +370,8 @@ class _MetricColumns(_Split):
                 _constant(seg.rank, pa.int32(), n),
                 _constant(seg.incarnation, pa.int32(), n),
                 _constant(seg.segment, pa.int32(), n),
-                pa.array(np.repeat(np.asarray(self.seq, np.int64), counts)),
-                pa.array(np.repeat(np.asarray(self.idx, np.int32), counts)),
+                pa.array(np.repeat(self.seq, counts)),
+                pa.array(np.repeat(self.idx, counts)),
                 _timestamps(evs, counts),
                 pa.array(np.repeat(np.fromiter(map(_STEP_OF, evs), np.int64, len(evs)), counts)),
                 names,
