@@ -334,10 +334,14 @@ def _target_flags(p: argparse.ArgumentParser) -> None:
             logging.getLogger("ranklog").warning("target option %s ignored: %s", opt.flag, exc)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser (exposed for documentation and tests)."""
-    from ranklog.shippers._lease import DEFAULT_TTL
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser (exposed for documentation and tests).
 
+    With ``command`` other than ``ship`` or ``replay``, their flags that need the shipper
+    engine and every target's options are left out: ``ranklog compact`` starts without
+    importing them.
+    """
+    shipping = command is None or command in ("ship", "replay")
     p = argparse.ArgumentParser(
         prog="ranklog", description="Crash-resilient metrics logging for distributed training."
     )
@@ -360,11 +364,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="with a known world size, wait this long after the run starts for every rank",
     )  # fmt: skip
     ship.add_argument("--name", help="cursor name (default: derived from the target)")
-    ship.add_argument(
-        "--lease-ttl", type=float, default=DEFAULT_TTL, metavar="S",
-        help="one shipper per target: a second one exits with status 3 while the first renews "
-        "its lease; a holder silent this long is taken over (default 30)",
-    )  # fmt: skip
+    if shipping:
+        from ranklog.shippers._lease import DEFAULT_TTL
+
+        ship.add_argument(
+            "--lease-ttl", type=float, default=DEFAULT_TTL, metavar="S",
+            help="one shipper per target: a second one exits with status 3 while the first "
+            "renews its lease; a holder silent this long is taken over (default 30)",
+        )  # fmt: skip
     ship.add_argument("--quiet", action="store_true", help="no status line")
     ship.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
     ship.add_argument(
@@ -379,7 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--reader-cpus", type=float, default=1.0, metavar="C",
         help="logical CPUs each reader asks Ray for (default 1)",
     )  # fmt: skip
-    _target_flags(ship)
+    if shipping:
+        _target_flags(ship)
     ship.set_defaults(func=_ship)
 
     comp = sub.add_parser("compact", help="write the spool's events as a Parquet dataset")
@@ -400,7 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="steps a rank logged again after a restart: keep the values shipped first (as "
         "live backends did) or the last ones (the branch training continued from)",
     )  # fmt: skip
-    _target_flags(rep)
+    if shipping:
+        _target_flags(rep)
     rep.set_defaults(func=_replay)
 
     ins = sub.add_parser("inspect", help="ranks, incarnations, steps, ends and damage of a spool")
@@ -424,7 +433,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ranklog`` console script: an exit code, never a traceback."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # the subcommand: the first word (ranklog's own options take no value)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
     try:
         code: int = args.func(args)
     except RanklogError as exc:

@@ -181,6 +181,8 @@ ALLOWED_RAISES: dict[tuple[str, str], str] = {
     ("ranklog/cli.py", "ArgumentTypeError"): "argparse's protocol: a usage error, exit 2",
     ("ranklog/cli.py", "ImportError"): "an import hook's protocol: pandas shown absent to "
     "pyarrow's one optional check, in compact/replay processes",
+    ("ranklog/archive/__init__.py", "AttributeError"): "a module __getattr__'s protocol "
+    "(replay imported on first use)",
     ("ranklog/producer/_gpu.py", "ValueError"): "an unreadable Prometheus line, caught by the "
     "GPU sampler (which backs off and warns once)",
     ("ranklog/nemo/__main__.py", "SystemExit"): "`python -m ranklog.nemo` without a script",

@@ -185,6 +185,27 @@ class TestProcess:
         steps = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
         assert [x.get("step") for x in steps] == [None, 0, 1, 2, 3]  # params, then the steps
 
+    def test_compact_never_imports_the_shipper_engine(self, spool: Path, tmp_path: Path) -> None:
+        """``ranklog compact`` starts without the shipper engine or any target (a shorter
+        start); ``ship`` and ``replay`` still parse every target option."""
+        _small_spool(spool)
+        code = (
+            "import sys\n"
+            "from ranklog.cli import main\n"
+            f"main(['compact', {str(spool)!r}, '--out', {str(tmp_path / 'pq')!r}])\n"
+            "print('loaded:', sorted(m for m in sys.modules if m.startswith('ranklog.ship')))\n"
+        )
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=python_env(), timeout=120, check=False)  # fmt: skip
+        assert p.returncode == 0, p.stderr
+        assert "compacted" in p.stdout and "loaded: []" in p.stdout
+        from ranklog.cli import build_parser
+
+        for argv in (["ship", "S", "--to", "jsonl:x"], ["replay", "D", "--to", "jsonl:x"]):
+            args = build_parser(argv[0]).parse_args([*argv, "--run-name", "r"])
+            assert args.to == ["jsonl:x"]
+        assert build_parser("ship").parse_args(["ship", "S", "--to", "x"]).lease_ttl == 30
+
 
 class TestErrors:
     """Each subcommand, given a bad path or option: one line on stderr, the tree's exit code."""

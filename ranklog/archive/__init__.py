@@ -11,13 +11,18 @@
 
 It sits beside the pipeline (schemas -> spool -> shippers -> targets): it reads
 the spool and drives the shipper engine, and nothing below it imports it.
-Importing it imports pyarrow; ``import ranklog`` never does.
+Importing it imports pyarrow; ``import ranklog`` never does. Replay (and with it the
+shipper engine) is imported on first use: ``ranklog compact`` starts without them.
 """
+
+from typing import TYPE_CHECKING, Any
 
 from ranklog.archive._compact import CompactResult, compact
 from ranklog.archive._manifest import MANIFEST, Manifest, load_manifest, require_manifest
-from ranklog.archive._replay import ParquetSource, replay
 from ranklog.archive._tables import COMMON, SCHEMAS, STEP_TABLES, TABLES, segment_tables
+
+if TYPE_CHECKING:
+    from ranklog.archive._replay import ParquetSource, replay
 
 __all__ = [
     "COMMON",
@@ -34,3 +39,15 @@ __all__ = [
     "require_manifest",
     "segment_tables",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("ParquetSource", "replay"):
+        from ranklog.archive import _replay
+
+        return getattr(_replay, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -45,7 +45,6 @@ from ranklog.archive._manifest import (
 from ranklog.archive._tables import SCHEMAS, TABLES, raw_segment_tables, segment_tables
 from ranklog.errors import ConfigError, RunMismatchError
 from ranklog.schemas import DecodeStats, Event, MetricsRaw, decode_events, decode_events_raw
-from ranklog.shippers import list_cursors
 from ranklog.spool import (
     UNDECODABLE,
     BadRange,
@@ -409,6 +408,8 @@ def _why_keep(entry: SegmentEntry | None, key: str, unfinished: set[SegmentId]) 
 
 def _unfinished_by_shippers(layout: SpoolLayout) -> set[SegmentId]:
     """Segments some shipper's cursor does not mark done (an unreadable cursor counts for none)."""
+    from ranklog.shippers import list_cursors  # the shipper engine: only --delete needs it
+
     out: set[SegmentId] = set()
     segments = [seg.id for seg in layout.all_segments()]
     for cursor in list_cursors(layout.root):
