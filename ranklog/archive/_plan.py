@@ -39,7 +39,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ranklog.archive._manifest import Manifest
-from ranklog.archive._rows import COLUMNS, GroupCache, open_file
+from ranklog.archive._rows import COLUMNS, GroupCache, column_names, open_file
 from ranklog.archive._tables import TABLES
 from ranklog.schemas import ParamValue
 from ranklog.shippers._tail import ParamsRead
@@ -392,7 +392,7 @@ def _in_order(seq: Any, idx: Any, path: Path, last: tuple[int, int] | None = Non
 
 def _groups(table: str, rank: int, path: Path, meta: Any) -> Iterable[RowGroup]:
     """The file's row groups with the steps they span (from the footer's statistics)."""
-    names = meta.schema.to_arrow_schema().names
+    names = column_names(meta)
     col, name = names.index("step"), names.index("name")
     red = names.index("reduce") if table in REDUCED else None
     for i in range(meta.num_row_groups):

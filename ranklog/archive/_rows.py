@@ -40,10 +40,33 @@ from ranklog.schemas import (
     Timer,
 )
 
-__all__ = ["COLUMNS", "GroupCache", "RowGroups", "frame_events", "open_file", "read_rows"]
+__all__ = [
+    "COLUMNS",
+    "GroupCache",
+    "RowGroups",
+    "column_names",
+    "frame_events",
+    "open_file",
+    "read_rows",
+]
 
 Slot = tuple[int, Event]  # an event and its index in its frame
 _KEY: Final = ("incarnation", "segment", "seq", "idx")
+
+
+def column_names(meta: Any) -> list[str]:
+    """The top-level name of each leaf column of a parsed footer, in the order of a row
+    group's columns (a list column's leaf is named after the column).
+
+    Read from the first row group: ``meta.schema`` would tie the footer and its schema
+    into a reference cycle that only the garbage collector frees, and a replay that
+    parses thousands of footers would pile them up (~22 KB each). A file without row
+    groups has no rows to read; its names come from the schema.
+    """
+    if meta.num_row_groups == 0:
+        return list(meta.schema.to_arrow_schema().names)
+    group = meta.row_group(0)
+    return [group.column(i).path_in_schema.split(".")[0] for i in range(group.num_columns)]
 
 
 def open_file(
@@ -136,7 +159,7 @@ class RowGroups:
         for path in files:
             meta = metas[path] if metas is not None else pq.read_metadata(path)
             cache.footer(path, meta)
-            col = meta.schema.names.index("seq")
+            col = column_names(meta).index("seq")
             for i in range(meta.num_row_groups):
                 group = meta.row_group(i)
                 stats = group.column(col).statistics
@@ -200,9 +223,10 @@ class RowGroups:
 
 
 #: parsed footers kept at most: about 22 KB each (a table's dozen columns, one row group),
-#: so ~180 MB for a dataset of this many files (a job of 4,096 ranks: one metrics and one
-#: ranks file each); a dataset of more files parses the others at each read
-FOOTERS: Final = 8_192
+#: so ~22 MB; a dataset of more files (a job of 4,096 ranks has a metrics file per rank)
+#: parses the others again at each use (~0.1 ms each: a few percent of such a replay,
+#: where keeping them all held ~90 MB at 4,096 ranks and more beyond)
+FOOTERS: Final = 1_024
 
 
 class GroupCache:

@@ -26,7 +26,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ranklog.archive._plan import ITEMS, READ, REDUCED, Plan, RowGroup
-from ranklog.archive._rows import frame_events, open_file
+from ranklog.archive._rows import column_names, frame_events, open_file
 from ranklog.archive._spill import ROW, Rest, Spill
 from ranklog.schemas import Gpu, StepEvent
 from ranklog.shippers._steps import Contributed
@@ -378,7 +378,7 @@ class Loader:
         pf = self._open.pop(path, None)
         if pf is None:
             meta = self._cache.footer(path)
-            names = set(meta.schema.to_arrow_schema().names)
+            names = set(column_names(meta))
             pf = open_file(path, meta, [c for c in _WORDS if c in names])
             while len(self._open) >= _OPEN:
                 self._open.pop(next(iter(self._open))).close()
