@@ -189,7 +189,7 @@ def raw_segment_tables(
                         len(every.events))  # fmt: skip
     metrics = _MetricColumns.part(every, group == _METRICS_GROUP)
     ends = _Gathered.part(every, group == _STEP_END_GROUP)
-    rest = _Gathered.part(every, group == _ROW_GROUP)
+    rest = _Gathered.part(every, group == _BY_ROW)
     for ev, seq, idx in zip(rest.events, rest.seq.tolist(), rest.idx.tolist(), strict=True):
         key = base.copy()  # everything else, row by row
         key["seq"], key["idx"], key["ts"] = seq, idx, _us(ev.ts)
@@ -222,7 +222,7 @@ def raw_segment_tables(
 #: each event type's group: its rows built row by row (:data:`_ADD`), or gathered into
 #: columns (Metrics, StepEnd); an unknown type reads as row by row (and :data:`_ADD`
 #: then refuses it, as it always did)
-_ROW_GROUP, _METRICS_GROUP, _STEP_END_GROUP = 0, 1, 2
+_BY_ROW, _METRICS_GROUP, _STEP_END_GROUP = 0, 1, 2
 _GROUP: Final[defaultdict[type, int]] = defaultdict(
     int, {Metrics: _METRICS_GROUP, MetricsRaw: _METRICS_GROUP, StepEnd: _STEP_END_GROUP}
 )
@@ -333,7 +333,7 @@ _METRICS: Final = pa.schema(
 
 
 class _MetricColumns(_Gathered):
-    """The metrics table: events gathered as they come, turned into columns at once.
+    """The metrics table: a read's Metrics events, turned into columns at once.
 
     Every column is built by one C-level pass over the events (``map`` of an attribute
     getter into ``numpy.fromiter``, no Python code per event or per value) and expanded
