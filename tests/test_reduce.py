@@ -160,6 +160,49 @@ class TestReduceStep:
         s = reduce_step(0, acc, closed=2, world_size=2, per_rank=True)
         assert s.per_rank == {0: {"x": 1.0}, 1: {"x": 3.0}} and s.metrics == {"x": 2.0}
 
+    @settings(max_examples=200, deadline=None)
+    @given(
+        st.dictionaries(
+            st.integers(0, 63),
+            st.tuples(
+                st.one_of(st.floats(0, 100), st.just(math.nan)),
+                st.dictionaries(st.sampled_from("abcd"), FLOATS, max_size=4),
+                st.one_of(
+                    st.sampled_from(OPS),
+                    st.dictionaries(st.sampled_from("abcd"), st.sampled_from(OPS), max_size=2),
+                ),
+            ),
+            min_size=2,
+            max_size=12,
+        )
+    )
+    def test_one_event_per_rank(
+        self, data: dict[int, tuple[float, dict[str, float], str | dict[str, str]]]
+    ) -> None:
+        """A step of one Metrics event per rank (the usual one, gathered column-wise) reduces
+        each name over the ranks that logged it, with the lowest such rank's op."""
+        acc = _acc({r: [Metrics(ts, 7, values, op)] for r, (ts, values, op) in data.items()})
+        shipped = reduce_step(7, acc, closed=len(data), world_size=len(data), per_rank=True)
+        expected: dict[str, float] = {}
+        for name in sorted({n for _, values, _ in data.values() for n in values}):
+            ranks = [r for r in sorted(data) if name in data[r][1]]
+            op = data[ranks[0]][2]
+            op = op if isinstance(op, str) else op.get(name, "mean")
+            if op == "last":  # the latest timestamp wins (ties: the highest rank); NaN never
+                timed = [r for r in ranks if data[r][0] == data[r][0]]
+                last = max(timed, key=lambda r: (data[r][0], r)) if timed else None
+                expected[name] = math.nan if last is None else data[last][1][name]
+            else:
+                expected[name] = oracle([data[r][1][name] for r in ranks], op)
+        assert shipped.metrics.keys() == expected.keys()
+        for name, value in expected.items():
+            assert same(shipped.metrics[name], value), name
+        top = 0.0
+        for r in sorted(data):
+            top = data[r][0] if data[r][0] > top else top
+        assert same(shipped.ts, top if top > 0 else math.nan)
+        assert shipped.per_rank == {r: v for r, (_, v, _) in sorted(data.items()) if v}
+
 
 @pytest.mark.parametrize("op", OPS)
 def test_single_rank(op: str) -> None:

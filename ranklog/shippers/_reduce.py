@@ -27,7 +27,7 @@ from typing import Final
 from ranklog.errors import ConfigError
 from ranklog.schemas import REDUCE_OPS
 
-__all__ = ["Partial", "exact_parts", "fsums", "output_names", "parse_ops"]
+__all__ = ["Partial", "exact_parts", "fsums", "output_names", "parse_ops", "summed_of"]
 
 _NEEDS_VALUES: Final = frozenset({"median", "std"})
 #: ops whose partial is the count and the sum alone (when every value is finite)
@@ -206,6 +206,19 @@ class Partial:
             except OverflowError:
                 return math.inf
         return math.sqrt(max(0.0, self.sumsq / self.count - mean * mean))
+
+
+def summed_of(values: Sequence[float], ops: tuple[str, ...]) -> Partial | None:
+    """What :meth:`Partial.of` gives when ``ops`` need the count and the sum alone and every
+    value is finite (mean, sum or count: the usual case), without its other checks; None
+    otherwise (then :meth:`Partial.of` it is)."""
+    if ops not in _SUMMED:
+        return None
+    try:
+        total = math.fsum(values)
+    except (ValueError, OverflowError):
+        return None
+    return Partial(len(values), total) if total - total == 0.0 else None
 
 
 def fsums(values: list[float], starts: list[int], ends: list[int]) -> list[float] | None:

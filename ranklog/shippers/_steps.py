@@ -13,8 +13,9 @@ so the result never depends on which reader held which rank, nor on timing.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from typing import Any, Final
 
 from ranklog.schemas import (
@@ -28,7 +29,7 @@ from ranklog.schemas import (
     Text,
     Timer,
 )
-from ranklog.shippers._reduce import Partial, output_names, parse_ops
+from ranklog.shippers._reduce import Partial, output_names, parse_ops, summed_of
 from ranklog.shippers._target import GpuStat, ImageItem, ShippedStep, TableItem, TextItem
 
 __all__ = ["Contributed", "Contribution", "StepAcc", "StepPartial"]
@@ -60,6 +61,11 @@ class StepAcc:
 
 
 _NO_LAST: Final = (-math.inf, -1, math.nan)
+_TS: Final = attrgetter("ts")
+_VALUES: Final = attrgetter("values")
+_EVENTS: Final = attrgetter("events")
+_LATE: Final = attrgetter("late")
+_METRICS_ONLY: Final = {Metrics}
 
 
 def _gpu_stat(host: str, index: int, samples: list[Gpu]) -> GpuStat:
@@ -164,17 +170,55 @@ class StepPartial:
         ``specs`` (``m:<metric>``/``t:<timer>`` -> spec) replaces the spec of the lowest
         rank here, for names whose job-wide lowest rank is elsewhere (a fan-in).
         """
-        values: dict[str, list[float]] = {}
+        values: dict[str, Sequence[float]] = {}
         named_specs: dict[str, tuple[int, str]] = {}
-        timers: dict[str, list[float]] = {}
+        timers: dict[str, Sequence[float]] = {}
         timer_specs: dict[str, tuple[int, str]] = {}
+        out = cls(step, per_rank={} if per_rank else None)
+        single = _one_each(acc)
+        if single is not None:  # the usual step: one Metrics event per rank, nothing else
+            order, logged = single
+            out.ranks = len(order)
+            out.ts = max(0.0, *map(_TS, logged))  # as the loop below: NaN never wins
+            dicts = list(map(_VALUES, logged))
+            if out.per_rank is not None:
+                out.per_rank = {r: dict(d) for r, d in zip(order, dicts, strict=True) if d}
+            if not _columns(order[0], logged[0].reduce, dicts, values, named_specs):
+                _rows(zip(order, logged, strict=True), values, named_specs)
+        else:
+            order = out._gather(acc, timers, timer_specs, values, named_specs)
+            if any(c.late for c in acc.ranks.values()):
+                out.late = _late_partials(acc, per_rank=per_rank, exact=exact, specs=specs)
+        for timer, found, found_specs, into in (
+            (False, values, named_specs, out.metrics),
+            (True, timers, timer_specs, out.timers),
+        ):
+            for name, lst in found.items():
+                first, spec = found_specs[name]
+                if specs is not None:
+                    spec = specs.get(f"{'t' if timer else 'm'}:{name}", spec)
+                ops = parse_ops(spec)
+                part = None if exact else summed_of(lst, ops)
+                if part is None:
+                    last = _last(acc, order, name, timer=timer) if "last" in ops else _NO_LAST
+                    part = Partial.of(lst, last=last, ops=ops, exact=exact)
+                into[name] = Named(first, spec, part)
+        return out
+
+    def _gather(
+        self,
+        acc: StepAcc,
+        timers: dict[str, Sequence[float]],
+        timer_specs: dict[str, tuple[int, str]],
+        values: dict[str, Sequence[float]],
+        named_specs: dict[str, tuple[int, str]],
+    ) -> list[int]:
+        """Take in every event of ``acc``'s ranks, in rank order: the ranks taken."""
         damaged = acc.damaged
         order = sorted([r for r, c in acc.ranks.items() if c.events and r not in damaged])
-        out = cls(step, ranks=len(order), per_rank={} if per_rank else None)
-        out.damaged = sorted(acc.damaged)
-        if any(c.late for c in acc.ranks.values()):
-            out.late = _late_partials(acc, per_rank=per_rank, exact=exact, specs=specs)
-        slowest = out.slowest
+        self.ranks = len(order)
+        self.damaged = sorted(damaged)
+        slowest = self.slowest
         ts = 0.0
         #: (rank, event) of each Metrics event, in rank order: reduced after the loop
         logged: list[tuple[int, Metrics]] = []
@@ -191,38 +235,24 @@ class StepPartial:
                     if lst is None:
                         timers[name] = lst = []
                         timer_specs[name] = (rank, ev.reduce)
-                    lst.append(ev.seconds)
+                    lst.append(ev.seconds)  # type: ignore[attr-defined]  # a list, made here
                     best = slowest.get(name)
                     if best is None or _slower(ev.seconds, best[0]):
                         slowest[name] = (ev.seconds, rank)
                 else:
-                    out.add(rank, ev)
-            if out.per_rank is not None:
+                    self.add(rank, ev)
+            if self.per_rank is not None:
                 own = _own(events)
                 if own:
-                    out.per_rank[rank] = own
-        if logged and not _columns(logged, values, named_specs):
-            for rank, ev in logged:
-                reduce = ev.reduce
-                for name, v in ev.values.items():
-                    lst = values.get(name)
-                    if lst is None:
-                        values[name] = lst = []
-                        named_specs[name] = (rank, _spec(reduce, name))
-                    lst.append(v)
-        out.ts = ts
-        for timer, found, found_specs, into in (
-            (False, values, named_specs, out.metrics),
-            (True, timers, timer_specs, out.timers),
-        ):
-            for name, lst in found.items():
-                first, spec = found_specs[name]
-                if specs is not None:
-                    spec = specs.get(f"{'t' if timer else 'm'}:{name}", spec)
-                ops = parse_ops(spec)
-                last = _last(acc, order, name, timer=timer) if "last" in ops else _NO_LAST
-                into[name] = Named(first, spec, Partial.of(lst, last=last, ops=ops, exact=exact))
-        return out
+                    self.per_rank[rank] = own
+        self.ts = ts
+        if len(logged) < 2 or len({rank for rank, _ in logged}) < len(logged):
+            _rows(logged, values, named_specs)
+            return order
+        ranks, evs = zip(*logged, strict=True)
+        if not _columns(ranks[0], evs[0].reduce, list(map(_VALUES, evs)), values, named_specs):
+            _rows(logged, values, named_specs)
+        return order
 
     def add(self, rank: int, ev: Contributed) -> None:
         """Take in one text, distribution, image, table or GPU sample of ``rank``'s (ranks
@@ -380,44 +410,74 @@ def _spec(reduce: str | dict[str, str], name: str) -> str:
     return reduce if type(reduce) is str else reduce.get(name, DEFAULT_METRIC_REDUCE)  # type: ignore[union-attr]
 
 
+def _one_each(acc: StepAcc) -> tuple[list[int], list[Metrics]] | None:
+    """(ranks in order, their events) when every rank logged one Metrics event and nothing
+    else, none damaged, no late value (the usual step); None otherwise. C loops only."""
+    conts = acc.ranks
+    if len(conts) < 2 or acc.damaged:
+        return None
+    order = sorted(conts)
+    contribs = list(map(conts.__getitem__, order))
+    try:
+        logged = [ev for (ev,) in map(_EVENTS, contribs)]
+    except ValueError:  # a rank with no event, or several
+        return None
+    if set(map(type, logged)) != _METRICS_ONLY or any(map(_LATE, contribs)):
+        return None
+    return order, logged  # Metrics only, checked above
+
+
+def _rows(
+    logged: Iterable[tuple[int, Metrics]],
+    values: dict[str, Sequence[float]],
+    specs: dict[str, tuple[int, str]],
+) -> None:
+    """Fill ``values`` event by event, in rank order (the spec: of the lowest rank)."""
+    for rank, ev in logged:
+        reduce = ev.reduce
+        for name, v in ev.values.items():
+            lst = values.get(name)
+            if lst is None:
+                values[name] = lst = []
+                specs[name] = (rank, _spec(reduce, name))
+            lst.append(v)  # type: ignore[attr-defined]  # a list, made here
+
+
 def _columns(
-    logged: list[tuple[int, Metrics]],
-    values: dict[str, list[float]],
+    first_rank: int,
+    reduce: str | dict[str, str],
+    dicts: list[dict[str, float]],
+    values: dict[str, Sequence[float]],
     specs: dict[str, tuple[int, str]],
 ) -> bool:
     """Fill ``values`` column-wise when every rank logged the same names once (the usual step).
 
-    One Metrics event per rank, all with the first one's names: each name's values come
-    out in rank order, as the event-by-event loop would give them, but transposed in C.
-    False (nothing filled) otherwise.
+    ``dicts`` are the values of one Metrics event per rank, in rank order, the first one
+    of ``first_rank`` logged with ``reduce``: when all hold the first one's names, each
+    name's values come out in rank order, as :func:`_rows` would give them, but
+    transposed in C. False (nothing filled) otherwise.
     """
-    if len(logged) < 2:
-        return False
-    first_rank, first = logged[0]
-    names = list(first.values)
+    names = list(dicts[0])
     n = len(names)
-    seen: set[int] = set()
-    for rank, ev in logged:
-        if rank in seen or len(ev.values) != n:
-            return False
-        seen.add(rank)
-    if n == 1:
-        (name,) = names
-        try:
-            col = [ev.values[name] for _, ev in logged]
-        except KeyError:
-            return False
-        values[name] = col
-        specs[name] = (first_rank, _spec(first.reduce, name))
-        return True
-    get = itemgetter(*names)
+    if n == 0 or list(map(len, dicts)).count(n) != len(dicts):
+        return False
     try:
-        rows = [get(ev.values) for _, ev in logged]
+        if n == 1:
+            (name,) = names
+            values[name] = list(map(itemgetter(name), dicts))
+            specs[name] = (first_rank, _spec(reduce, name))
+            return True
+        rows = list(map(itemgetter(*names), dicts))
     except KeyError:
         return False
-    reduce = first.reduce
+    if type(reduce) is str:
+        spec = (first_rank, reduce)
+        for name, column in zip(names, zip(*rows, strict=True), strict=True):
+            values[name] = column
+            specs[name] = spec
+        return True
     for name, column in zip(names, zip(*rows, strict=True), strict=True):
-        values[name] = list(column)
+        values[name] = column
         specs[name] = (first_rank, _spec(reduce, name))
     return True
 
