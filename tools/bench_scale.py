@@ -8,8 +8,10 @@ Run from the repository root (``./tools/bench`` runs it with the other benchmark
 It prints Markdown tables measured in this run:
 
 - limits: what the shipper cannot beat on the same spool, in this process: reading and
-  decoding every frame (``read_segment``: CRC + msgspec), and a bare numpy reduction of
-  the same values (an array already built: the arithmetic alone);
+  decoding every frame (``read_segment``: CRC + msgspec); that plus the least a reduction
+  in Python does (each event routed to its step, each (step, name) summed by
+  ``math.fsum``); and a bare numpy reduction of the same values (an array already built:
+  the arithmetic alone);
 - the shipper: ``Shipper.run_forever(once=True)`` in a fresh child process, timed alone
   (interpreter start and imports excluded), CPU seconds and peak RSS;
 - backends: each target's reduced steps/s (the shipper as above)
@@ -133,6 +135,33 @@ def _decode_limit(spool: Path, values: int) -> Row:
     took = time.process_time() - t0
     return Row("limit: read + decode every frame", f"{len(paths)} segments", took,
                values / took, note=f"{events:,} events, CPU time in-process")  # fmt: skip
+
+
+def _python_limit(spool: Path, values: int) -> Row:
+    """Decoding, then the least any reduction in Python does with the decoded events: each
+    routed to its step, each (step, name)'s values gathered across ranks in C loops and
+    summed by ``math.fsum`` (the correctly rounded sum that replay's byte-equality with live
+    shipping rests on), the events freed. No watermark, no bookkeeping, no output."""
+    from operator import itemgetter
+
+    from ranklog.schemas import Metrics
+    from ranklog.spool import read_segment
+
+    paths = sorted(p for p in (spool / "ranks").rglob("*") if p.is_file())
+    t0 = time.process_time()
+    by_step: dict[int, list[dict[str, float]]] = {}
+    for path in paths:
+        for ev in read_segment(path).events:
+            if type(ev) is Metrics:
+                by_step.setdefault(ev.step, []).append(ev.values)
+    sums = 0
+    for dicts in by_step.values():
+        rows = list(map(itemgetter(*dicts[0]), dicts))
+        sums += len(list(map(math.fsum, zip(*rows, strict=True))))
+    del by_step, rows
+    took = time.process_time() - t0
+    return Row("limit: decode + route + fsum per (step, name)", f"{sums:,} sums", took,
+               values / took, note="a reduction's floor in Python, CPU in-process")  # fmt: skip
 
 
 def _numpy_limit(ranks: int, steps: int, metrics: int) -> Row:
@@ -355,17 +384,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_spool(spool, ranks, steps)
         live = _ship(spool, f"jsonl:{Path(name) / 'out.jsonl'}")
         decode = _decode_limit(spool, values)
+        floor = _python_limit(spool, values)
     ship_row = Row("ranklog ship (jsonl)", f"{ranks} ranks x {steps:,} steps x 20 metrics",
                    live.cpu, values / live.cpu, steps / live.wall, live.rss_mb,
                    "values per CPU-s of run_forever in a child")  # fmt: skip
-    limits = [ship_row, decode, _numpy_limit(ranks, steps, 20)]
+    limits = [ship_row, decode, floor, _numpy_limit(ranks, steps, 20)]
     backend_rows, checks = _bench_backends(base, 250 if args.quick else 1_000)
     scale = _bench_scale(base, args.quick)
     big = next(r for r in scale if r.name == "ranks: 4,096")
     checks.insert(0, Check("shipper values/s (JSONL)", f"{rate(ship_row.values_per_s)}/s",
                            f">= {TARGET_SHIP / 1e6:g} M/s",
-                           f"read+decode {rate(decode.values_per_s)}/s, numpy mean "
-                           f"{rate(limits[2].values_per_s)}/s",
+                           f"read+decode {rate(decode.values_per_s)}/s, + route + fsum "
+                           f"{rate(floor.values_per_s)}/s, numpy mean "
+                           f"{rate(limits[3].values_per_s)}/s",
                            (ship_row.values_per_s or 0) >= TARGET_SHIP))  # fmt: skip
     checks.append(Check("4,096 ranks x 100 metrics: reduced steps/s", f"{fmt(big.steps_per_s)}",
                         ">= 1 (a step a second produced)", "-",
