@@ -25,7 +25,8 @@ It prints one Markdown table measured in this run:
   ranks. Once with the native observer (inotify on a local disk), once with
   ``--poll 1``. The shipper must exit by itself once every rank closed;
 - other shapes: one rank whose one segment is nearly the rotation size, and 4,096
-  ranks x 10 steps x 100 metrics, each shipped, compacted and replayed once;
+  ranks x 10 steps x 100 metrics, each shipped, compacted and replayed once, beside the
+  limit of a replay of its Parquet files (pyarrow opening and reading each once);
 - incremental compaction: ``ranklog compact`` of 64 live ranks (open, unsealed
   segments) from scratch, then of N/10 new steps on every rank, three times, then of
   nothing new; on datasets of N/4 and 2N steps, whose rounds of new steps should cost
@@ -84,6 +85,7 @@ if TYPE_CHECKING:
     from ranklog.spool import IncarnationWriter
 
 THROUGHPUT_RANKS: Final = 64
+LIMIT: Final = "limit: pyarrow reads each file once"
 SCALE: Final = 4
 LATENCY_RANKS: Final = 4
 TAIL_POLL_S: Final = 0.001
@@ -272,6 +274,7 @@ def _bench_shapes(base: Path, budget: Budget) -> list[Row]:
                                                budget.ship_timeout_s),
             }  # fmt: skip
             same = live.is_file() and again.is_file() and live.read_bytes() == again.read_bytes()
+            floor = _read_limit(pq, size, values)
         for label, run in runs.items():
             replayed = label.startswith("replay")
             note = f"largest segment {biggest / 2**20:.1f} MiB"
@@ -279,7 +282,22 @@ def _bench_shapes(base: Path, budget: Budget) -> list[Row]:
                 note += "; JSONL byte-identical to live shipping"
             problem = "JSONL differs from live shipping" if replayed and not same else ""
             rows.append(_run_row(label, size, run, values, note, problem))
+        rows.append(floor)
     return rows
+
+
+def _read_limit(dataset: Path, size: str, values: int) -> Row:
+    """Every Parquet file of ``dataset`` opened and read whole once, in this process: what
+    a replay cannot beat, since the files are per segment (their names say which)."""
+    import pyarrow.parquet as pq
+
+    paths = sorted(dataset.rglob("*.parquet"))
+    c0, w0 = time.process_time(), time.perf_counter()
+    for path in paths:
+        pq.ParquetFile(path, pre_buffer=False).read(use_threads=False)
+    cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+    return Row(LIMIT, size, wall, values / wall, values / cpu, cpu,
+               note=f"{len(paths):,} files opened and read whole once, in-process")  # fmt: skip
 
 
 INCREMENTS: Final = 3  # rounds of new steps compacted on top of each dataset; medians
@@ -823,6 +841,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     comps = [comp, *(r for r in shapes if r.name.startswith("compact"))]
     reps = [rep, *(r for r in shapes if r.name.startswith("replay"))]
     live_of = {r.size: r for r in shapes if r.name.startswith("ship")}
+    limit_of = {r.size: r for r in shapes if r.name == LIMIT}
     archive_checks = [
         {"what": f"compaction >= {TARGET_COMPACT / 1e6:g} M values/s (wall, interpreter start "
                  "included)", "figure": f"{rate(comp.values_per_s)} values/s",
@@ -843,7 +862,8 @@ def main(argv: Sequence[str] | None = None) -> int:
          "ok": all(r.ok for r in reps)},
         {"what": "replay of the other spools at least as fast as live shipping",
          "figure": ", ".join(f"{rate(r.values_per_s)} vs {rate(live_of[r.size].values_per_s)} "
-                             f"values/s ({r.size})" for r in reps[1:]),
+                             f"values/s, limit {rate(limit_of[r.size].values_per_s)} ({r.size})"
+                             for r in reps[1:]),
          "ok": all((r.values_per_s or 0) >= (live_of[r.size].values_per_s or 0)
                    for r in reps[1:])},
         incremental_check,
