@@ -172,7 +172,7 @@ class TestReduceStep:
                     st.dictionaries(st.sampled_from("abcd"), st.sampled_from(OPS), max_size=2),
                 ),
             ),
-            min_size=2,
+            min_size=1,
             max_size=12,
         )
     )

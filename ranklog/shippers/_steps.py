@@ -20,6 +20,7 @@ from typing import Any, Final
 
 from ranklog.schemas import (
     DEFAULT_METRIC_REDUCE,
+    REDUCE_OPS,
     Gpu,
     Histogram,
     Image,
@@ -66,6 +67,8 @@ _VALUES: Final = attrgetter("values")
 _EVENTS: Final = attrgetter("events")
 _LATE: Final = attrgetter("late")
 _METRICS_ONLY: Final = {Metrics}
+#: specs whose partial is the count and the sum of the values alone, when they are finite
+_SUMMED_SPECS: Final = frozenset({"mean", "sum", "count"})
 
 
 def _gpu_stat(host: str, index: int, samples: list[Gpu]) -> GpuStat:
@@ -197,6 +200,14 @@ class StepPartial:
                 first, spec = found_specs[name]
                 if specs is not None:
                     spec = specs.get(f"{'t' if timer else 'm'}:{name}", spec)
+                if spec in _SUMMED_SPECS and not exact:  # mean, sum or count: the usual spec
+                    try:
+                        total = math.fsum(lst)
+                    except (ValueError, OverflowError):
+                        total = math.nan
+                    if total - total == 0.0:  # finite: the count and the sum are the partial
+                        into[name] = Named(first, spec, Partial(len(lst), total))
+                        continue
                 ops = parse_ops(spec)
                 part = None if exact else summed_of(lst, ops)
                 if part is None:
@@ -331,10 +342,11 @@ class StepPartial:
         """
         out: dict[str, float] = {}
         for name, named in self.metrics.items():
-            ops = parse_ops(named.spec)
-            if len(ops) == 1:  # the common case: shipped under its own name
-                out[name] = named.part.result(ops[0])
+            spec = named.spec
+            if spec in REDUCE_OPS:  # the common case: one op, shipped under its own name
+                out[name] = named.part.result(spec)
                 continue
+            ops = parse_ops(spec)
             for out_name, op in zip(output_names(name, ops), ops, strict=True):
                 out[out_name] = named.part.result(op)
         for name, named in self.timers.items():
@@ -414,7 +426,7 @@ def _one_each(acc: StepAcc) -> tuple[list[int], list[Metrics]] | None:
     """(ranks in order, their events) when every rank logged one Metrics event and nothing
     else, none damaged, no late value (the usual step); None otherwise. C loops only."""
     conts = acc.ranks
-    if len(conts) < 2 or acc.damaged:
+    if not conts or acc.damaged:
         return None
     order = sorted(conts)
     contribs = list(map(conts.__getitem__, order))

@@ -42,8 +42,12 @@ __all__ = ["TARGET", "JsonlTarget", "read_jsonl"]
 _TAIL = 1 << 20
 
 
+#: one encoder for every line (``json.dumps`` with arguments builds one per call)
+_ENCODE = json.JSONEncoder(separators=(", ", ": "), allow_nan=True).encode
+
+
 def _line(obj: dict[str, Any]) -> bytes:
-    return (json.dumps(obj, separators=(", ", ": "), allow_nan=True) + "\n").encode()
+    return (_ENCODE(obj) + "\n").encode()
 
 
 def step_line(s: ShippedStep) -> dict[str, Any]:
