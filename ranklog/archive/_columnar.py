@@ -180,6 +180,8 @@ class ColumnarTails:
         keys = key[starts].tolist()
         words, specs = self._names.words, self._specs.words
         ops_of = [parse_ops(x) for x in specs]
+        #: specs whose partial is the count and the sum alone, when the values are finite
+        summed_of = [Partial.summed(1, 0.0, ops) is not None for ops in ops_of]
         stamps: list[int] | None = None
         rank_list: list[int] | None = None
         part: StepPartial | None = None
@@ -196,11 +198,10 @@ class ColumnarTails:
                 if part is None:
                     built[s] = part = StepPartial(s)
                 into = part.timers if timers else part.metrics
-            ops = ops_of[sid]
-            summed = None if timers else Partial.summed(b - a, total, ops)
-            if summed is not None:  # the usual group
-                into[words[j]] = Named(first, specs[sid], summed)
+            if summed_of[sid] and not timers and total - total == 0.0:  # the usual group
+                into[words[j]] = Named(first, specs[sid], Partial(b - a, total))
                 continue
+            ops = ops_of[sid]
             vals = values[a:b]
             last = _NO_LAST
             if timers or "last" in ops:
