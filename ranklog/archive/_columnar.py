@@ -35,7 +35,7 @@ from ranklog.archive._plan import REDUCED, Plan
 from ranklog.archive._windows import Loader, Window, Words
 from ranklog.errors import ArchiveError
 from ranklog.shippers._cursor import Cursor
-from ranklog.shippers._reduce import Partial, fsums, parse_ops
+from ranklog.shippers._reduce import SUMMED_OPS, Partial, fsums, parse_ops
 from ranklog.shippers._steps import Named, StepPartial, _slower
 from ranklog.shippers._tail import RankView, StepGap, TailCommit, TailPoll
 from ranklog.spool import RunInfo
@@ -181,7 +181,7 @@ class ColumnarTails:
         words, specs = self._names.words, self._specs.words
         ops_of = [parse_ops(x) for x in specs]
         #: specs whose partial is the count and the sum alone, when the values are finite
-        summed_of = [Partial.summed(1, 0.0, ops) is not None for ops in ops_of]
+        summable = [ops in SUMMED_OPS for ops in ops_of]
         stamps: list[int] | None = None
         rank_list: list[int] | None = None
         part: StepPartial | None = None
@@ -198,7 +198,7 @@ class ColumnarTails:
                 if part is None:
                     built[s] = part = StepPartial(s)
                 into = part.timers if timers else part.metrics
-            if summed_of[sid] and not timers and total - total == 0.0:  # the usual group
+            if summable[sid] and not timers and total - total == 0.0:  # the usual group
                 into[words[j]] = Named(first, specs[sid], Partial(b - a, total))
                 continue
             ops = ops_of[sid]

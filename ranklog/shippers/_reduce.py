@@ -27,11 +27,11 @@ from typing import Final
 from ranklog.errors import ConfigError
 from ranklog.schemas import REDUCE_OPS
 
-__all__ = ["Partial", "exact_parts", "fsums", "output_names", "parse_ops", "summed_of"]
+__all__ = ["SUMMED_OPS", "Partial", "exact_parts", "fsums", "output_names", "parse_ops"]
 
 _NEEDS_VALUES: Final = frozenset({"median", "std"})
 #: ops whose partial is the count and the sum alone (when every value is finite)
-_SUMMED: Final = frozenset({("mean",), ("sum",), ("count",)})
+SUMMED_OPS: Final = frozenset({("mean",), ("sum",), ("count",)})
 _op_cache: dict[str, tuple[str, ...]] = {}
 
 
@@ -133,7 +133,7 @@ class Partial:
         need nothing else (mean, sum or count of finite values: the usual case); None
         otherwise (then :meth:`of` takes the values themselves). Not mergeable exactly.
         """
-        if ops in _SUMMED and total - total == 0.0:  # finite
+        if ops in SUMMED_OPS and total - total == 0.0:  # finite
             return cls(count, total)  # (no ``last``: these ops never read it)
         return None
 
@@ -206,19 +206,6 @@ class Partial:
             except OverflowError:
                 return math.inf
         return math.sqrt(max(0.0, self.sumsq / self.count - mean * mean))
-
-
-def summed_of(values: Sequence[float], ops: tuple[str, ...]) -> Partial | None:
-    """What :meth:`Partial.of` gives when ``ops`` need the count and the sum alone and every
-    value is finite (mean, sum or count: the usual case), without its other checks; None
-    otherwise (then :meth:`Partial.of` it is)."""
-    if ops not in _SUMMED:
-        return None
-    try:
-        total = math.fsum(values)
-    except (ValueError, OverflowError):
-        return None
-    return Partial(len(values), total) if total - total == 0.0 else None
 
 
 def fsums(values: list[float], starts: list[int], ends: list[int]) -> list[float] | None:

@@ -30,7 +30,7 @@ from ranklog.schemas import (
     Text,
     Timer,
 )
-from ranklog.shippers._reduce import Partial, output_names, parse_ops, summed_of
+from ranklog.shippers._reduce import SUMMED_OPS, Partial, output_names, parse_ops
 from ranklog.shippers._target import GpuStat, ImageItem, ShippedStep, TableItem, TextItem
 
 __all__ = ["Contributed", "Contribution", "StepAcc", "StepPartial"]
@@ -68,7 +68,7 @@ _EVENTS: Final = attrgetter("events")
 _LATE: Final = attrgetter("late")
 _METRICS_ONLY: Final = {Metrics}
 #: specs whose partial is the count and the sum of the values alone, when they are finite
-_SUMMED_SPECS: Final = frozenset({"mean", "sum", "count"})
+_SUMMED_SPECS: Final = frozenset(op for (op,) in SUMMED_OPS)
 
 
 def _gpu_stat(host: str, index: int, samples: list[Gpu]) -> GpuStat:
@@ -209,11 +209,8 @@ class StepPartial:
                         into[name] = Named(first, spec, Partial(len(lst), total))
                         continue
                 ops = parse_ops(spec)
-                part = None if exact else summed_of(lst, ops)
-                if part is None:
-                    last = _last(acc, order, name, timer=timer) if "last" in ops else _NO_LAST
-                    part = Partial.of(lst, last=last, ops=ops, exact=exact)
-                into[name] = Named(first, spec, part)
+                last = _last(acc, order, name, timer=timer) if "last" in ops else _NO_LAST
+                into[name] = Named(first, spec, Partial.of(lst, last=last, ops=ops, exact=exact))
         return out
 
     def _gather(
@@ -482,15 +479,10 @@ def _columns(
         rows = list(map(itemgetter(*names), dicts))
     except KeyError:
         return False
-    if type(reduce) is str:
-        spec = (first_rank, reduce)
-        for name, column in zip(names, zip(*rows, strict=True), strict=True):
-            values[name] = column
-            specs[name] = spec
-        return True
+    same = (first_rank, reduce) if type(reduce) is str else None  # one spec for every name
     for name, column in zip(names, zip(*rows, strict=True), strict=True):
         values[name] = column
-        specs[name] = (first_rank, _spec(reduce, name))
+        specs[name] = same or (first_rank, _spec(reduce, name))
     return True
 
 
