@@ -24,6 +24,7 @@ from ranklog.errors import (
     SpoolWriteError,
     TailRestartedError,
     TargetError,
+    TargetHeldError,
     TransientTargetError,
 )
 from ranklog.producer import Durability, Run, init
@@ -46,6 +47,7 @@ __all__ = [
     "SpoolWriteError",
     "TailRestartedError",
     "TargetError",
+    "TargetHeldError",
     "TransientTargetError",
     "__version__",
     "init",

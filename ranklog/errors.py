@@ -21,8 +21,12 @@ catches ``TypeError`` or ``ValueError`` keeps working::
     ├── ArchiveError                      exit 4   a Parquet dataset that is missing, damaged
     │                                              or not ranklog's
     ├── TargetError                       exit 5   a backend that refuses what it is sent
-    │   └── TransientTargetError                   worth retrying (server down or hung, rate
-    │                                              limited, disk full): the shipper backs off
+    │   ├── TransientTargetError                   worth retrying (server down or hung, rate
+    │   │                                          limited, disk full): the shipper backs off,
+    │   │                                          within --retry-for under --once
+    │   └── TargetHeldError                        the target holds another run, or steps of
+    │                                              this one it cannot take again (W&B below
+    │                                              its last step): refused before writing
     ├── ExtraMissingError(ImportError)    exit 6   an optional dependency is not installed
     └── TailRestartedError                -        internal: a reader actor restarted during
                                                    a round; the shipper reads again
@@ -56,6 +60,7 @@ __all__ = [
     "SpoolWriteError",
     "TailRestartedError",
     "TargetError",
+    "TargetHeldError",
     "TransientTargetError",
 ]
 
@@ -125,6 +130,11 @@ class TargetError(RanklogError):
 
 class TransientTargetError(TargetError):
     """A backend failure worth retrying (server down or hung, rate limited, disk full)."""
+
+
+class TargetHeldError(TargetError):
+    """A target that holds another run (or this run's steps with another ``--names``), or
+    steps it cannot take (W&B below its last step): refused, nothing written."""
 
 
 class ExtraMissingError(RanklogError, ImportError):

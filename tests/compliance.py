@@ -21,6 +21,7 @@ import pytest
 
 from ranklog.schemas import ParamValue
 from ranklog.shippers import ShippedStep, Shipper, Target
+from ranklog.shippers._target import target_identity
 from ranklog.spool import RunInfo
 
 from .shiphelp import rank
@@ -161,7 +162,11 @@ class Flaky:
     def __init__(self, inner: Target, method: str, n: int, *, after: bool) -> None:
         self.inner, self.method, self.n, self.after = inner, method, n, after
         self.kind, self.spec = inner.kind, inner.spec
+        self.steps_in_order = getattr(inner, "steps_in_order", False)
         self.failed = 0
+
+    def identity(self, run: RunInfo) -> str:
+        return target_identity(self.inner, run)
 
     def _call(self, method: str, *args: Any) -> Any:
         if method == self.method:
@@ -198,9 +203,13 @@ class KillSwitch:
         self.kind = inner.kind
         self.spec = inner.spec
         self.takes_late = getattr(inner, "takes_late", False)
+        self.steps_in_order = getattr(inner, "steps_in_order", False)
         self.method = method
         self.n = n
         self.dead = False
+
+    def identity(self, run: RunInfo) -> str:
+        return target_identity(self.inner, run)
 
     def _call(self, method: str, *args: Any) -> Any:
         if self.dead:

@@ -100,7 +100,7 @@ class TestShip:
             b.step_end(step)
         out = tmp_path / "o.jsonl"
         assert main(["ship", str(spool), "--to", f"jsonl:{out}", "--once", "--quiet"]) == 0
-        got = [json.loads(line) for line in out.read_text().splitlines()]
+        got = [x for x in map(json.loads, out.read_text().splitlines()) if "ranklog" not in x]
         assert got == [
             {"step": s, "metrics": {"loss": 2.0}, "ranks": 2, "world_size": 2, "complete": True}
             for s in range(3)
@@ -183,7 +183,8 @@ class TestProcess:
         assert "pandas imported: False" in p.stdout
         assert "to_pandas: (2, 1)" in p.stdout
         steps = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
-        assert [x.get("step") for x in steps] == [None, 0, 1, 2, 3]  # params, then the steps
+        assert "ranklog" in steps[0]  # the run line, then params, then the steps
+        assert [x.get("step") for x in steps[1:]] == [None, 0, 1, 2, 3]
 
     def test_compact_never_imports_the_shipper_engine(self, spool: Path, tmp_path: Path) -> None:
         """``ranklog compact`` starts without the shipper engine or any target (a shorter
@@ -297,6 +298,7 @@ class TestDemo:
         assert main(["demo", "--out", str(tmp_path), "--ranks", "2", "--steps", "20"]) == 0
         out = capfd.readouterr().out
         lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        assert lines.pop(0)["ranklog"]["name"] == "spool"  # the run line: whose lines follow
         assert "params" in lines[0] and lines[0]["params"]["wandb.api_key"] == "<redacted>"
         steps = lines[1:]
         assert [s["step"] for s in steps] == list(range(20))

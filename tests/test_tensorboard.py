@@ -152,7 +152,7 @@ def _step(i: int, metrics: dict[str, float] | None = None, **kw: Any) -> Shipped
 def _session(path: Path, steps: list[ShippedStep], params: dict[str, Any] | None = None) -> Any:
     """One shipper session through the target API: open, params, steps, flush, close."""
     t = TensorBoardTarget(path)
-    last = t.open(RUN)
+    last = t.open(RUN).last  # the highest step held
     if params:
         t.write_params(params)
     if steps:
@@ -291,7 +291,7 @@ class TestTornLate:
             (work / path.name).write_bytes(full[:cut])
             held = TensorBoardTarget(work).open(RUN)
             kept = max((e for e in whole if e <= cut), default=ends[1])
-            assert (held, (work / path.name).stat().st_size) == (whole.get(kept), kept), cut
+            assert (held.last, (work / path.name).stat().st_size) == (whole.get(kept), kept), cut
 
 
 class TestTables:
@@ -426,7 +426,7 @@ class TestResume:
         head = struct.pack("<Q", 40)
         with open(f, "ab") as out:  # a valid length, then data and crc that never got written
             out.write(head + struct.pack("<I", masked_crc32c(head)) + b"\x00" * 44)
-        assert TensorBoardTarget(tmp_path).open(RUN) == 4
+        assert TensorBoardTarget(tmp_path).open(RUN).last == 4
         assert f.read_bytes() == data
 
     def test_last_step_found_behind_a_stepless_session(self, tmp_path: Path) -> None:
@@ -469,9 +469,9 @@ class TestResume:
     def test_open_again_without_close(self, tmp_path: Path) -> None:
         """Opening a target again (as the engine does after a failure) continues correctly."""
         t = TensorBoardTarget(tmp_path)
-        assert t.open(RUN) is None
+        assert t.open(RUN).last is None
         t.write([_step(0), _step(1)])
-        assert t.open(RUN) == 1
+        assert t.open(RUN).last == 1
         t.write([_step(2)])
         t.close()
         assert [s for s, _ in tb_back(tmp_path)] == [0, 1, 2]
@@ -527,14 +527,14 @@ class TestPerRank:
         t.open(RUN)
         t.write(steps[:3])
 
-        def dead(data: bytes) -> None:
+        def dead(*args: object) -> None:
             raise Killed("write")
 
         t._main.append = dead  # type: ignore[method-assign, union-attr]
         with pytest.raises(Killed):
             t.write(steps[3:5])
         t2 = TensorBoardTarget(tmp_path, per_rank=True)
-        assert t2.open(RUN) == 2
+        assert t2.open(RUN).last == 2
         t2.write(steps[3:])
         t2.close()
         _check_ranks(tmp_path, 6, 1)

@@ -173,8 +173,8 @@ class TestReader:
 
     def test_record_over_several_blocks(self, real_log: Path) -> None:
         """A record longer than a block (FIRST, MIDDLE..., LAST chunks) is reassembled."""
-        last, config = scan_offline(real_log.parent.parent.parent, "readertest")
-        assert last == 798
+        held, config = scan_offline(real_log.parent.parent.parent, "readertest")
+        assert held.last == 798
         assert config == {"big": "x" * 100_000, "lr": 0.5}
 
     def test_truncated_anywhere(self, real_log: Path) -> None:
@@ -432,7 +432,7 @@ os.kill(os.getpid(), signal.SIGKILL)
         proc = run_python(code, str(spool), str(work), WANDB_MODE="offline")
         assert proc.returncode == -signal.SIGKILL, proc.stderr
         target = _target(work)
-        last = target.open(read_run(spool))  # waits for the dead shipper's wandb-core to go
+        last = target.open(read_run(spool)).last  # waits for the dead shipper's wandb-core to go
         target.close()
         steps = [s for s, _ in _back(work)]
         assert steps[:25] == list(range(25))
@@ -446,7 +446,7 @@ os.kill(os.getpid(), signal.SIGKILL)
         dead.open(info)
         dead.write([ShippedStep(s, {"loss": 1.0}, 1, 1, True, 0.0) for s in range(5)])
         fresh = _target(work)
-        assert fresh.open(info) == 4
+        assert fresh.open(info).last == 4
         fresh.write([ShippedStep(s, {"loss": 2.0}, 1, 1, True, 0.0) for s in range(5, 8)])
         fresh.close()
         assert [s for s, _ in _back(work)] == list(range(8))

@@ -100,7 +100,8 @@ class ColumnarTails:
             # every row of a rank is for a step <= its watermark + 1 (nothing late)
             read = self._done or (self._hi is not None and rp.watermark + 1 < self._hi)
             mark = rp.watermark if read or self._hi is None else min(rp.watermark, self._hi - 1)
-            out.append(RankView(rp.rank, mark, read, rp.ended, 0.0, rp.world_size))
+            status = rp.status if read else None
+            out.append(RankView(rp.rank, mark, read, rp.ended, 0.0, rp.world_size, status))
         return out
 
     def partials(self, steps: list[int], *, per_rank: bool) -> list[StepPartial | None]:

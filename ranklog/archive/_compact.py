@@ -43,7 +43,7 @@ from ranklog.archive._manifest import (
     save_manifest,
 )
 from ranklog.archive._tables import SCHEMAS, TABLES, raw_segment_tables, segment_tables
-from ranklog.errors import ConfigError, RunMismatchError
+from ranklog.errors import ConfigError, CursorError, RunMismatchError
 from ranklog.schemas import DecodeStats, Event, MetricsRaw, decode_events, decode_events_raw
 from ranklog.spool import (
     UNDECODABLE,
@@ -53,6 +53,7 @@ from ranklog.spool import (
     SegmentName,
     SegmentReader,
     SpoolLayout,
+    record_deleted,
     require_run,
 )
 
@@ -244,9 +245,17 @@ class _Orphans:
 
 
 def compact(
-    spool: str | os.PathLike[str], out: str | os.PathLike[str], *, delete: bool = False
+    spool: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    delete: bool = False,
+    force: bool = False,
 ) -> CompactResult:
-    """Compact every new complete frame of ``spool`` into the dataset at ``out``."""
+    """Compact every new complete frame of ``spool`` into the dataset at ``out``.
+
+    ``delete``: then delete sealed segments whose rows read back equal, once every
+    shipper the spool knows has shipped them (``force``: whether they did or not).
+    """
     layout = SpoolLayout(spool)
     outdir = Path(out)
     try:
@@ -278,7 +287,7 @@ def compact(
     finally:
         saver.writer.close()
     if delete:
-        _delete_verified(layout, run.run_id, outdir, manifest, result)
+        _delete_verified(layout, run.run_id, outdir, manifest, result, force=force)
         save_manifest(outdir, manifest)
     return result
 
@@ -369,19 +378,30 @@ def _decode(path: str, frames: list[Frame], *, raw: bool) -> tuple[list[_Decoded
 
 
 def _delete_verified(
-    layout: SpoolLayout, run_id: str, outdir: Path, manifest: Manifest, result: CompactResult
+    layout: SpoolLayout,
+    run_id: str,
+    outdir: Path,
+    manifest: Manifest,
+    result: CompactResult,
+    *,
+    force: bool = False,
 ) -> None:
     """Delete sealed segments whose rows read back equal to a fresh read of the segment.
 
-    A segment a shipper has not finished with (its cursor does not mark it done)
-    is kept: deleting it would take data from under a live shipper.
+    A segment a shipper has not finished with is kept (deleting it would take data from
+    under a shipper that will ship it later): every shipper the spool knows counts, those
+    with a cursor that does not mark it done and those holding a lease that have not yet
+    written a cursor. ``force`` deletes anyway. The segments are listed in the spool's
+    ``deleted.json`` (with the dataset) before they go, so that a shipper started later
+    says where their rows are instead of shipping nothing.
     """
-    unfinished = _unfinished_by_shippers(layout)
+    unfinished, who = (set(), "") if force else _unfinished_by_shippers(layout)
+    doomed: list[tuple[SegmentName, SegmentEntry]] = []
     for rank in layout.ranks():
         for seg in layout.segments(rank):
             key = seg.id.stem
             entry = manifest.segments.get(key)
-            why = _why_keep(entry, key, unfinished)
+            why = _why_keep(entry, key, unfinished, who)
             if why is None:
                 assert entry is not None
                 why = _verify(run_id, seg, outdir, entry)
@@ -390,31 +410,55 @@ def _delete_verified(
                 continue
             assert entry is not None
             entry.verified = True
-            seg.path.unlink()
-            fsync_dir(seg.path.parent)
-            entry.deleted = True
-            result.deleted.append(str(seg.path))
+            doomed.append((seg, entry))
+    record_deleted(layout.root, outdir, [seg.id for seg, _ in doomed])
+    for seg, entry in doomed:
+        seg.path.unlink()
+        fsync_dir(seg.path.parent)
+        entry.deleted = True
+        result.deleted.append(str(seg.path))
 
 
-def _why_keep(entry: SegmentEntry | None, key: str, unfinished: set[SegmentId]) -> str | None:
+def _why_keep(
+    entry: SegmentEntry | None, key: str, unfinished: set[SegmentId], who: str
+) -> str | None:
     if entry is None or not entry.done:
         return "not fully compacted yet"
     if not entry.sealed:
         return "not sealed (its writer may be alive, or it died without a seal)"
     if SegmentId.parse(key) in unfinished:
-        return "a shipper has not shipped all of it yet"
+        return f"{who} has not shipped all of it yet (--force deletes it anyway)"
     return None
 
 
-def _unfinished_by_shippers(layout: SpoolLayout) -> set[SegmentId]:
-    """Segments some shipper's cursor does not mark done (an unreadable cursor counts for none)."""
-    from ranklog.shippers import list_cursors  # the shipper engine: only --delete needs it
+def _unfinished_by_shippers(layout: SpoolLayout) -> tuple[set[SegmentId], str]:
+    """Segments some shipper has not finished with, and which shipper (for the message).
+
+    A cursor that does not mark a segment done, and a lease whose shipper has not yet
+    written a cursor (it has finished with nothing), keep it; an unreadable cursor keeps
+    every segment too.
+    """
+    from ranklog.shippers import load_cursor  # the shipper engine: only --delete needs it
 
     out: set[SegmentId] = set()
     segments = [seg.id for seg in layout.all_segments()]
-    for cursor in list_cursors(layout.root):
-        out.update(s for s in segments if not cursor.done(s))
-    return out
+    d = layout.cursors_dir
+    names = {p.stem for p in d.glob("*.json")} if d.is_dir() else set()
+    leases = {p.name.removesuffix(".lease") for p in d.glob("*.lease")} if d.is_dir() else set()
+    who: list[str] = []
+    for name in sorted(names):
+        try:
+            cursor = load_cursor(layout.root, name)
+        except CursorError:
+            cursor = None
+        left = [s for s in segments if cursor is None or not cursor.done(s)]
+        if left:
+            out.update(left)
+            who.append(f"shipper {name}" + (f" ({cursor.target})" if cursor else ""))
+    for name in sorted(leases - names):
+        out.update(segments)
+        who.append(f"shipper {name} (running, no cursor yet)")
+    return out, " and ".join(who[:2]) + (f" and {len(who) - 2} more" if len(who) > 2 else "")
 
 
 def _verify(run_id: str, seg: SegmentName, outdir: Path, entry: SegmentEntry) -> str | None:

@@ -88,6 +88,8 @@ class RankPlan:
     watermark: int
     ended: bool
     world_size: int | None
+    #: the status of its last rank_end (``unknown``: none, as the event path's stand-in)
+    status: str = "unknown"
     params: list[ParamsRead] = field(default_factory=list)
     #: the params events as (effective step, ((key, value as JSON text), ...)), in order
     said: list[tuple[int, tuple[tuple[str, str], ...]]] = field(default_factory=list)
@@ -256,7 +258,8 @@ def _check_rank(rp: RankPlan, segs: Segments, manifest: Manifest, cache: GroupCa
             expected += 1
     _stream(rp, heads, params, segs[0][0].key)
     rp.world_size = world
-    rp.ended = (status if ended_last else "unknown") != "signal"
+    rp.status = status if ended_last and status is not None else "unknown"
+    rp.ended = rp.status != "signal"
 
 
 def _stream(

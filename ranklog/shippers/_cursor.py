@@ -66,6 +66,7 @@ class Cursor(msgspec.Struct, forbid_unknown_fields=False):
 
     version: int = CURSOR_VERSION
     name: str = ""
+    #: the target's spec, as given
     target: str = ""
     run_id: str | None = None
     last_step: int = NO_STEP
@@ -80,6 +81,14 @@ class Cursor(msgspec.Struct, forbid_unknown_fields=False):
     #: "rank" -> {"incarnation": state}
     ranks: dict[str, dict[str, IncState]] = msgspec.field(default_factory=dict)
     params: dict[str, ParamValue] = msgspec.field(default_factory=dict)
+    #: what the target writes to, canonical (``jsonl:/real/path``; "" in older cursors)
+    identity: str = ""
+    #: the ``ranklog ship`` arguments after SPOOL that start this shipper again, and the
+    #: directory they ran in (``ranklog ship SPOOL --once`` with no ``--to`` uses them)
+    argv: list[str] = msgspec.field(default_factory=list)
+    cwd: str = ""
+    #: steps left out because the target cannot write below its last (``--below-last skip``)
+    skipped_below: int = 0
 
     def done(self, seg: SegmentId) -> bool:
         """Whether this shipper has finished with ``seg`` (nothing of it is needed again)."""

@@ -26,16 +26,28 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
-from ranklog.errors import CursorError, TailRestartedError, TransientTargetError
+from ranklog._proc import process_running
+from ranklog.errors import (
+    ConfigError,
+    CursorError,
+    SpoolError,
+    TailRestartedError,
+    TargetError,
+    TargetHeldError,
+    TransientTargetError,
+)
 from ranklog.schemas import ParamValue
-from ranklog.shippers._cursor import Cursor, load_cursor, save_cursor
+from ranklog.shippers._cursor import Cursor, cursor_path, load_cursor, save_cursor
+from ranklog.shippers._held import StepSet, as_step_set
 from ranklog.shippers._lease import DEFAULT_TTL, Lease
 from ranklog.shippers._progress import Progress, Status
 from ranklog.shippers._registry import default_name
+from ranklog.shippers._retry import RetryClock, describe, is_permanent, permanent_error
 from ranklog.shippers._source import Source, SpoolSource
 from ranklog.shippers._steps import StepPartial
 from ranklog.shippers._tail import (
@@ -47,15 +59,27 @@ from ranklog.shippers._tail import (
     TailPoll,
     check_late,
 )
-from ranklog.shippers._target import ShippedStep, Target
+from ranklog.shippers._target import ShippedStep, Target, target_identity
 from ranklog.spool import BadRange, RunInfo, read_run
 
-__all__ = ["EngineStats", "LocalTails", "Shipper", "Tails"]
+__all__ = ["BELOW_LAST", "EngineStats", "LocalTails", "Shipper", "Tails", "job_status"]
 
 log = logging.getLogger("ranklog.ship")
 
 #: steps handed to the target in one write
 BATCH_STEPS: Final = 1000
+#: what to do with a step a target cannot write because it lies below its last one (W&B)
+BELOW_LAST: Final = ("refuse", "skip")
+
+
+def job_status(views: list[RankView]) -> str:
+    """How the job ended, from its ranks (all released): see ``JOB_STATUSES``."""
+    statuses = [v.status for v in views]
+    if any(s in ("error", "dead", "unknown") for s in statuses):
+        return "failed"
+    if any(s in ("signal", "interrupted") for s in statuses):
+        return "killed"
+    return "finished"
 
 
 @dataclass(slots=True)
@@ -156,7 +180,7 @@ class Shipper:
         spool: str,
         target: Target,
         *,
-        name: str,
+        name: str | None = None,
         poll: float | None = None,
         dead_after: float = 120.0,
         start_grace: float = 60.0,
@@ -166,13 +190,32 @@ class Shipper:
         tails: Tails | None = None,
         lease_ttl: float = DEFAULT_TTL,
         late: str = "count",
+        retry_for: float | None = None,
+        parent: int | None = None,
+        below_last: str = "refuse",
+        argv: list[str] | None = None,
     ) -> None:
+        """``name``: the cursor's (default: derived from what the target writes to).
+
+        ``retry_for``: seconds a transient failure is retried before giving up (None: for
+        ever); ``parent``: a process whose end makes the shipper ship what is closed and
+        exit; ``below_last``: ``skip`` leaves out steps a target cannot write below its
+        last one, instead of refusing; ``argv``: the ``ranklog ship`` arguments that
+        start this shipper again (kept in the cursor).
+        """
+        if below_last not in BELOW_LAST:
+            raise ConfigError(f"below_last must be one of {', '.join(BELOW_LAST)}")
         self.spool = spool
         self.target = target
-        self.name = name
+        self.name = name or ""
+        self._name_given = bool(name)
         self.dead_after = dead_after
         self.start_grace = start_grace
         self.per_rank = per_rank
+        self.retry_for = retry_for
+        self.parent = parent
+        self.below_last = below_last
+        self.argv = list(argv) if argv is not None else None
         if tails is None:
             src = source if source is not None else SpoolSource(spool, poll=poll)
             tails = LocalTails(src, dead_after=dead_after, late=check_late(late))
@@ -191,21 +234,55 @@ class Shipper:
         #: where each params event this process took in was (segment@frame end)
         self._params_read: set[str] = set()
         self.shipped_upto = -1  # steps <= this are shipped (or held by the target)
-        #: (cursor step, target step]: shipped by a process that died before committing
+        #: steps of this run the target held when it was last opened: never sent again
+        self.held = StepSet()
+        #: (fan-in) steps a reader's earlier life had shipped: none in this engine
         self._durable_gap = NO_GAP
         self.run: RunInfo | None = None
-        self.cursor = Cursor(name=name, target=target.spec)
+        self.identity = target.spec
+        self.cursor = Cursor(name=self.name, target=target.spec)
         self._last_commit = time.monotonic()
         self._target_ok = False
         self._opened = False
         self._late_warned = False
-        #: one shipper per (spool, target): held while running
-        self.lease = Lease(spool, default_name(target.spec), target=target.spec, ttl=lease_ttl)
+        self._below_warned = False
+        #: the job ended and everything was shipped: the target was told (Target.end)
+        self.ended: str | None = None
+        #: one shipper per (spool, target): held while running (made once the run is read)
+        self.lease: Lease | None = None
+        self._lease_ttl = lease_ttl
 
     # -- start ----------------------------------------------------------------------------
 
-    def _open(self) -> None:
+    def _identify(self) -> None:
+        """Read the run; name the cursor and the lease after what the target writes to."""
         self.run = read_run(self.spool)
+        self.identity = target_identity(self.target, self.run)
+        if not self._name_given:
+            self.name = default_name(self.identity)
+            self._adopt_legacy_cursor()
+        self.cursor.name = self.name
+        self.lease = Lease(
+            self.spool, default_name(self.identity), target=self.identity, ttl=self._lease_ttl
+        )
+
+    def _adopt_legacy_cursor(self) -> None:
+        """A cursor an older ranklog named after the spec as typed becomes this one's."""
+        legacy = default_name(self.target.spec)
+        if legacy == self.name:
+            return
+        old, new = cursor_path(self.spool, legacy), cursor_path(self.spool, self.name)
+        if old.exists() and not new.exists():
+            cursor = load_cursor(self.spool, legacy)
+            if cursor is not None and cursor.run_id in (None, self.run and self.run.run_id):
+                log.info("cursor %s renamed %s (named after what %s writes to)",
+                         legacy, self.name, self.target.spec)  # fmt: skip
+                os.replace(old, new)
+
+    def _open(self) -> None:
+        if self.run is None:
+            self._identify()
+        assert self.run is not None
         cursor = load_cursor(self.spool, self.name)
         if cursor is not None:
             if cursor.run_id not in (None, self.run.run_id):
@@ -213,7 +290,12 @@ class Shipper:
                     f"cursor {self.name!r} belongs to run {cursor.run_id}, "
                     f"not {self.run.run_id}: use another --name"
                 )
-            if cursor.target not in ("", self.target.spec):
+            if cursor.identity and cursor.identity != self.identity:
+                raise CursorError(
+                    f"cursor {self.name!r} belongs to target {cursor.identity}, "
+                    f"not {self.identity}: use another --name"
+                )
+            if not cursor.identity and cursor.target not in ("", self.target.spec):
                 raise CursorError(
                     f"cursor {self.name!r} belongs to target {cursor.target}, "
                     f"not {self.target.spec}: use another --name"
@@ -226,15 +308,35 @@ class Shipper:
             self.stats.late_events = cursor.late_events
             self.stats.relogged_events = cursor.relogged_events
         self.cursor.run_id = self.run.run_id
+        self.cursor.identity = self.identity
+        self.cursor.target = self.target.spec
+        if self.argv is not None:
+            self.cursor.argv, self.cursor.cwd = self.argv, os.getcwd()
+        self._check_compacted()
         self.tails.open(self.run, self.cursor)  # the object _commit keeps current
         self._target_ok = False  # opened by the loop, with retries (a server may be down)
 
+    def _check_compacted(self) -> None:
+        """Segments compacted and deleted before this shipper shipped them: say where."""
+        from ranklog.spool import deleted_segments
+
+        gone = [d for d in deleted_segments(self.spool) if not self.cursor.done(d.segment)]
+        if gone:
+            first = gone[0]
+            raise CursorError(
+                f"{len(gone)} segment(s) of this spool ({first.segment.key}, ...) were "
+                f"compacted into {first.dataset} and deleted before this shipper shipped "
+                f"them: ship from the dataset with `ranklog replay {first.dataset} --to "
+                f"{self.target.spec}` (it writes only the steps {self.target.spec} lacks)"
+            )
+
     def _reopen_target(self) -> None:
-        """(Re-)open the target and drop the steps it already holds.
+        """(Re-)open the target and learn which steps of this run it holds.
 
         Called at start and after a failed write or flush: the target may hold more
         than the cursor says (it accepted steps, then the shipper died or failed
-        before committing), and nothing it holds is sent again.
+        before committing), or steps of this run a windowed replay wrote; nothing it
+        holds is sent again. A permanent failure is raised; a transient one waits.
         """
         if self._opened:
             self._opened = False
@@ -244,18 +346,19 @@ class Shipper:
                 log.debug("closing %s after a failure: %s", self.target.spec, exc)
         assert self.run is not None
         try:
-            durable = self.target.open(self.run)
+            held = as_step_set(self.target.open(self.run))
         except (OSError, TransientTargetError) as exc:
-            log.warning("re-opening %s failed (%s)", self.target.spec, exc)
+            if is_permanent(exc):
+                raise permanent_error(self.target.spec, exc) from exc
+            log.warning("opening %s failed (%s)", self.target.spec, describe(exc))
             self._target_ok = False
             return
         self._target_ok = self._opened = True
-        if durable is not None and durable > self.shipped_upto:
-            log.info("%s already holds steps up to %d (cursor: %d); not sending them again",
-                     self.target.spec, durable, self.shipped_upto)  # fmt: skip
-            self.pending = {s for s in self.pending if s > durable}
-            self._durable_gap = StepGap(self.shipped_upto, durable)
-            self.shipped_upto = durable
+        self.held = held
+        above = held.last is not None and held.last > self.shipped_upto
+        if above:
+            log.info("%s already holds steps %s of this run (cursor: %d); not sending them "
+                     "again", self.target.spec, held.describe(), self.shipped_upto)  # fmt: skip
 
     # -- reading --------------------------------------------------------------------------
 
@@ -374,14 +477,25 @@ class Shipper:
 
         Params logged while a rank was at step S are written just before the first
         shipped step >= S (or at the very end): the same place live and in replay.
+        Steps the target holds are not sent again; the params due before them were
+        written with them.
         """
+        assert self.lease is not None
         self.lease.check()  # a shipper that lost its lease sends nothing more
         due = sorted(self.params_due, key=lambda d: d[0])  # stable: log order kept
         sent = 0
         chunk: list[ShippedStep] = []
-        for s in steps:
+        written: list[ShippedStep] = []
+        held = 0  # steps found held (shipped by an earlier process or replay)
+        for s in self._writable(steps):
             if s.carrier is not None:  # late values: right after their carrier
-                chunk.append(s)
+                if s.carrier not in self.held:
+                    chunk.append(s)
+                continue
+            if s.step in self.held:
+                while sent < len(due) and due[sent][0] <= s.step:
+                    sent += 1  # written before this step, which the target holds
+                held += 1
                 continue
             group: dict[str, ParamValue] = {}
             while sent < len(due) and due[sent][0] <= s.step:
@@ -393,6 +507,7 @@ class Shipper:
                     chunk = []
                 self.target.write_params(group)
             chunk.append(s)
+            written.append(s)
         if chunk:
             self.target.write(chunk)
         if final and sent < len(due):
@@ -404,17 +519,47 @@ class Shipper:
             self.params_shipped[k] = v
         done = set(map(id, due[:sent]))
         self.params_due = [d for d in self.params_due if id(d) not in done]
-        for s in steps:
-            if s.carrier is None:
-                self.stats.steps_shipped += 1
-                self.stats.partial_steps += not s.complete
+        self.stats.steps_shipped += held  # the target holds them: shipped, as it counts
+        for s in written:
+            self.stats.steps_shipped += 1
+            self.stats.partial_steps += not s.complete
         top = max(through, steps[-1].step if steps else -1)
         if top > self.shipped_upto:
             self.shipped_upto = top
             self.pending = {p for p in self.pending if p > top}
         self._commit()
 
+    def _writable(self, steps: list[ShippedStep]) -> list[ShippedStep]:
+        """``steps`` less those a target that writes in step order cannot take.
+
+        W&B cannot log a step below its run's last one: such a step (one it does not
+        hold) is refused before anything of the batch is written, or left out and
+        counted with ``--below-last skip``.
+        """
+        last = self.held.last
+        if last is None or not getattr(self.target, "steps_in_order", False):
+            return steps
+        held = self.held
+        below = [s for s in steps if s.carrier is None and s.step < last and s.step not in held]
+        if not below:
+            return steps
+        if self.below_last != "skip":
+            raise TargetHeldError(
+                f"{self.target.spec} holds steps {self.held.describe()} of this run and "
+                f"cannot write below its last step ({last}): step {below[0].step} would be "
+                "lost; write into a new run (--run-id), or pass --below-last skip to leave "
+                "those steps out"
+            )
+        if not self._below_warned:
+            self._below_warned = True
+            log.warning("%s: steps below %d it does not hold are left out (--below-last skip), "
+                        "from step %d on", self.target.spec, last, below[0].step)  # fmt: skip
+        self.cursor.skipped_below += len(below)
+        gone = {s.step for s in below}
+        return [s for s in steps if (s.step if s.carrier is None else s.carrier) not in gone]
+
     def _commit(self) -> None:
+        assert self.lease is not None
         self.lease.check()
         state = self.tails.commit(
             self.shipped_upto, self._durable_gap, params_pending=bool(self.params_due)
@@ -494,16 +639,20 @@ class Shipper:
             corrupt=len(self.stats.bad),
         )
 
-    def _acquire_lease(self) -> None:
+    def _acquire_lease(self, clock: RetryClock) -> None:
         """Take the lease; a spool that cannot be written yet (disk full) is waited for."""
+        assert self.lease is not None
         backoff = 0.5
         while True:
             try:
                 self.lease.acquire()
                 return
             except OSError as exc:
+                if is_permanent(exc) or (clock.failed() and clock.expired()):
+                    raise SpoolError(f"cannot write the lease {self.lease.path}: "
+                                     f"{describe(exc)}") from exc  # fmt: skip
                 log.warning("cannot write the lease %s (%s); retrying in %.1fs",
-                            self.lease.path, exc, backoff)  # fmt: skip
+                            self.lease.path, describe(exc), backoff)  # fmt: skip
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 30.0)
 
@@ -511,11 +660,7 @@ class Shipper:
         """Reopen the target after a failure; a reopen that fails too waits for the next try."""
         if not self._target_ok:
             return
-        try:
-            self._reopen_target()
-        except (OSError, TransientTargetError) as exc:
-            log.warning("reopening %s failed (%s)", self.target.spec, exc)
-            self._target_ok = False
+        self._reopen_target()
 
     def _final_commit(self) -> None:
         """The last cursor write; a full disk is waited out (up to a minute) before giving up."""
@@ -526,19 +671,57 @@ class Shipper:
                 self._commit()
                 return
             except OSError as exc:
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or is_permanent(exc):
                     raise
-                log.warning("cannot write the cursor (%s); retrying in %.1fs", exc, backoff)
+                log.warning("cannot write the cursor (%s); retrying in %.1fs",
+                            describe(exc), backoff)  # fmt: skip
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
+
+    def _finish_job(self) -> None:
+        """Every rank ended and everything is shipped: tell the target how (``Target.end``)."""
+        end = getattr(self.target, "end", None)
+        if self.ended is None and callable(end) and self._opened:
+            status = job_status(list(self.views.values()))
+            end(status)
+            self.ended = status
+
+    def _parent_gone(self) -> bool:
+        """Whether the process this shipper follows (``parent``) has ended."""
+        return self.parent is not None and not process_running(self.parent)
+
+    def _failure(self, exc: BaseException, clock: RetryClock) -> None:
+        """Raise the error that ends the shipper, or return to retry ``exc`` later."""
+        if is_permanent(exc):
+            name = str(getattr(exc, "filename", "") or "")
+            if name and os.path.abspath(name).startswith(os.path.abspath(self.spool) + os.sep):
+                raise SpoolError(f"{describe(exc)} (in the spool; not retried)") from exc
+            raise permanent_error(self.target.spec, exc) from exc
+        waited = clock.failed()
+        if clock.expired():
+            raise TargetError(
+                f"{self.target.spec}: {describe(exc)}, still after {waited:.0f}s of retries "
+                f"(--retry-for {clock.bound:g}): shipped up to step {self.shipped_upto}; what "
+                "follows it is not shipped: run the same command again to resume"
+            ) from exc
 
     def run_forever(self, *, once: bool = False, max_seconds: float | None = None) -> int:
         """Ship until done: ``once`` drains what is ready and returns; else follows the job.
 
         Raises :class:`~ranklog.errors.LeaseHeldError` when another shipper ships to the
-        same target from the same spool.
+        same target from the same spool, :class:`~ranklog.errors.TargetError` on a
+        permanent target failure, or a transient one that outlasted ``retry_for``.
+        Once every rank ended and everything was shipped, the target is told how the
+        job ended (``Target.end``).
         """
-        self._acquire_lease()
+        clock = RetryClock(self.retry_for)
+        try:
+            self._identify()
+            assert self.lease is not None
+            self._acquire_lease(clock)
+        except BaseException:
+            self.tails.close()
+            raise
         deadline = None if max_seconds is None else time.monotonic() + max_seconds
         backoff = 0.0
         try:
@@ -556,23 +739,35 @@ class Shipper:
                     elif progressed and time.monotonic() - self._last_commit > 5.0:
                         self._commit()  # record frames read that hold no step (ends, seals)
                         self._last_commit = time.monotonic()
+                    idle = not (progressed or shipped or self.pending)
+                    if idle and self.all_released(time.time()):
+                        self._finish_job()
                     backoff = 0.0
+                    clock.ok()
                 except (OSError, TransientTargetError) as exc:
                     # target or filesystem trouble (a full disk too): the cursor stays; retry
                     # from what the target durably holds, as a restarted shipper would
+                    self._failure(exc, clock)
                     backoff = min(max(backoff * 2, 0.5), 30.0)
                     log.warning("shipping to %s failed (%s); retrying in %.1fs",
-                                self.target.spec, exc, backoff)  # fmt: skip
+                                self.target.spec, describe(exc), backoff)  # fmt: skip
                     time.sleep(backoff)
-                    self._retry_reopen()
+                    try:
+                        self._retry_reopen()
+                    except (OSError, TransientTargetError) as again:
+                        self._failure(again, clock)
+                        self._target_ok = False
                     continue
                 if self.progress is not None:
                     self.progress.update(self.status)
                 if progressed or shipped:
                     continue
-                if once:
+                if self.ended is not None or once:
                     break
                 if self.all_released(time.time()) and not self.pending:
+                    break
+                if self._parent_gone():
+                    self._orphaned()
                     break
                 if deadline is not None and time.monotonic() > deadline:
                     break
@@ -586,3 +781,16 @@ class Shipper:
             if self.progress is not None:
                 self.progress.done(self.status())
         return 0
+
+    def _orphaned(self) -> None:
+        """The training process that started this shipper ended: say what is left."""
+        top = max((v.watermark for v in self.views.values()), default=-1)
+        if top > self.shipped_upto or self.pending:
+            log.warning(
+                "process %d (training) ended: shipped up to step %d; steps its ranks closed "
+                "later ship with `ranklog ship %s --once` (or at the next start)",
+                self.parent, self.shipped_upto, self.spool,
+            )  # fmt: skip
+        else:
+            log.info("process %d (training) ended: everything it closed is shipped (step %d)",
+                     self.parent, self.shipped_upto)  # fmt: skip

@@ -86,6 +86,11 @@ class TargetContext:
     spool: Path
     #: the shipper also sends each rank's own values (``--per-rank``)
     per_rank: bool = False
+    #: the names a replay writes (``--names GLOB``; ``*``: every name): recorded with
+    #: the steps, so that a target never mixes two selections of one run
+    names: str = "*"
+    #: write this run after another one the target holds (``--append-run``; JSONL)
+    append_run: bool = False
 
 
 Build = Callable[[str, TargetContext, Mapping[str, Any]], Target]
@@ -217,8 +222,13 @@ def make_target(
     options: Mapping[str, Any] | None = None,
     *,
     per_rank: bool = False,
+    names: str | None = None,
+    append_run: bool = False,
 ) -> Target:
-    """Build the target a ``--to`` spec names, with the option values that apply to it."""
+    """Build the target a ``--to`` spec names, with the option values that apply to it.
+
+    ``names``: a replay's ``--names`` glob; ``append_run``: ``--append-run``.
+    """
     kind, _, arg = spec.partition(":")
     found = target_kinds().get(kind)
     if found is None:
@@ -226,11 +236,17 @@ def make_target(
             f"unknown target {spec!r}: expected one of "
             + ", ".join(k.usage for k in target_kinds().values())
         )
-    return found.make(arg, TargetContext(Path(spool), per_rank), options or {})
+    context = TargetContext(Path(spool), per_rank, names or "*", append_run)
+    return found.make(arg, context, options or {})
 
 
 def default_name(spec: str) -> str:
-    """A stable cursor name for a target spec: its kind and a short hash of the spec."""
+    """A stable cursor and lease name for a target: its kind and a short hash of ``spec``.
+
+    The shipper passes the target's identity (``jsonl:/real/path``), so that two
+    spellings of one target share one cursor and one lease; older cursors were named
+    after the spec as typed (found again by :meth:`Shipper` on the first restart).
+    """
     kind = spec.partition(":")[0] or "target"
     if spec == kind:
         return kind

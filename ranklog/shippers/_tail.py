@@ -162,6 +162,9 @@ class RankView:
     last_activity: float
     #: the largest world size any of its incarnations announced
     world_size: int | None
+    #: how its newest incarnation ended: rank_end's status (``ok``, ``error``, ``exit``,
+    #: ``signal``, ...), ``dead`` when released after silence, None while it is waited for
+    status: str | None = None
 
 
 @dataclass(slots=True)
@@ -415,6 +418,14 @@ class RankTail:
                     "the step is marked partial", rank, inc_no, logged, step, got)  # fmt: skip
         self._taint(rank, step - 1, step)
 
+    def _in_range(self, step: int) -> bool:
+        """Whether the source reads ``step`` at all (a replay's ``--steps`` window)."""
+        window = self.source.step_range
+        if window is None:
+            return True
+        first, end = window
+        return (first is None or step >= first) and (end is None or step < end)
+
     def _taint(self, rank: int, after: int, upto: int) -> None:
         """Mark ``rank``'s contribution to the steps ``after < s <= upto`` as incomplete."""
         lo, hi = max(after, self.shipped_upto) + 1, upto + 1
@@ -550,7 +561,12 @@ class RankTail:
                     contrib.count += 1
             elif kind is StepEnd:
                 end: StepEnd = event  # type: ignore[assignment]  # its exact type
-                if end.events >= 0 and end.step > shipped_upto and self.source.verify_counts:
+                if (
+                    end.events >= 0
+                    and end.step > shipped_upto
+                    and self.source.verify_counts
+                    and self._in_range(end.step)
+                ):
                     if prev_closed is None:
                         prev_closed = state.closed_before(inc_no)
                     if end.step > prev_closed:
@@ -646,14 +662,17 @@ class RankTail:
             if not s.incs:
                 continue
             sizes = [i.world_size for i in s.incs.values() if i.world_size is not None]
+            released = self.released(s, now)
+            status = s.incs[s.latest].ended
             out.append(
                 RankView(
                     rank=r,
                     watermark=s.watermark(),
-                    released=self.released(s, now),
+                    released=released,
                     ended=s.ended(),
                     last_activity=s.last_activity,
                     world_size=max(sizes) if sizes else None,
+                    status=(status or "dead") if released else None,
                 )
             )
         return out

@@ -2,23 +2,40 @@
 
 A shipper drives a target like this::
 
-    last = target.open(run)            # the last step the backend durably holds, or None
+    held = target.open(run)            # the steps of this run the backend durably holds
     target.write_params(params)        # hyperparameters, whenever new ones arrive
     target.write(steps)                # reduced steps, in increasing step order, each once
     target.flush()                     # after it returns, everything written is durable
     ...                                # the cursor is committed only after flush()
+    target.end(status)                 # optional: the job ended ("finished", "failed", "killed")
     target.close()
 
-The engine never sends a step at or below ``last`` or below a step already
-sent, so a target needs no deduplication of its own; it must only report
-``last`` truthfully after any crash (a torn write counts as not written).
-The one exception is a *late* step (``carrier`` set, only with ``--late ship``):
-values for an earlier step, which follow their carrier step in the same
-``write``; a target that can store them at their own step does (TensorBoard,
+``open`` returns a :class:`~ranklog.shippers.StepSet` of the steps it holds, read back
+from its own storage after any crash (a torn write counts as not written), or an int,
+the older form: every step up to it. The engine never sends a step the target holds
+or a step below one already sent in this session, so a target needs no deduplication
+of its own. A target that cannot hold another run in the same place (one JSONL file,
+one TensorBoard directory, one MLflow or W&B run id) refuses it in ``open`` with
+:class:`~ranklog.errors.TargetHeldError`.
+
+Optional attributes the engine reads with ``getattr``:
+
+- ``identity(run) -> str``: what the target writes to, canonical (the real path of a
+  file, tracking URI + experiment + run for MLflow): the lease and the cursor are keyed
+  on it, so two spellings of one target are one target. Default: ``spec``.
+- ``steps_in_order = True``: the backend cannot write a step below its last one (W&B):
+  a step the target does not hold below its last is refused before anything is written
+  (or left out, counted, with ``--below-last skip``).
+- ``takes_late = True``: see below.
+- ``end(status)``: called once every rank ended and everything was shipped.
+
+The one exception to step order is a *late* step (``carrier`` set, only with
+``--late ship``): values for an earlier step, which follow their carrier step in the
+same ``write``; a target that can store them at their own step does (TensorBoard,
 MLflow, JSONL), one that cannot write a step it has passed leaves them out, as
 its own client would (W&B). A carrier counts as held once its late steps are.
 Errors raised by ``write``/``flush`` are retried with backoff by the engine,
-with the cursor held back.
+with the cursor held back (permanent ones, see :mod:`ranklog.shippers._retry`, are not).
 """
 
 from __future__ import annotations
@@ -28,9 +45,24 @@ from typing import Protocol
 import msgspec
 
 from ranklog.schemas import ParamValue, TableCell
+from ranklog.shippers._held import StepSet
 from ranklog.spool import RunInfo
 
-__all__ = ["GpuStat", "ImageItem", "ShippedStep", "TableItem", "Target", "TextItem"]
+__all__ = [
+    "JOB_STATUSES",
+    "GpuStat",
+    "ImageItem",
+    "ShippedStep",
+    "TableItem",
+    "Target",
+    "TextItem",
+    "target_identity",
+]
+
+#: how a job ended, as ``Target.end`` is told: every rank ended ok; a rank failed (an
+#: error, or it went silent: killed by the OOM killer or a dead node); a rank was stopped
+#: by a signal or Ctrl-C (and no requeue brought it back)
+JOB_STATUSES = ("finished", "failed", "killed")
 
 
 class TextItem(msgspec.Struct, frozen=True):
@@ -115,8 +147,8 @@ class Target(Protocol):
     # Optional: ``takes_late = True`` says the target handles late steps (``carrier``
     # set); the engine leaves them out, with a warning, for a target that does not say so.
 
-    def open(self, run: RunInfo) -> int | None:
-        """Prepare to receive steps; return the last step durably held (None: none)."""
+    def open(self, run: RunInfo) -> StepSet | int | None:
+        """Prepare to receive steps; return the steps of ``run`` durably held (see above)."""
         ...
 
     def write_params(self, params: dict[str, ParamValue]) -> None:
@@ -134,3 +166,9 @@ class Target(Protocol):
     def close(self) -> None:
         """Release resources (flush first if needed)."""
         ...
+
+
+def target_identity(target: Target, run: RunInfo) -> str:
+    """What ``target`` writes to, canonical (its ``identity(run)``, else its spec)."""
+    ident = getattr(target, "identity", None)
+    return str(ident(run)) if callable(ident) else target.spec

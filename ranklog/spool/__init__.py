@@ -50,11 +50,14 @@ from ranklog.spool._format import (
     SegmentHeader,
 )
 from ranklog.spool._layout import (
+    DeletedSegment,
     RunInfo,
     SegmentName,
     SpoolLayout,
+    deleted_segments,
     ensure_run,
     read_run,
+    record_deleted,
     require_run,
 )
 from ranklog.spool._reader import (
@@ -77,6 +80,7 @@ __all__ = [
     "NO_STEP",
     "UNDECODABLE",
     "BadRange",
+    "DeletedSegment",
     "Frame",
     "IncarnationWriter",
     "ReadResult",
@@ -86,9 +90,11 @@ __all__ = [
     "SegmentName",
     "SegmentReader",
     "SpoolLayout",
+    "deleted_segments",
     "ensure_run",
     "read_run",
     "read_segment",
+    "record_deleted",
     "require_run",
     "watermark",
 ]

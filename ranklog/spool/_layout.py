@@ -6,6 +6,8 @@
       run.json                                     run_id, created, name (created once)
       ranks/<rank:05d>/<incarnation:04d>-<segment:06d>.rlog
       cursors/<shipper-name>.json
+      deleted.json                                 segments ``compact --delete`` removed,
+                                                   and the dataset that holds each
 
 Listing never follows symbolic links: a link in the spool is reported, not read.
 """
@@ -28,11 +30,14 @@ from ranklog.errors import ConfigError, SpoolFormatError
 from ranklog.spool._segid import SegmentId
 
 __all__ = [
+    "DeletedSegment",
     "RunInfo",
     "SegmentName",
     "SpoolLayout",
+    "deleted_segments",
     "ensure_run",
     "read_run",
+    "record_deleted",
     "require_run",
     "write_run",
 ]
@@ -79,6 +84,7 @@ class SpoolLayout:
         self.run_json = self.root / "run.json"
         self.ranks_dir = self.root / "ranks"
         self.cursors_dir = self.root / "cursors"
+        self.deleted_json = self.root / "deleted.json"
 
     def __repr__(self) -> str:
         return f"SpoolLayout({str(self.root)!r})"
@@ -223,3 +229,46 @@ def ensure_run(
         with contextlib.suppress(OSError):
             os.unlink(tmp)
     return read_run(root)
+
+
+@dataclass(frozen=True, slots=True)
+class DeletedSegment:
+    """A segment ``ranklog compact --delete`` removed, and the dataset that holds its rows."""
+
+    segment: SegmentId
+    dataset: str
+
+
+def deleted_segments(root: str | os.PathLike[str]) -> list[DeletedSegment]:
+    """Every segment compaction deleted from this spool (``deleted.json``), in order.
+
+    A damaged ``deleted.json`` is a :class:`SpoolFormatError` naming it.
+    """
+    path = SpoolLayout(root).deleted_json
+    try:
+        raw = json.loads(path.read_bytes())
+        out = [DeletedSegment(SegmentId.parse(k), str(v)) for k, v in raw["segments"].items()]
+    except FileNotFoundError:
+        return []
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise SpoolFormatError(f"{path}: not a valid deleted.json ({exc})") from exc
+    return sorted(out, key=lambda d: d.segment)
+
+
+def record_deleted(
+    root: str | os.PathLike[str], dataset: str | os.PathLike[str], segments: list[SegmentId]
+) -> None:
+    """Add ``segments`` (about to be deleted, their rows in ``dataset``) to ``deleted.json``.
+
+    Written (tmp, fsync, rename) before the files go: a shipper that finds a segment
+    missing learns where its rows are instead of shipping nothing.
+    """
+    from ranklog._fs import atomic_write
+
+    if not segments:
+        return
+    where = str(Path(dataset).resolve())
+    known = {d.segment.key: d.dataset for d in deleted_segments(root)}
+    known.update((s.key, where) for s in segments)
+    body = {"version": 1, "segments": dict(sorted(known.items()))}
+    atomic_write(SpoolLayout(root).deleted_json, json.dumps(body, indent=1).encode() + b"\n")

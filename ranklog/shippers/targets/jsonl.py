@@ -17,27 +17,49 @@ right after them (``{"shipped_with": S}`` alone when S holds no values of its ow
 NaN and infinities are written as the JSON extensions ``NaN``, ``Infinity`` and
 ``-Infinity`` (Python's ``json`` reads them back).
 
-The last durable step is read back from the file itself; a torn last line (a
-crash mid-write) is cut off on open, so the file stays valid JSONL.
+Which run the lines belong to is a line of its own, written before the first line of
+a run in the file (and again before a run's lines that follow another run's, with
+``--append-run``)::
+
+    {"ranklog": {"run_id": "9f1c...", "name": "exp1", "names": "*"}}
+
+``names`` is a replay's ``--names`` glob (``*``: every name). Lines before any such
+line (written by an older ranklog) belong to the run the file's run lines name, if
+they name one run or none, else to an unknown run.
+
+On open the file is read back whole: the steps of this run it holds (a set: a windowed
+replay followed by a wider one writes only the missing steps, appended after the lines
+already there) and the params it holds (a params line carries only new or changed
+values). A torn last line (a crash mid-write) is cut off, so the file stays valid JSONL.
+Another run's lines refuse the file (:class:`~ranklog.errors.TargetHeldError`) unless
+``--append-run``; this run's lines written with another ``--names`` refuse it too.
+A new file is created holding its run line (``link``: atomic, also on NFS), so two runs
+starting on one new file never both write into it; a run that finds another one's lines
+appended after its own (``--append-run``) writes its run line again before its next lines.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from ranklog._fs import fsync_dir
 from ranklog.errors import TargetError
 from ranklog.schemas import ParamValue
+from ranklog.shippers._held import ALL_NAMES, Holding, StepSet, refuse_other
 from ranklog.shippers._registry import TargetContext, TargetKind
 from ranklog.shippers._target import ShippedStep
 from ranklog.shippers.targets._media import summary
 from ranklog.spool import RunInfo
 
-__all__ = ["TARGET", "JsonlTarget", "read_jsonl"]
+__all__ = ["TARGET", "JsonlScan", "JsonlTarget", "read_jsonl", "scan_jsonl"]
+
+log = logging.getLogger("ranklog.ship")
 
 _TAIL = 1 << 20
 
@@ -97,20 +119,58 @@ class JsonlTarget:
     #: late values (``--late ship``) are handled: see :class:`~ranklog.shippers.Target`
     takes_late = True
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, names: str = ALL_NAMES, append_run: bool = False
+    ) -> None:
         self.path = Path(path)
         self.spec = f"jsonl:{self.path}"
+        self.names, self.append_run = names, append_run
         self._fd: int | None = None
+        #: the run line to write before this session's first line (None: not needed)
+        self._run_line: bytes | None = None
+        #: params this run's lines hold (a params line carries only what changed)
+        self._params: dict[str, ParamValue] = {}
+        self._mine = b""
+        self._end = 0  # the file's size after this target's last append
 
-    def open(self, run: RunInfo) -> int | None:
+    def identity(self, run: RunInfo) -> str:
+        """The file's real path (links and ``..`` resolved as far as they exist)."""
+        return f"jsonl:{os.path.realpath(self.path.expanduser())}"
+
+    def open(self, run: RunInfo) -> StepSet:
+        """Cut a torn tail; read back which steps of ``run`` the file holds."""
+        self.close()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        last = _repair_and_last_step(self.path)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
-        self._fd = os.open(self.path, flags, 0o644)
-        return last
+        mine = Holding(run.run_id, run.name, self.names)
+        _create(self.path, _line({"ranklog": _run_obj(mine)}))
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
+        try:
+            _repair(fd)
+            scan = scan_jsonl(fd)
+            for other, theirs in scan.others(mine):
+                refuse_other(
+                    str(self.path), other, mine, theirs, append=self.append_run,
+                    remedy="ship into another file, or add --append-run to write this run "
+                    "after it",
+                )  # fmt: skip
+            if scan.adopts(mine):
+                log.warning("%s: its lines before any run line are taken as run %s's (an "
+                            "older ranklog's file)", self.path, run.run_id)  # fmt: skip
+            steps, params = scan.held_by(mine)
+            self._end = os.fstat(fd).st_size
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd, self._params = fd, params
+        self._mine = _line({"ranklog": _run_obj(mine)})
+        self._run_line = None if scan.last_run == mine else self._mine
+        return steps
 
     def write_params(self, params: dict[str, ParamValue]) -> None:
-        self._write(_line({"params": params}))
+        new = {k: v for k, v in params.items() if not _same(self._params, k, v)}
+        if new:
+            self._write(_line({"params": new}))
+            self._params.update(new)
 
     def write(self, steps: list[ShippedStep]) -> None:
         """One append of every line; a carrier's late lines go before the line that ends them.
@@ -147,6 +207,10 @@ class JsonlTarget:
         """Append ``data`` whole, or not at all (a failed write is truncated away)."""
         fd = self._require()
         start = os.fstat(fd).st_size
+        if start != self._end:  # another process appended (--append-run): say whose follow
+            self._run_line = self._mine
+        if self._run_line is not None:  # this run's first line here: say whose lines follow
+            data = self._run_line + data
         view = memoryview(data)
         try:
             while view:
@@ -155,17 +219,19 @@ class JsonlTarget:
             with contextlib.suppress(OSError):  # open() cuts a torn last line anyway
                 os.ftruncate(fd, start)
             raise
+        self._run_line = None
+        self._end = start + len(data)
 
     def flush(self) -> None:
         os.fsync(self._require())
 
     def close(self) -> None:
         if self._fd is not None:
+            fd, self._fd = self._fd, None
             try:
-                self.flush()
+                os.fsync(fd)
             finally:
-                os.close(self._fd)
-                self._fd = None
+                os.close(fd)  # and the lock with it
 
     def _require(self) -> int:
         if self._fd is None:
@@ -173,26 +239,45 @@ class JsonlTarget:
         return self._fd
 
 
-def _repair_and_last_step(path: Path) -> int | None:
-    """Cut a torn last line and an incomplete late group off ``path``; the last step held."""
+def _create(path: Path, first: bytes) -> None:
+    """Create ``path`` holding ``first`` (its run line) if it does not exist, atomically.
+
+    Two runs shipping to one new file at once: one creates it with its run line, the
+    other finds that line and is refused, never both writing their lines into it.
+    """
+    if path.exists():
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.new")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        return None
-    with open(path, "r+b") as f:
-        start = max(0, size - _TAIL)
-        f.seek(start)
-        data = f.read()
+        os.write(fd, first)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, path)
+        fsync_dir(path.parent)
+    except FileExistsError:
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+def _repair(fd: int) -> None:
+    """Cut a torn last line and an incomplete late group off the end of the file."""
+    size = os.fstat(fd).st_size
+    if not size:
+        return
+    start = max(0, size - _TAIL)
+    data = os.pread(fd, size - start, start)
+    held, keep = _last_held(data)
+    if held is None and start > 0:  # no step line in the last MiB (rare: huge params)
+        data, start = os.pread(fd, size, 0), 0
         held, keep = _last_held(data)
-        if held is None and start > 0:  # no step line in the last MiB (rare: huge params)
-            f.seek(0)
-            data, start = f.read(), 0
-            held, keep = _last_held(data)
-        if start + keep < size:
-            f.truncate(start + keep)
-            f.flush()
-            os.fsync(f.fileno())
-    return held
+    if start + keep < size:
+        os.ftruncate(fd, start + keep)
+        os.fsync(fd)
 
 
 def _last_held(data: bytes) -> tuple[int | None, int]:
@@ -222,6 +307,103 @@ def _last_held(data: bytes) -> tuple[int | None, int]:
     return None, keep
 
 
+def _run_obj(h: Holding) -> dict[str, str]:
+    return {"run_id": h.run_id, "name": h.name, "names": h.names}
+
+
+def _same(params: dict[str, ParamValue], key: str, value: ParamValue) -> bool:
+    """Whether ``params`` already holds ``value`` for ``key`` (NaN equal to NaN)."""
+    if key not in params:
+        return False
+    old = params[key]
+    return old == value or (old != old and value != value)
+
+
+_STEP = b'{"step": '
+_CARRIER = b'{"shipped_with": '
+_RUN = b'{"ranklog": '
+_PARAMS = b'{"params": '
+_LATE = b', "shipped_with": '
+
+
+class JsonlScan:
+    """What a JSONL target file holds, run by run: steps, params, run lines."""
+
+    def __init__(self) -> None:
+        #: per run line (None: lines before any): the steps and params its lines hold
+        self.steps: dict[Holding | None, StepSet] = {}
+        self.params: dict[Holding | None, dict[str, ParamValue]] = {}
+        #: the run of the file's last run line (None: no run line)
+        self.last_run: Holding | None = None
+        self.runs: set[str] = set()
+
+    @property
+    def unnamed(self) -> bool:
+        """Whether lines before any run line hold steps (a file of an older ranklog)."""
+        return bool(self.steps.get(None))
+
+    def adopts(self, mine: Holding) -> bool:
+        """Whether unnamed lines count as ``mine``'s: the run lines name no other run."""
+        return self.unnamed and self.runs <= {mine.run_id}
+
+    def held_by(self, mine: Holding) -> tuple[StepSet, dict[str, ParamValue]]:
+        """The steps and params of ``mine`` (and of unnamed lines it adopts)."""
+        keys: list[Holding | None] = [mine, *([None] if self.adopts(mine) else [])]
+        steps, params = StepSet(), dict[str, ParamValue]()
+        for key in keys:
+            steps = steps.union(self.steps.get(key, StepSet()))
+            params.update(self.params.get(key, {}))
+        return steps, params
+
+    def others(self, mine: Holding) -> Iterator[tuple[Holding | None, StepSet]]:
+        """Every other holding with steps (another run, or this run with other names)."""
+        for key, steps in self.steps.items():
+            if key == mine or not steps or (key is None and self.adopts(mine)):
+                continue
+            yield (key or Holding("(unknown: lines before any run line)")), steps
+
+
+def scan_jsonl(source: int | str | os.PathLike[str]) -> JsonlScan:
+    """Read a JSONL target file (a descriptor or a path) for what it holds, run by run."""
+    out = JsonlScan()
+    current: Holding | None = None
+    steps = out.steps.setdefault(None, StepSet())
+    for line in _lines(source):
+        try:
+            if line.startswith(_STEP):
+                if _LATE not in line[-40:]:  # late values: held with their carrier
+                    steps.add(int(line[len(_STEP) : line.index(b",", len(_STEP))]))
+            elif line.startswith(_CARRIER):
+                steps.add(int(line[len(_CARRIER) : line.index(b"}")]))
+            elif line.startswith(_RUN):
+                raw = json.loads(line)["ranklog"]
+                current = Holding(str(raw["run_id"]), str(raw.get("name", "")),
+                                  str(raw.get("names", ALL_NAMES)))  # fmt: skip
+                out.runs.add(current.run_id)
+                out.last_run = current
+                steps = out.steps.setdefault(current, StepSet())
+            elif line.startswith(_PARAMS):
+                out.params.setdefault(current, {}).update(json.loads(line)["params"])
+        except (ValueError, KeyError, TypeError):
+            continue  # not a line of ours: ignored, as readers ignore it
+    return out
+
+
+def _lines(source: int | str | os.PathLike[str]) -> Iterator[bytes]:
+    """The complete lines of a file, read in 4 MiB blocks."""
+    fd = source if isinstance(source, int) else os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        pos, rest = 0, b""
+        while block := os.pread(fd, 4 << 20, pos):
+            pos += len(block)
+            parts = (rest + block).split(b"\n")
+            rest = parts.pop()
+            yield from parts
+    finally:
+        if not isinstance(source, int):
+            os.close(fd)
+
+
 def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Every complete line of a JSONL target file, parsed."""
     out: list[dict[str, Any]] = []
@@ -233,7 +415,7 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 def _build(arg: str, context: TargetContext, options: Mapping[str, Any]) -> JsonlTarget:
-    return JsonlTarget(Path(arg).expanduser())
+    return JsonlTarget(Path(arg).expanduser(), names=context.names, append_run=context.append_run)
 
 
 TARGET = TargetKind(

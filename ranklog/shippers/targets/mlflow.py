@@ -33,10 +33,17 @@ first; then the run's metrics, each step's followed by the marker metric ``rankl
 (value = step) in the same list, cut into requests of 1,000 in order. A store commits
 one request's metrics in one transaction (the SQL store) or in order (the file store),
 and a request is sent only once the one before it returned, so a marker is never stored
-before the metrics it vouches for. ``open()`` returns the marker's latest value
-(MLflow's latest metric is the one with the highest step), so a step whose requests
-were only partly stored is never reported: it is sent again, and what was stored is
-repeated exactly.
+before the metrics it vouches for. ``open()`` reads the marker's history: the steps
+held (a set: a replay that fills a gap left by a windowed one writes only the missing
+steps), so a step whose requests were only partly stored is never reported: it is sent
+again, and what was stored is repeated exactly.
+
+Run status: once every rank ended and everything was shipped, the run (and each rank's
+child run) ends ``FINISHED`` when every rank ended ok, ``FAILED`` when one failed or went
+silent, ``KILLED`` when one was stopped by a signal (``set_terminated``, at the time of
+the last step written). A run written to again (a requeued job, a replay) is
+``RUNNING`` again until then. A replay with ``--names`` tags the run
+``ranklog.names``; a run holding steps of another selection is refused.
 Requests are synchronous and committed by the server when they return; ``flush()``
 has nothing left to do. A server that is down or answers 5xx/429 raises
 :class:`TransientTargetError` after the client's own retries, shortened here (unless
@@ -55,6 +62,7 @@ import math
 import os
 import re
 import tempfile
+import urllib.parse
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final
@@ -62,6 +70,7 @@ from typing import Any, Final
 from ranklog._version import __version__
 from ranklog.errors import ExtraMissingError, TargetError, TransientTargetError
 from ranklog.schemas import ParamValue
+from ranklog.shippers._held import ALL_NAMES, Holding, StepSet, refuse_other
 from ranklog.shippers._registry import Option, TargetContext, TargetKind
 from ranklog.shippers._target import ShippedStep, TextItem
 from ranklog.shippers.targets._media import GPU_NAMES_OPTION
@@ -249,8 +258,10 @@ class MlflowTarget:
         run_id: str | None = None,
         image_layout: str = "steps",
         gpu_names: str = "ranklog",
+        names: str = ALL_NAMES,
     ) -> None:
         self.spec = spec or f"mlflow:{uri}"
+        self.names = names
         self.uri, self._db = uri, None
         db = uri.removeprefix("sqlite:///")
         if db != uri and db and db != ":memory:":  # a sqlite file: absolute, artifacts beside it
@@ -277,10 +288,29 @@ class MlflowTarget:
         self._world = ""
         self._keys: dict[str, str] = {}  # every name seen -> its MLflow key
         self._renamed: dict[str, str] = {}  # the key map artifact: renamed originals only
+        self._status = "RUNNING"  # the main run's status when opened
+        self._last_ts: float | None = None  # the latest step written: the run's end time
 
     # -- the Target protocol ------------------------------------------------------------
 
-    def open(self, run: RunInfo) -> int | None:
+    def identity(self, run: RunInfo) -> str:
+        """Tracking URI (a sqlite file's real path, a server's lower-cased host) and the
+        experiment, or the MLflow run id when one is given."""
+        uri = self.uri
+        if self._db is not None:
+            uri = f"sqlite:///{os.path.realpath(self._db)}"
+        elif "://" in uri:
+            parts = urllib.parse.urlsplit(uri)
+            uri = urllib.parse.urlunsplit(
+                (parts.scheme.lower(), parts.netloc.lower(), parts.path.rstrip("/"), "", "")
+            )
+        where = (
+            f"run={self.given_run_id}" if self.given_run_id
+            else f"experiment={self.experiment or run.name}"
+        )  # fmt: skip
+        return f"mlflow:{uri}#{where}"
+
+    def open(self, run: RunInfo) -> StepSet:
         from mlflow.tracking import MlflowClient
 
         for name, value in _HTTP_DEFAULTS.items():
@@ -293,6 +323,8 @@ class MlflowTarget:
             self._started = run.created
             self._name = self.run_name or run.name
             tags = {"ranklog.role": "main", "ranklog.version": __version__}
+            if self.names != ALL_NAMES:
+                tags["ranklog.names"] = self.names
             if run.world_size is not None:
                 tags["ranklog.world_size"] = str(run.world_size)
             if self.given_run_id:
@@ -313,14 +345,37 @@ class MlflowTarget:
                     self._children.setdefault(int(rank), r.info.run_id)
             self._renamed = self._load_key_map()
             self._keys = dict(self._renamed)
-            last = main.data.metrics.get(MARKER)
-            return None if last is None else int(last)
+            self._status = str(main.info.status)
+            held = StepSet(int(m.step) for m in self._client.get_metric_history(
+                self.run_id, MARKER))  # fmt: skip
+            mine = Holding(run.run_id, run.name, self.names)
+            theirs = Holding(
+                main.data.tags.get("ranklog.run_id", run.run_id), run.name,
+                main.data.tags.get("ranklog.names", ALL_NAMES),
+            )  # fmt: skip
+            refuse_other(
+                f"MLflow run {self.run_id}", theirs, mine, held,
+                remedy="use another --run-id (without one, each ranklog run gets its own)",
+            )  # fmt: skip
+            if theirs.names != mine.names:  # it holds no step yet: it takes this selection
+                from mlflow.entities import RunTag
+
+                tag = RunTag("ranklog.names", mine.names)
+                self._client.log_batch(self.run_id, tags=[tag], synchronous=True)
+            return held
+
+    def _running(self) -> None:
+        """A run that had ended (an earlier job, a replay) runs again once written to."""
+        if self._status != "RUNNING":
+            self._client.update_run(self.run_id, status="RUNNING")
+            self._status = "RUNNING"
 
     def write_params(self, params: dict[str, ParamValue]) -> None:
         with _guard("write_params"):
             from mlflow.entities import Param, RunTag
             from mlflow.exceptions import MlflowException
 
+            self._running()
             keys = self._map_keys(list(params))
             values = {keys[k]: str(v)[:_MAX_PARAM_VALUE] for k, v in params.items()}
             for attempt in range(2):
@@ -353,6 +408,8 @@ class MlflowTarget:
         if not steps:
             return
         with _guard("write"):
+            self._running()
+            self._last_ts = steps[-1].ts if math.isfinite(steps[-1].ts) else self._last_ts
             client = self._client
             started = self._started
             values_of = [_with_histograms(s, self.gpu_names, started) for s in steps]
@@ -386,6 +443,16 @@ class MlflowTarget:
 
     def flush(self) -> None:
         """Nothing to do: every request was committed by the store before it returned."""
+
+    def end(self, status: str) -> None:
+        """The job ended: the run (and each rank's child run) ends FINISHED, FAILED or KILLED,
+        at the time of the last step written (now, if this session wrote none)."""
+        state = {"finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}[status]
+        end = _ms(self._last_ts) if self._last_ts is not None else None
+        with _guard("end"):
+            for run_id in (*self._children.values(), self.run_id):
+                self._client.set_terminated(run_id, status=state, end_time=end or None)
+        self._status = state
 
     def close(self) -> None:
         self._client = None
@@ -510,6 +577,7 @@ class MlflowTarget:
 
 
 def _build(arg: str, context: TargetContext, options: Mapping[str, Any]) -> MlflowTarget:
+    names = context.names
     try:
         import mlflow  # noqa: F401
     except ImportError:
@@ -524,6 +592,7 @@ def _build(arg: str, context: TargetContext, options: Mapping[str, Any]) -> Mlfl
         run_id=options.get("run_id"),
         image_layout=options.get("image_layout") or "steps",
         gpu_names=options.get("gpu_names") or "ranklog",
+        names=names,
     )
 
 

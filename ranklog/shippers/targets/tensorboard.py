@@ -42,11 +42,12 @@ from collections.abc import Mapping
 from itertools import count
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from ranklog._fs import atomic_write, fsync_dir
 from ranklog.errors import ExtraMissingError, TargetError
 from ranklog.schemas import ParamValue
+from ranklog.shippers._held import ALL_NAMES, Holding, StepSet, refuse_other
 from ranklog.shippers._registry import Option, TargetContext, TargetKind
 from ranklog.shippers._target import ShippedStep, TableItem, TextItem
 from ranklog.shippers.targets._media import GPU_NAMES_OPTION
@@ -60,6 +61,7 @@ __all__ = ["HPARAMS_FILE", "TARGET", "TensorBoardTarget", "crc32c"]
 HPARAMS_FILE: Final = "events.out.tfevents.0000000000.ranklog.hparams"
 _RUN_TAG: Final = "ranklog run "
 _SSI_TAG: Final = "_hparams_/session_start_info"
+_SSI_BYTES: Final = _SSI_TAG.encode()
 _U32, _U64, _F32, _F64 = (struct.Struct(f) for f in ("<I", "<Q", "<f", "<d"))
 _F32_INF: Final = 2.0**128 - 2.0**103  # from here on, float32 rounds to inf
 _NP_MIN: Final = 1024  # CRCs of less data are quicker in Python than numpy's fixed cost
@@ -380,72 +382,190 @@ def _media(s: ShippedStep) -> bytes:
     return b"".join(b"\x0a" + _varint(len(raw)) + raw for raw in out)
 
 
-def _scan(path: Path, run_id: str) -> int | None:
-    """Highest step record of an event file of this run (its torn tail cut off), else None."""
-    event, owner, last = _tb().event_pb2.Event, "", None
+class _File(NamedTuple):
+    """One session file of a run: its name, the ranklog run it holds, its steps."""
+
+    name: str
+    holding: Holding | None
+    steps: StepSet
+
+
+def _owner(msg: str) -> Holding | None:
+    """The run a session's ``SessionLog`` message names (``ranklog run ID[\nnames=GLOB]``)."""
+    if not msg.startswith(_RUN_TAG):
+        return None
+    run_id, _, rest = msg[len(_RUN_TAG) :].partition("\n")
+    return Holding(run_id, names=rest.removeprefix("names=") or ALL_NAMES)
+
+
+def _start_message(h: Holding) -> str:
+    return _RUN_TAG + h.run_id + ("" if h.names == ALL_NAMES else f"\nnames={h.names}")
+
+
+def _scan(path: Path) -> _File:
+    """The run a session file holds and the steps of its records (its torn tail cut off).
+
+    A step is held by a record of ranklog's own shape (``wall_time``, ``step``, then a
+    summary), other than hparams' ``session_start_info`` and late values (held with their
+    carrier's record, which follows them: late records after the last carrier are cut).
+    Another writer's file (no ranklog ``SessionLog``) holds nothing.
+    """
+    event, holding, steps = _tb().event_pb2.Event, None, StepSet()
     with open(path, "r+b") as f:
         size = os.fstat(f.fileno()).st_size
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else memoryview(b"") as mm:
             spans = _spans(mm, size)
             for a, b in spans[:3]:
-                if (msg := str(event.FromString(mm[a:b]).session_log.msg)).startswith(_RUN_TAG):
-                    owner = msg[len(_RUN_TAG) :]
+                if (owner := _owner(str(event.FromString(mm[a:b]).session_log.msg))) is not None:
+                    holding = owner
                     break
-            if owner != run_id:  # another writer's file: leave it alone
-                if owner:
-                    raise TargetError(f"{path.parent} holds event files of ranklog run {owner}, "
-                                      f"not {run_id}: use another directory")  # fmt: skip
-                return None
+            if holding is None:  # another writer's file: leave it alone
+                return _File(path.name, None, steps)
             good = spans[-1][1] + 4
-            for a, b in reversed(spans):
-                ev = event.FromString(mm[a:b])
-                vs = ev.summary.value  # a step, not a version, START or session_start_info
-                if not ev.HasField("summary") or (len(vs) == 1 and vs[0].tag == _SSI_TAG):
+            late_from = None  # the first late record after the last carrier
+            for a, b in spans:
+                step = _step_of(mm, a, b)
+                if step is None:
                     continue
-                if ev.source_metadata.writer == _LATE_WRITER:
-                    # late values whose carrier's record never made it: cut, sent again
-                    good = a - 12
+                if mm[b - len(_LATE_SOURCE) : b] == _LATE_SOURCE:
+                    late_from = a if late_from is None else late_from
                     continue
-                last = int(ev.step)
-                break
+                late_from = None
+                steps.add(step)
+            if late_from is not None:  # late values whose carrier never made it: cut
+                good = late_from - 12
         if good < size:
             f.truncate(good)
             f.flush()
             os.fsync(f.fileno())
-    return last
+    return _File(path.name, holding, steps)
+
+
+def _step_of(mm: Any, a: int, b: int) -> int | None:
+    """The step of a record of ranklog's own shape holding a step, else None.
+
+    ``Event{1: wall_time (fixed64), 2: step (varint), 5: summary}`` as :func:`_event`
+    writes it; a ``SessionLog``, the file version or ``session_start_info`` is no step.
+    """
+    if b - a < 12 or mm[a] != 0x09 or mm[a + 9] != 0x10:
+        return None
+    step, shift, i = 0, 0, a + 10
+    while True:
+        byte = mm[i]
+        step |= (byte & 0x7F) << shift
+        i += 1
+        if byte < 0x80:
+            break
+        shift += 7
+    if i >= b or mm[i] != 0x2A:
+        return None  # not a summary: a SessionLog (START) record
+    if _SSI_BYTES in mm[i : min(b, i + 64)]:
+        return None
+    return int(step)
 
 
 class _Run:
-    """A TensorBoard run directory appended to: the main run or a rank's sub-run."""
+    """A TensorBoard run directory appended to: the main run or a rank's sub-run.
 
-    def __init__(self, path: Path, run_id: str) -> None:
-        self.path, self.run_id = path, run_id
+    Readers load a run's files in name order, and a ``SessionLog.START`` at step S drops
+    what they loaded before it at steps >= S. So the steps of a run's files follow their
+    names: a session that writes above every step the run holds starts a file named after
+    the time (it sorts last); one that fills a gap below (a replay after a windowed one)
+    starts a file named right after the file holding the steps below the gap, and a new
+    file again where the gap ends.
+    """
+
+    def __init__(self, path: Path, mine: Holding, where: str) -> None:
+        self.path, self.mine = path, mine
         self.fd: int | None = None
+        self.ceiling: int | None = None  # the open file takes steps below this one only
         path.mkdir(parents=True, exist_ok=True)
-        files = [p for p in sorted(path.glob("events.out.tfevents.*")) if p.name != HPARAMS_FILE]
-        lasts = [x for p in files if p.is_file() and (x := _scan(p, run_id)) is not None]
-        self.last: int | None = max(lasts, default=None)
-        stamps = [int(t) for p in files if (t := p.name.split(".")[3]).isdigit()]
+        names = [p for p in sorted(path.glob("events.out.tfevents.*")) if p.name != HPARAMS_FILE]
+        files = [_scan(p) for p in names if p.is_file()]
+        self.files = [f for f in files if f.holding is not None and f.steps]
+        for f in self.files:  # another ranklog run, or this one with another --names
+            refuse_other(
+                where, f.holding, mine, f.steps,
+                remedy="use another directory (TensorBoard shows each directory under "
+                "--logdir as a run of its own)",
+            )  # fmt: skip
+        self.held = StepSet()
+        for f in self.files:
+            self.held = self.held.union(f.steps)
+        stamps = [int(t) for p in names if (t := p.name.split(".")[3]).isdigit()]
         self.stamp = max(stamps, default=0)  # readers load files in name order: sort new ones last
+        self._rotated: list[int] = []  # files this session closed, fsync'd by flush()
 
-    def append(self, data: bytes) -> None:
-        if self.fd is None:  # a new session file: version, then START where its steps begin
-            ev, now = _tb().event_pb2, time.time()
-            log = ev.SessionLog(status=ev.SessionLog.START, msg=_RUN_TAG + self.run_id)
-            first = 0 if self.last is None else self.last + 1
-            version = ev.Event(wall_time=now, file_version="brain.Event:2").SerializeToString()
-            start = ev.Event(wall_time=now, step=first, session_log=log).SerializeToString()
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
-            stamp = max(int(now), self.stamp + 1)
-            name = f"events.out.tfevents.{stamp:010d}.{socket.gethostname()}.{os.getpid()}"
-            while self.fd is None:
-                with contextlib.suppress(FileExistsError):
-                    self.fd = os.open(self.path / f"{name}.{next(_seq)}", flags, 0o644)
-            fsync_dir(self.path)
-            data = _records([version, start]) + data
+    def _name(self, first: int, now: float) -> str:
+        """A new session file's name: after every file holding steps below ``first`` and
+        before every one holding steps above it."""
+        last = self.held.last
+        if last is None or first > last:
+            self.stamp = max(int(now), self.stamp + 1)
+            return f"events.out.tfevents.{self.stamp:010d}.{socket.gethostname()}.{os.getpid()}"
+        after = max((f.name for f in self.files if f.steps.below(first)), default=HPARAMS_FILE)
+        return f"{after}.fill{first:012d}"
+
+    def _start(self, first: int) -> bytes:
+        """Open a new session file for steps from ``first``; its version and START records."""
+        if self.fd is not None:
+            self._rotated.append(self.fd)
+            self.fd = None
+        ev, now = _tb().event_pb2, time.time()
+        log = ev.SessionLog(status=ev.SessionLog.START, msg=_start_message(self.mine))
+        version = ev.Event(wall_time=now, file_version="brain.Event:2").SerializeToString()
+        start = ev.Event(wall_time=now, step=first, session_log=log).SerializeToString()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
+        name = self._name(first, now)
+        while self.fd is None:
+            with contextlib.suppress(FileExistsError):
+                full = f"{name}.{next(_seq)}"
+                self.fd = os.open(self.path / full, flags, 0o644)
+        fsync_dir(self.path)
+        self.files.append(_File(full, self.mine, StepSet()))
+        self.ceiling = self.held.after(first)
+        return _records([version, start])
+
+    def append(self, records: list[bytes], steps: list[int | None]) -> None:
+        """Append records; ``steps``: the step each holds (None: no step of its own)."""
+        i, n = 0, len(records)
+        while i < n:
+            step = next((s for s in steps[i:] if s is not None), None)
+            head = b""
+            if self.fd is None or (step is not None and self.ceiling is not None
+                                   and step >= self.ceiling):  # fmt: skip
+                last = self.held.last
+                head = self._start(step if step is not None else 0 if last is None else last + 1)
+            j, top = i + 1, self.ceiling
+            while j < n and (top is None or (at := steps[j]) is None or at < top):
+                j += 1
+            self._write(head + _records(records[i:j]))
+            for s in steps[i:j]:
+                if s is not None:
+                    self.held.add(s)
+                    self.files[-1].steps.add(s)
+            i = j
+
+    def _write(self, data: bytes) -> None:
+        assert self.fd is not None
         view = memoryview(data)  # after a failed write the engine re-opens: the tail is cut
         while view:
             view = view[os.write(self.fd, view) :]
+
+    def flush(self) -> None:
+        """fsync what this session wrote (files it moved on from, then the open one)."""
+        for fd in self._rotated:
+            os.fsync(fd)
+            os.close(fd)
+        self._rotated = []
+        if self.fd is not None:
+            os.fsync(self.fd)
+
+    def close(self) -> None:
+        """Close the files (not fsync'd: flush() does that)."""
+        for fd in (*self._rotated, *([self.fd] if self.fd is not None else [])):
+            os.close(fd)
+        self._rotated, self.fd = [], None
 
 
 class TensorBoardTarget:
@@ -457,9 +577,10 @@ class TensorBoardTarget:
 
     def __init__(
         self, path: str | os.PathLike[str], *, per_rank: bool = False, name: str | None = None,
-        gpu_names: str = "ranklog",
+        gpu_names: str = "ranklog", names: str = ALL_NAMES,
     ) -> None:  # fmt: skip
         self.path, self.per_rank, self.name = Path(path), per_rank, name
+        self.names = names
         self.gpu_names = gpu_names
         self.spec = f"tensorboard:{self.path}"
         self._run: RunInfo | None = None
@@ -468,25 +589,30 @@ class TensorBoardTarget:
         self._templates: dict[tuple[bool, tuple[str, ...]], _Scalars] = {}
         self._params: dict[str, ParamValue] = {}
         self._metrics: set[str] = set()
+        self._mine = Holding("")
 
-    def open(self, run: RunInfo) -> int | None:
+    def identity(self, run: RunInfo) -> str:
+        """The directory's real path."""
+        return f"tensorboard:{os.path.realpath(self.path.expanduser())}"
+
+    def open(self, run: RunInfo) -> StepSet:
         self._close_files()
         self._run, self._templates = run, {}
-        self._main = _Run(self.path, run.run_id)
+        self._mine = Holding(run.run_id, run.name, self.names)
+        self._main = _Run(self.path, self._mine, str(self.path))
         self._params, self._metrics = self._load_hparams()
-        return self._main.last
+        return self._main.held
 
     def write_params(self, params: dict[str, ParamValue]) -> None:
         main = self._require()
         self._params.update(params)
         if ssi := self._save_hparams():
-            main.append(_records([_event(time.time(), 0, ssi)]))
+            main.append([_event(time.time(), 0, ssi)], [None])
 
     def write(self, steps: list[ShippedStep]) -> None:
         """One record per step and run; rank sub-runs are written first, each with one write."""
-        main, run_id = self._require(), self._run.run_id if self._run else ""
-        todo: dict[_Run, list[bytes]] = {}
-        lasts: dict[_Run, int] = {}
+        main = self._require()
+        todo: dict[_Run, tuple[list[bytes], list[int | None]]] = {}
         #: (step, record) of the main run's last step, written after the late values it
         #: carries: the file's last record is always the step held (open() reads it back)
         own: tuple[int, bytes] | None = None
@@ -495,13 +621,15 @@ class TensorBoardTarget:
             for rank, values in (per_rank or {}).items():
                 sub = self._ranks.get(rank)
                 if sub is None:
-                    sub = self._ranks[rank] = _Run(self.path / f"rank{rank:05d}", run_id)
-                if sub.last is None or s.step > sub.last:
+                    where = str(self.path / f"rank{rank:05d}")
+                    sub = self._ranks[rank] = _Run(Path(where), self._mine, where)
+                if s.step not in sub.held:
                     summary = self._pack(values, main=False)
-                    todo.setdefault(sub, []).append(_event(s.ts, s.step, summary))
-                    lasts[sub] = s.step
+                    recs, at = todo.setdefault(sub, ([], []))
+                    recs.append(_event(s.ts, s.step, summary))
+                    at.append(s.step)
             held = s.step if s.carrier is None else s.carrier  # late values: with their carrier
-            if main.last is None or held > main.last:  # else held already (never sent)
+            if held not in main.held:  # else held already (never sent)
                 values = s.metrics
                 if s.gpu:
                     from ranklog.shippers.targets._media import gpu_metrics
@@ -514,25 +642,28 @@ class TensorBoardTarget:
                     summary += _tables(s.tables)
                 if s.histograms or s.images:
                     summary += _media(s)
-                records = todo.setdefault(main, [])
+                records, at = todo.setdefault(main, ([], []))
                 if s.carrier is None:
                     if own is not None:
                         records.append(own[1])
+                        at.append(own[0])
                     own = (s.step, _event(s.ts, s.step, summary))
                 else:
                     if own is not None and own[0] != s.carrier:
                         records.append(own[1])
+                        at.append(own[0])
                         own = None
                     records.append(_event(s.ts, s.step, summary, late=True))
+                    at.append(None)  # held with its carrier, whose record follows
                     if own is None:
                         # a carrier with nothing of its own: an empty record marks it held
                         own = (s.carrier, _event(s.ts, s.carrier, b""))
-                lasts[main] = max(held, lasts.get(main, held))
         if own is not None:
-            todo[main].append(own[1])
+            records, at = todo[main]
+            records.append(own[1])
+            at.append(own[0])
         for run in sorted(todo, key=lambda r: r is main):
-            run.append(_records(todo[run]))
-            run.last = lasts[run]
+            run.append(*todo[run])
 
     def _pack(self, values: dict[str, float], *, main: bool) -> bytes:
         key = (main, tuple(values))
@@ -549,8 +680,7 @@ class TensorBoardTarget:
     def flush(self) -> None:
         main = self._require()
         for sub in (*self._ranks.values(), main):
-            if sub.fd is not None:
-                os.fsync(sub.fd)
+            sub.flush()
 
     def close(self) -> None:
         try:
@@ -561,8 +691,8 @@ class TensorBoardTarget:
 
     def _close_files(self) -> None:
         for sub in (*self._ranks.values(), self._main):
-            if sub is not None and sub.fd is not None:
-                os.close(sub.fd)
+            if sub is not None:
+                sub.close()
         self._main, self._ranks = None, {}
 
     def _require(self) -> _Run:

@@ -73,6 +73,7 @@ from typing import Any, Final, NamedTuple
 
 from ranklog.errors import ExtraMissingError, TargetError, TransientTargetError
 from ranklog.schemas import ParamValue
+from ranklog.shippers._held import ALL_NAMES, Holding, StepSet, refuse_other
 from ranklog.shippers._registry import Option, TargetContext, TargetKind
 from ranklog.shippers._target import ShippedStep
 from ranklog.shippers.targets._media import GPU_NAMES_OPTION
@@ -80,7 +81,7 @@ from ranklog.shippers.targets._wandb_log import LogReader
 from ranklog.spool import RunInfo
 
 __all__ = [
-    "GPU_STEP", "TARGET", "MetricDef", "WandbTarget", "gpu_definitions", "scan_offline",
+    "GPU_STEP", "RUN_KEY", "TARGET", "MetricDef", "WandbTarget", "gpu_definitions", "scan_offline",
     "wandb_run_id",
 ]  # fmt: skip
 
@@ -143,7 +144,7 @@ def _build(arg: str, context: TargetContext, options: Mapping[str, Any]) -> Wand
         run_name=options.get("run_name"), group=options.get("group"), mode=options.get("mode"),
         per_rank=context.per_rank, run_id=options.get("run_id"), resume=options.get("resume"),
         tags=[t for t in tags.split(",") if t] if tags else None, notes=options.get("notes"),
-        gpu_names=options.get("gpu_names") or "ranklog",
+        gpu_names=options.get("gpu_names") or "ranklog", names=context.names,
     )  # fmt: skip
 
 
@@ -202,16 +203,31 @@ def wandb_run_id(ranklog_run_id: str, rank: int | None = None) -> str:
     return base if rank is None else f"{base}r{rank:05d}"
 
 
-def scan_offline(root: Path, wid: str) -> tuple[int | None, dict[str, Any]]:
-    """(highest step, config) over every offline directory of W&B run ``wid`` under ``root``."""
-    top = -1
+#: the config key under which a W&B run records the ranklog run it holds (W&B's UI hides
+#: config keys that start with "_")
+RUN_KEY: Final = "_ranklog"
+
+
+def scan_offline(
+    root: Path, wid: str, mark: dict[str, Any] | None = None
+) -> tuple[StepSet, dict[str, Any]]:
+    """(steps held, config) over every offline directory of W&B run ``wid`` under ``root``.
+
+    ``mark``: filled with the run's ``_ranklog`` config (which ranklog run it holds).
+    """
+    steps = StepSet()
     config: dict[str, Any] = {}
     for path in sorted(root.glob(f"wandb/offline-run-*/run-{wid}.wandb")):
         for rec in LogReader(path).read():
             if rec.WhichOneof("record_type") == "history":
-                top = max(top, rec.history.step.num)
-            config.update((k, v) for k, v in _config_set(rec) if k != "_wandb")
-    return (None if top < 0 else top), config
+                steps.add(rec.history.step.num)
+            for k, v in _config_set(rec):
+                if k.startswith(RUN_KEY + "."):
+                    if mark is not None:
+                        mark[k[len(RUN_KEY) + 1 :]] = v
+                elif k != "_wandb":
+                    config[k] = v
+    return steps, config
 
 
 def _config_set(rec: Any) -> list[tuple[str, Any]]:
@@ -296,12 +312,15 @@ class WandbTarget:
     kind = "wandb"
     #: late values (``--late ship``) are handled: see :class:`~ranklog.shippers.Target`
     takes_late = True
+    #: W&B drops a step below the run's current one: the engine refuses to send one
+    steps_in_order = True
 
     def __init__(
         self, project: str, dir: str | os.PathLike[str], *, entity: str | None = None,
         run_name: str | None = None, group: str | None = None, mode: str | None = None,
         per_rank: bool = False, run_id: str | None = None, resume: str | None = None,
         tags: list[str] | None = None, notes: str | None = None, gpu_names: str = "ranklog",
+        names: str = ALL_NAMES,
     ) -> None:  # fmt: skip
         self.project, self.root = project, Path(dir).absolute()
         self.entity, self.run_name, self.group = entity, run_name, group
@@ -311,16 +330,24 @@ class WandbTarget:
         self.run_id, self.resume = run_id, resume
         self.tags, self.notes = tags, notes
         self.gpu_names = gpu_names
+        self.names = names
         self.spec = f"wandb:{project}"
         self._run: RunInfo | None = None
         self._held: dict[int | None, _Held] = {}
         self._late_warned = False
         self._config: dict[str, Any] = {}  # every param known: passed to each new init
+        self._exit_code: int | None = None  # how the job ended (end()): finish() says so
 
     # -- open -------------------------------------------------------------------------
 
-    def open(self, run: RunInfo) -> int | None:
+    def identity(self, run: RunInfo) -> str:
+        """entity/project/run id (and, offline, the real path of the files' directory)."""
+        where = "" if self.mode == "online" else f"@{os.path.realpath(self.root)}"
+        return f"wandb:{self.entity or ''}/{self.project}/{self._base(run)}{where}"
+
+    def open(self, run: RunInfo) -> StepSet:
         self._run, self._held = run, {}
+        self._exit_code = None
         base = self._base(run)
         for key in [k for k in _LIVE if k[0] == str(self.root) and k[1].startswith(base)]:
             with contextlib.suppress(Exception):  # a run a dead target of this process left
@@ -328,20 +355,31 @@ class WandbTarget:
         if self.mode == "online":
             main = self._held[None] = _Held(base, None, -1)
             self._start(main)
-            return None if self.per_rank or main.durable < 0 else main.durable
+            return StepSet.upto(None if self.per_rank or main.durable < 0 else main.durable)
         self._wait_for_writers(base)
-        top, self._config = scan_offline(self.root, base)
-        self._held[None] = _Held(base, None, -1 if top is None else top)
+        mark: dict[str, Any] = {}
+        steps, self._config = scan_offline(self.root, base, mark)
+        theirs = Holding(
+            str(mark.get("run_id", run.run_id)), "", str(mark.get("names", ALL_NAMES))
+        )
+        refuse_other(
+            f"W&B run {base} ({self.root / 'wandb'})", theirs,
+            Holding(run.run_id, run.name, self.names), steps,
+            remedy="use another --run-id (without one, each ranklog run gets its own)",
+        )  # fmt: skip
+        self._held[None] = _Held(base, None, -1 if steps.last is None else steps.last)
         if self.per_rank:
             pattern = re.compile(rf"run-{base}r(\d+)\.wandb")
             for path in self.root.glob(f"wandb/offline-run-*/run-{base}r*.wandb"):
                 m = pattern.fullmatch(path.name)
                 if m and int(m[1]) not in self._held:
                     wid = f"{base}r{int(m[1]):05d}"
-                    last, _ = scan_offline(self.root, wid)
-                    self._held[int(m[1])] = _Held(wid, int(m[1]), -1 if last is None else last)
-        low = min(h.durable for h in self._held.values())
-        return None if low < 0 else low
+                    held, _ = scan_offline(self.root, wid)
+                    last = -1 if held.last is None else held.last
+                    self._held[int(m[1])] = _Held(wid, int(m[1]), last)
+            low = min(h.durable for h in self._held.values())
+            return StepSet.upto(None if low < 0 else low)  # what every run holds
+        return steps
 
     def _wait_for_writers(self, base: str) -> None:
         """Wait until no process writes a recently changed log of this run (Linux only)."""
@@ -451,7 +489,7 @@ class WandbTarget:
             tags=self.tags, notes=self.notes,
             name=(self.run_name or run.name) if rank is None else f"rank{rank:05d}",
             job_type=None if rank is None else "rank",
-            config=nest(self._config) if rank is None else None,
+            config={**nest(self._config), RUN_KEY: self._mark()} if rank is None else None,
             settings=wandb.Settings(**{k: v for k, v in _QUIET.items() if k in names}),
         )  # fmt: skip
         held.run = started
@@ -468,6 +506,20 @@ class WandbTarget:
             held.durable = held.sent = int(started.starting_step) - 1
         if rank is None:
             held.config_wait.update(self._config)
+
+    def _mark(self) -> dict[str, str]:
+        """The ranklog run this W&B run holds (its config's ``_ranklog``)."""
+        assert self._run is not None
+        return {"run_id": self._run.run_id, "names": self.names}
+
+    def end(self, status: str) -> None:
+        """The job ended: each live run finishes with exit code 0 (finished) or 1."""
+        self._exit_code = 0 if status == "finished" else 1
+        for held in self._held.values():
+            if held.run is not None:
+                self._finish(held)
+                held.durable = held.sent
+                held.config_wait.clear()
 
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -517,7 +569,8 @@ class WandbTarget:
         run, path = held.run, held.reader.path if held.reader else None
         held.run = held.reader = None
         _LIVE.pop((str(self.root), held.wid), None)
-        self._call(run.finish)
+        code = self._exit_code
+        self._call(run.finish, **({} if code is None else {"exit_code": code}))
         if self.mode == "offline":
             _fsync(path)
 
