@@ -77,6 +77,7 @@ def run_demo(spool: Path, *, ranks: int = 4, steps: int = 300, step_seconds: flo
     targets = [f"jsonl:{out / 'metrics.jsonl'}", f"console:{every}", *_backends(out)]
     cmd = [sys.executable, "-m", "ranklog.cli", "ship", str(spool), "--quiet", "--samples", "1"]
     cmd += ["--mode", "offline", "--dir", str(out), "--run-name", "ranklog-demo"]
+    cmd += ["--exit-with", str(os.getpid())]  # this process dies: they ship what is closed
     shipper = subprocess.Popen([*cmd, *(a for t in targets for a in ("--to", t))])
     procs = []
     t0 = time.monotonic()

@@ -26,6 +26,7 @@ import gc
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -62,19 +63,22 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _add_shippers(summary: SpoolSummary) -> None:
-    """Each shipper's cursor, with its lag behind what the ranks closed."""
+    """Each shipper's cursor, with its lag behind what the ranks closed, and its lease."""
     from ranklog.shippers import list_cursors
+    from ranklog.shippers._lease import read_leases
     from ranklog.spool import HEADER_SIZE
     from ranklog.spool._inspect import ShipperSummary
 
     top = max(
         (i.closed_step for i in summary.incarnations if i.closed_step is not None), default=-1
     )
+    leases = {lease.target: lease for lease in read_leases(summary.spool)}
     for c in list_cursors(summary.spool):
         lag_bytes = sum(
             max(0, size - max(c.segments[k].offset if k in c.segments else 0, HEADER_SIZE))
             for k, size in summary.sizes.items()
         )
+        lease = leases.pop(c.identity or c.target, None)
         summary.shippers.append(
             ShipperSummary(
                 name=c.name,
@@ -87,8 +91,20 @@ def _add_shippers(summary: SpoolSummary) -> None:
                 relogged_events=c.relogged_events,
                 bad_ranges=c.bad_ranges,
                 updated=c.updated,
+                state=lease.state() if lease is not None else "stopped",
+                identity=c.identity,
+                skipped_below=c.skipped_below,
             )
         )
+    for lease in leases.values():  # running, nothing committed yet
+        summary.shippers.append(
+            ShipperSummary(
+                name=lease.key, target=lease.target, last_step=-1, steps_shipped=0,
+                lag_steps=max(0, top + 1), lag_bytes=sum(summary.sizes.values()), late_events=0,
+                relogged_events=0, bad_ranges=0, updated=0.0,
+                state=lease.state() + ", no cursor yet", identity=lease.target,
+            )
+        )  # fmt: skip
 
 
 def _long_running() -> None:
@@ -135,24 +151,61 @@ def _pyarrow_without_pandas() -> None:
         sys.meta_path.remove(blocker)
 
 
+def _log_to_stderr() -> None:
+    """ranklog's own messages on stderr, one line each; libraries' only when they are errors.
+
+    Called again once a target is built: importing MLflow configures its loggers anew.
+    """
+    ours = logging.getLogger("ranklog")
+    if not any(getattr(h, "_ranklog", False) for h in ours.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("ranklog: %(message)s"))
+        handler._ranklog = True  # type: ignore[attr-defined]
+        ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+    ours.propagate = False
+    # a library's retry bookkeeping (urllib3's "Retrying (Retry(total=...))") never reaches
+    # the terminal: the shipper says in one line what failed and what it does about it
+    for name in ("", "urllib3", "requests", "mlflow", "wandb", "alembic", "sqlalchemy", "git"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM, turned into an exception so that the shipper stops like on Ctrl-C."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Stopped
+
+
 def _ship(args: argparse.Namespace) -> int:
-    from ranklog.shippers import Progress, Shipper, default_name, make_target
+    from ranklog.shippers import Progress, Shipper, make_target
+    from ranklog.shippers._retry import ONCE_RETRY_FOR
     from ranklog.spool import require_run
 
-    targets: list[str] = args.to
+    targets: list[str] = args.to or []
     require_run(args.spool)
+    if not targets:
+        return _ship_known(args)
     if len(targets) > 1 and not args.in_process:
         return _ship_each(args, targets)
-    logging.basicConfig(level=logging.INFO, format="ranklog: %(message)s", stream=sys.stderr)
+    _log_to_stderr()
     if args.ray is not None and args.readers < 1:
         raise ConfigError(f"--readers must be at least 1, got {args.readers}")
+    retry_for = args.retry_for
+    if retry_for is None and args.once:
+        retry_for = ONCE_RETRY_FOR
     code = 0
     for spec in targets:
-        name = args.name if args.name and len(targets) == 1 else default_name(spec)
+        name = args.name if args.name and len(targets) == 1 else None
+        argv = _ship_argv(args, spec)
         if args.ray is not None:
-            _ship_on_ray(args, spec, name)
+            _ship_on_ray(args, spec, name, retry_for=retry_for, argv=argv)
             continue
-        target = make_target(spec, args.spool, _options(args), per_rank=args.per_rank)
+        target = make_target(
+            spec, args.spool, _options(args), per_rank=args.per_rank, append_run=args.append_run
+        )
+        _log_to_stderr()
         _long_running()
         shipper = Shipper(
             args.spool,
@@ -165,12 +218,28 @@ def _ship(args: argparse.Namespace) -> int:
             progress=None if args.quiet else Progress(),
             lease_ttl=args.lease_ttl,
             late=args.late,
+            retry_for=retry_for,
+            parent=args.exit_with,
+            below_last=args.below_last,
+            argv=argv,
         )
-        code = max(code, shipper.run_forever(once=args.once))
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        try:
+            code = max(code, shipper.run_forever(once=args.once))
+        except KeyboardInterrupt as exc:
+            what = "terminated" if isinstance(exc, _Stopped) else "interrupted"
+            print(
+                f"ranklog ship: {what}; {spec} holds every step up to {shipper.shipped_upto} "
+                f"({shipper.stats.steps_shipped} shipped); run the same command to resume",
+                file=sys.stderr,
+            )
+            return 143 if isinstance(exc, _Stopped) else 130
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     return code
 
 
-def _ship_on_ray(args: argparse.Namespace, spec: str, name: str) -> None:
+def _ship_on_ray(args: argparse.Namespace, spec: str, name: str | None, **shipper: Any) -> None:
     from ranklog.shippers._fanin import FanIn, ship_on_ray
 
     ship_on_ray(
@@ -188,6 +257,8 @@ def _ship_on_ray(args: argparse.Namespace, spec: str, name: str) -> None:
         quiet=args.quiet,
         lease_ttl=args.lease_ttl,
         late=args.late,
+        below_last=args.below_last,
+        **shipper,
     )
 
 
@@ -200,41 +271,96 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _ship_each(args: argparse.Namespace, targets: list[str]) -> int:
-    """One process per target: a slow or broken target never holds another back."""
+def _ship_argv(args: argparse.Namespace, spec: str) -> list[str]:
+    """The ``ranklog ship SPOOL`` arguments that start this target's shipper again (kept in
+    its cursor): the target and its options, never ``--once`` and the like."""
     from ranklog.shippers import all_options
 
-    flags = ["--dead-after", str(args.dead_after), "--start-grace", str(args.start_grace)]
-    flags += ["--lease-ttl", str(args.lease_ttl), "--late", args.late]
-    flags += ["--once"] * args.once + ["--quiet"] * args.quiet + ["--per-rank"] * args.per_rank
+    flags = ["--to", spec, "--dead-after", str(args.dead_after)]
+    flags += ["--start-grace", str(args.start_grace), "--lease-ttl", str(args.lease_ttl)]
+    flags += ["--late", args.late, "--below-last", args.below_last]
+    flags += ["--per-rank"] * args.per_rank + ["--append-run"] * args.append_run
     if args.poll is not None:
         flags += ["--poll", str(args.poll)]
     if args.ray is not None:
         flags += [f"--ray={args.ray}", "--readers", str(args.readers)]
         flags += ["--reader-cpus", str(args.reader_cpus)]
+    if args.name:
+        flags += ["--name", args.name]
     declared = all_options()
     for key, value in _options(args).items():
         opt = declared[key][0]
         flags += [opt.flag] if value is True else [opt.flag, str(value)]
-    base = [sys.executable, "-m", "ranklog.cli", "ship", args.spool]
-    procs = []
-    for spec in targets:
-        name = f"{args.name}-{spec.partition(':')[0]}" if args.name else None
-        cmd = [*base, "--to", spec, *flags, *(["--name", name] if name else [])]
-        procs.append(subprocess.Popen(cmd, env=dict(os.environ)))
+    return flags
+
+
+def _invocation(args: argparse.Namespace) -> list[str]:
+    """The flags of this command that are not part of a target's shipper (``--once``)."""
+    flags = ["--once"] * args.once + ["--quiet"] * args.quiet
+    if args.retry_for is not None:
+        flags += ["--retry-for", str(args.retry_for)]
+    if args.exit_with is not None:
+        flags += ["--exit-with", str(args.exit_with)]
+    return flags
+
+
+def _children(cmds: list[tuple[list[str], str | None]]) -> int:
+    """Run ``ranklog ship`` processes side by side; the highest exit code."""
+    procs = [subprocess.Popen(cmd, env=dict(os.environ), cwd=cwd) for cmd, cwd in cmds]
     try:
-        return max(p.wait() for p in procs)
+        return max((p.wait() for p in procs), default=0)
     except KeyboardInterrupt:
         for p in procs:
             p.terminate()
         return max(p.wait() for p in procs)
 
 
+def _ship_each(args: argparse.Namespace, targets: list[str]) -> int:
+    """One process per target: a slow or broken target never holds another back."""
+    base = [sys.executable, "-m", "ranklog.cli", "ship", args.spool]
+    cmds: list[tuple[list[str], str | None]] = []
+    for spec in targets:
+        argv = _ship_argv(args, spec)
+        if args.name:  # one cursor name per target
+            argv[argv.index("--name") + 1] = f"{args.name}-{spec.partition(':')[0]}"
+        cmds.append(([*base, *argv, *_invocation(args)], None))
+    return _children(cmds)
+
+
+def _ship_known(args: argparse.Namespace) -> int:
+    """``ranklog ship SPOOL`` with no ``--to``: every target this spool's shippers recorded.
+
+    The epilogue of a job: whatever the shippers a training process started did not get
+    to (they were killed with it), the same targets get now, with the same options.
+    """
+    from ranklog.shippers import list_cursors
+
+    base = [sys.executable, "-m", "ranklog.cli", "ship", os.path.abspath(args.spool)]
+    cmds: list[tuple[list[str], str | None]] = []
+    unknown = []
+    for c in list_cursors(args.spool):
+        if not c.argv:
+            unknown.append(c)
+            continue
+        cmds.append(([*base, *c.argv, *_invocation(args)], c.cwd or None))
+    for c in unknown:
+        print(f"ranklog ship: shipper {c.name} ({c.target}) was not started by `ranklog "
+              f"ship` (or by an older ranklog): ship it with --to {c.target}",
+              file=sys.stderr)  # fmt: skip
+    if not cmds:
+        raise ConfigError(
+            f"no --to given and no shipper of {args.spool} recorded its target: name the "
+            "targets with --to"
+        )
+    code = _children(cmds)
+    return max(code, ConfigError.exit_code if unknown else 0)
+
+
 def _compact(args: argparse.Namespace) -> int:
     from ranklog.archive import compact
 
     _long_running()
-    res = compact(args.spool, args.out, delete=args.delete)
+    res = compact(args.spool, args.out, delete=args.delete, force=args.force)
     rows = ", ".join(f"{t} {n:,}" for t, n in sorted(res.rows.items())) or "nothing new"
     print(f"compacted {res.files} files into {args.out}: {rows}")
     for b in res.bad:
@@ -263,14 +389,20 @@ def _replay(args: argparse.Namespace) -> int:
     from ranklog.archive import replay, require_manifest
     from ranklog.shippers import make_target
 
+    if not args.to:
+        raise ConfigError("replay needs a target: --to TARGET")
     require_manifest(args.dataset)
+    _log_to_stderr()
     code = 0
     for spec in args.to:
-        target = make_target(spec, args.dataset, _options(args), per_rank=args.per_rank)
+        target = make_target(spec, args.dataset, _options(args), per_rank=args.per_rank,
+                             names=args.names, append_run=args.append_run)  # fmt: skip
+        _log_to_stderr()
         _long_running()
         code = max(code, replay(args.dataset, target, steps=args.steps, names=args.names,
                                 per_rank=args.per_rank, relogged=args.relogged,
-                                late=args.late))  # fmt: skip
+                                late=args.late, below_last=args.below_last,
+                                retry_for=args.retry_for))  # fmt: skip
         print(f"replayed {args.dataset} into {spec}")
     return code
 
@@ -306,7 +438,22 @@ def _target_flags(p: argparse.ArgumentParser) -> None:
     from ranklog.shippers import all_options
     from ranklog.shippers._tail import LATE_POLICIES
 
-    p.add_argument("--to", action="append", required=True, metavar="TARGET", help=_to_help())
+    p.add_argument("--to", action="append", metavar="TARGET", help=_to_help())
+    p.add_argument(
+        "--append-run", action="store_true",
+        help="write into a target that holds another run's steps (JSONL: this run's lines "
+        "follow, after a line naming it); without it such a target is refused",
+    )  # fmt: skip
+    p.add_argument(
+        "--below-last", choices=("refuse", "skip"), default="refuse",
+        help="a target that cannot write below its last step (W&B) and lacks steps below "
+        "it: refuse before writing (default), or leave those steps out (counted)",
+    )  # fmt: skip
+    p.add_argument(
+        "--retry-for", type=float, metavar="S",
+        help="give up after S seconds of transient target failures (exit 5; default: 120 "
+        "with --once and replay, else retry for ever); permanent ones fail at once",
+    )  # fmt: skip
     p.add_argument(
         "--per-rank", action="store_true",
         help="also log each rank's own values (TensorBoard rankNNNNN/ sub-runs, MLflow child "
@@ -350,7 +497,16 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     ship = sub.add_parser("ship", help="reduce each step across ranks and forward it")
     ship.add_argument("spool")
-    ship.add_argument("--once", action="store_true", help="ship what is ready, then exit 0")
+    ship.add_argument(
+        "--once", action="store_true",
+        help="ship what is ready, then exit (0 when shipped; 5 when the target failed); "
+        "without --to: every target this spool's shippers recorded (a job's epilogue)",
+    )  # fmt: skip
+    ship.add_argument(
+        "--exit-with", type=int, metavar="PID",
+        help="ship what is closed and exit once process PID ends (a shipper started by "
+        "the training process)",
+    )  # fmt: skip
     ship.add_argument(
         "--poll", type=float, metavar="S", help="poll every S seconds (default: inotify, "
         "or polling every 1 s on network filesystems)"
@@ -395,7 +551,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     comp.add_argument("--out", required=True, help="dataset directory (created if missing)")
     comp.add_argument(
         "--delete", action="store_true",
-        help="delete sealed segments once their rows are verified in Parquet (and shipped)",
+        help="delete sealed segments once their rows are verified in Parquet and every "
+        "shipper the spool knows shipped them",
+    )  # fmt: skip
+    comp.add_argument(
+        "--force", action="store_true",
+        help="with --delete: delete verified segments even if a shipper has not shipped them "
+        "(it then says to replay them from the dataset)",
     )  # fmt: skip
     comp.set_defaults(func=_compact)
 
@@ -439,6 +601,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser(command).parse_args(argv)
     try:
         code: int = args.func(args)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `ranklog inspect | head`: the reader had enough; say nothing
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except RanklogError as exc:
         print(f"ranklog {args.command}: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -127,8 +127,9 @@ class TestShip:
         assert main([*argv, "--quiet"]) == 0
         assert a.read_text() == b.read_text()
         lines = [json.loads(x) for x in a.read_text().splitlines()]
-        assert lines[0] == {"params": {"lr": 0.5}}
-        assert [x["step"] for x in lines[1:]] == [0, 1, 2, 3]
+        assert lines[0]["ranklog"]["name"] == "spool"  # whose lines follow
+        assert lines[1] == {"params": {"lr": 0.5}}
+        assert [x["step"] for x in lines[2:]] == [0, 1, 2, 3]
         assert sorted(p.name for p in (spool / "cursors").glob("*.json")) == sorted(
             f"jsonl-{h}.json" for h in _hashes(a, b)
         )

@@ -49,6 +49,7 @@ from ranklog.archive._tables import STEP_TABLES, TABLES
 from ranklog.errors import ConfigError, SpoolFormatError
 from ranklog.schemas import SCHEMA_VERSION, RankEnd
 from ranklog.shippers import Shipper, Target
+from ranklog.shippers._retry import ONCE_RETRY_FOR
 from ranklog.shippers._source import SegState
 from ranklog.spool import (
     HEADER_SIZE,
@@ -366,14 +367,27 @@ def replay(
     per_rank: bool = False,
     relogged: str = "first",
     late: str = "count",
+    below_last: str = "refuse",
+    retry_for: float | None = None,
 ) -> int:
     """Ship a dataset into ``target`` (a Target object) as live shipping would have.
 
     ``relogged="last"`` rebuilds instead the branch training continued from after a
     restart: for steps a rank logged again, the later incarnation's values count.
     ``late="ship"`` ships late and re-logged values as ``ranklog ship --late ship`` does.
+    Steps the target already holds are not written again (a replay after a windowed one
+    writes the rest); ``below_last="skip"`` leaves out steps a target cannot write below
+    its last one (W&B) instead of refusing. Transient target failures are retried for
+    ``retry_for`` seconds (default 120). ``names`` must be the selection the target was
+    built with (``make_target(..., names=)``): it records which names its steps hold.
     """
     dataset = Path(dataset)
+    built = getattr(target, "names", None)
+    if names is not None and built is not None and built != names:
+        raise ConfigError(
+            f"replay with names={names!r} into a target built with names={built!r}: build "
+            "it with the same selection (make_target(..., names=...))"
+        )
     manifest = require_manifest(dataset)
     run = RunInfo(manifest.run_id, manifest.created, manifest.name, manifest.world_size)
     scratch = Path(tempfile.mkdtemp(prefix="ranklog-replay-"))  # run.json and the cursor
@@ -388,7 +402,8 @@ def replay(
         try:
             shipper = Shipper(
                 str(scratch), target, name="replay", start_grace=0, per_rank=per_rank,
-                source=source, tails=tails, late=late,
+                source=source, tails=tails, late=late, below_last=below_last,
+                retry_for=ONCE_RETRY_FOR if retry_for is None else retry_for,
             )  # fmt: skip
         except BaseException:
             if tails is not None:

@@ -24,6 +24,7 @@ import atexit
 import json
 import logging
 import math
+import os
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -80,7 +81,11 @@ class Session:
         self._shippers: list[subprocess.Popen[bytes]] = []
         if self.run.rank == int(own.get("owner_rank", 0)):
             spool.parent.mkdir(parents=True, exist_ok=True)
-            self._shippers = [subprocess.Popen(cmd) for cmd in self.commands]
+            # they follow this process: killed with the job, they ship what was closed and
+            # exit within seconds (the next Logger on this log_dir, or `ranklog ship SPOOL
+            # --once`, ships the rest)
+            follow = ["--exit-with", str(os.getpid())]
+            self._shippers = [subprocess.Popen([*cmd, *follow]) for cmd in self.commands]
         # NeMo's scripts end without finish(): at exit, close the last step and let the
         # shippers drain (registered after the run's own hook, so it runs first)
         atexit.register(self.finish)

@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import socket
+import sys
 import threading
 import time
 import warnings
@@ -419,7 +420,11 @@ class Run:
             self.close("error", 1)
 
     def _atexit(self) -> None:
-        self.close("exit", None)
+        # the interpreter printed an uncaught exception (sys.last_value): the job failed
+        if getattr(sys, "last_value", None) is not None:
+            self.close("error", 1)
+        else:
+            self.close("exit", None)
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         self.close("signal", 128 + signum)

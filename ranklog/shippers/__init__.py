@@ -9,6 +9,9 @@ The engine, by role::
     _steps.py     per-step partials (mergeable) and their reduction into a ShippedStep
     _reduce.py    mergeable partial aggregates and the reduce ops
     _cursor.py    the cursor file (tmp -> fsync -> rename)
+    _lease.py     one shipper per target: the lease file
+    _held.py      what a target holds: a set of steps, the run and names it records
+    _retry.py     which failures are retried, for how long, and how they are named
     _progress.py  the status line
     _target.py    the protocol every target implements, and what it receives
     _registry.py  targets' declarations (TargetKind, Option), found and built from specs
@@ -20,6 +23,7 @@ module by name (the registry finds them).
 
 from ranklog.shippers._cursor import Cursor, list_cursors, load_cursor
 from ranklog.shippers._engine import Shipper
+from ranklog.shippers._held import Holding, StepSet
 from ranklog.shippers._progress import Progress
 from ranklog.shippers._reduce import Partial
 from ranklog.shippers._registry import (
@@ -38,17 +42,20 @@ from ranklog.shippers._target import (
     TableItem,
     Target,
     TextItem,
+    target_identity,
 )
 
 __all__ = [
     "Cursor",
     "GpuStat",
+    "Holding",
     "ImageItem",
     "Option",
     "Partial",
     "Progress",
     "ShippedStep",
     "Shipper",
+    "StepSet",
     "TableItem",
     "Target",
     "TargetContext",
@@ -59,5 +66,6 @@ __all__ = [
     "list_cursors",
     "load_cursor",
     "make_target",
+    "target_identity",
     "target_kinds",
 ]

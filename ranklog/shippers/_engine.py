@@ -243,9 +243,11 @@ class Shipper:
         self.cursor = Cursor(name=self.name, target=target.spec)
         self._last_commit = time.monotonic()
         self._target_ok = False
+        self._open_error: BaseException | None = None
         self._opened = False
         self._late_warned = False
         self._below_warned = False
+        self._held_said = False
         #: the job ended and everything was shipped: the target was told (Target.end)
         self.ended: str | None = None
         #: one shipper per (spool, target): held while running (made once the run is read)
@@ -350,15 +352,12 @@ class Shipper:
         except (OSError, TransientTargetError) as exc:
             if is_permanent(exc):
                 raise permanent_error(self.target.spec, exc) from exc
-            log.warning("opening %s failed (%s)", self.target.spec, describe(exc))
+            self._open_error = exc  # raised by the loop: retried
             self._target_ok = False
             return
+        self._open_error = None
         self._target_ok = self._opened = True
         self.held = held
-        above = held.last is not None and held.last > self.shipped_upto
-        if above:
-            log.info("%s already holds steps %s of this run (cursor: %d); not sending them "
-                     "again", self.target.spec, held.describe(), self.shipped_upto)  # fmt: skip
 
     # -- reading --------------------------------------------------------------------------
 
@@ -520,6 +519,10 @@ class Shipper:
         done = set(map(id, due[:sent]))
         self.params_due = [d for d in self.params_due if id(d) not in done]
         self.stats.steps_shipped += held  # the target holds them: shipped, as it counts
+        if held and not self._held_said:
+            self._held_said = True
+            log.info("%s already holds steps %s of this run: not sent again",
+                     self.target.spec, self.held.describe())  # fmt: skip
         for s in written:
             self.stats.steps_shipped += 1
             self.stats.partial_steps += not s.complete
@@ -732,7 +735,7 @@ class Shipper:
                     if not self._target_ok:
                         self._reopen_target()
                         if not self._target_ok:
-                            raise TransientTargetError(f"{self.target.spec} cannot be opened")
+                            raise self._open_error or TransientTargetError("cannot be opened")
                     progressed, shipped = self.step_once()
                     if shipped:
                         self._last_commit = time.monotonic()
@@ -749,7 +752,7 @@ class Shipper:
                     # from what the target durably holds, as a restarted shipper would
                     self._failure(exc, clock)
                     backoff = min(max(backoff * 2, 0.5), 30.0)
-                    log.warning("shipping to %s failed (%s); retrying in %.1fs",
+                    log.warning("%s: %s; retrying in %.1fs",
                                 self.target.spec, describe(exc), backoff)  # fmt: skip
                     time.sleep(backoff)
                     try:
@@ -778,8 +781,8 @@ class Shipper:
             if self._opened:
                 self.target.close()
             self.lease.release()
-            if self.progress is not None:
-                self.progress.done(self.status())
+        if self.progress is not None:  # (a failure says what happened in its own line)
+            self.progress.done(self.status())
         return 0
 
     def _orphaned(self) -> None:

@@ -358,14 +358,20 @@ class ShipRoot:
         from ranklog.shippers._engine import Shipper
 
         logging.basicConfig(level=logging.INFO, format="ranklog: %(message)s", stream=sys.stderr)
+        from ranklog.shippers._registry import default_name
+        from ranklog.shippers._target import target_identity
+        from ranklog.spool import read_run
+
         kw = dict(shipper_kw)
         name, poll = kw.pop("name"), kw.pop("poll")
+        target = make_target(spec, spool, options, per_rank=kw["per_rank"])
+        name = name or default_name(target_identity(target, read_run(spool)))
         tails = RayTails(
             spool, name, layout, poll=poll, dead_after=kw["dead_after"], late=kw["late"]
         )
         shipper = Shipper(
             spool,
-            make_target(spec, spool, options, per_rank=kw["per_rank"]),
+            target,
             name=name,
             tails=tails,
             progress=None if quiet else Progress(sys.stderr),
@@ -387,7 +393,7 @@ def ship_on_ray(
     options: dict[str, Any],
     layout: FanIn,
     *,
-    name: str,
+    name: str | None,
     poll: float | None,
     dead_after: float,
     start_grace: float,
@@ -396,8 +402,12 @@ def ship_on_ray(
     quiet: bool,
     lease_ttl: float = DEFAULT_TTL,
     late: str = "count",
+    **shipper: Any,
 ) -> dict[str, int]:
-    """Connect to Ray (``address``; None: ``RAY_ADDRESS`` or a local instance), ship, return."""
+    """Connect to Ray (``address``; None: ``RAY_ADDRESS`` or a local instance), ship, return.
+
+    ``shipper``: more :class:`~ranklog.shippers.Shipper` arguments (``retry_for``, ``argv``).
+    """
     try:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -428,6 +438,7 @@ def ship_on_ray(
             "per_rank": per_rank,
             "lease_ttl": lease_ttl,
             "late": late,
+            **shipper,
         }
         spool = str(Path(spool).resolve())
         result: dict[str, int] = ray.get(

@@ -32,14 +32,14 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from ranklog._fs import DIR_MODE, FILE_MODE
 from ranklog._proc import process_running
 from ranklog.errors import LeaseHeldError
 from ranklog.spool import SpoolLayout
 
-__all__ = ["DEFAULT_TTL", "Lease"]
+__all__ = ["DEFAULT_TTL", "Lease", "LeaseInfo", "read_leases"]
 
 log = logging.getLogger("ranklog.ship")
 
@@ -189,3 +189,45 @@ class Lease:
         except (OSError, ValueError):
             return {}  # being replaced, or damaged: no holder anyone can name
         return data if isinstance(data, dict) else {}
+
+
+class LeaseInfo(NamedTuple):
+    """A lease file as ``ranklog inspect`` reads it: who holds which target, and how lately."""
+
+    key: str
+    target: str
+    host: str
+    pid: int | None
+    ttl: float
+    #: seconds since the lease file was last renewed (by this machine's clock)
+    age: float
+
+    def state(self, here: str | None = None) -> str:
+        """``running (pid P)``, ``running on H (renewed Ns ago)``, ``silent on H for Ns``."""
+        here = socket.gethostname() if here is None else here
+        if self.host == here and self.pid is not None:
+            return f"running (pid {self.pid})" if process_running(self.pid) else "stopped"
+        if self.age <= self.ttl:
+            return f"running on {self.host} (pid {self.pid}, renewed {self.age:.0f}s ago)"
+        return f"silent on {self.host} for {self.age:.0f}s (pid {self.pid}): taken over by the next"
+
+
+def read_leases(spool: str | os.PathLike[str]) -> list[LeaseInfo]:
+    """Every readable lease of a spool (a shipper running, or one that died holding it)."""
+    out = []
+    d = SpoolLayout(spool).cursors_dir
+    for path in sorted(d.glob("*.lease")) if d.is_dir() else []:
+        try:
+            body = json.loads(path.read_bytes())
+            age = max(0.0, time.time() - path.stat().st_mtime)
+        except (OSError, ValueError):
+            continue
+        if not isinstance(body, dict):
+            continue
+        pid = body.get("pid")
+        out.append(LeaseInfo(
+            path.name.removesuffix(".lease"), str(body.get("target", "")),
+            str(body.get("host", "?")), pid if isinstance(pid, int) else None,
+            float(body.get("ttl", DEFAULT_TTL)), age,
+        ))  # fmt: skip
+    return out

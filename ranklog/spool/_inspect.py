@@ -48,18 +48,24 @@ class IncarnationSummary:
     bad_bytes: int = 0
     unknown_kinds: int = 0
     unknown_fields: int = 0
+    #: the incarnation of the same rank that started after this one (a relaunch)
+    superseded_by: int | None = None
 
     @property
     def state(self) -> str:
-        """``ended (status)`` once rank_end was read, else ``open`` (running, killed...)."""
+        """``ended (status)`` once rank_end was read; ``crashed`` when a relaunch started
+        without one; else ``open`` (running, or killed with no relaunch yet)."""
+        later = "" if self.superseded_by is None else f", superseded by {self.superseded_by}"
         if self.end_status is not None:
-            return f"ended ({self.end_status})"
+            return f"ended ({self.end_status}){later}"
+        if self.superseded_by is not None:
+            return f"crashed{later}"
         return "open"
 
 
 @dataclass(slots=True)
 class ShipperSummary:
-    """One shipper's progress, from its cursor."""
+    """One shipper's progress (its cursor) and whether it runs (its lease)."""
 
     name: str
     target: str
@@ -71,6 +77,13 @@ class ShipperSummary:
     relogged_events: int
     bad_ranges: int
     updated: float
+    #: ``running (pid P)`` on this host, ``running on H (renewed Ns ago)`` elsewhere,
+    #: ``silent on H for Ns`` (its lease will be taken over), or ``stopped``
+    state: str = "stopped"
+    #: what the target writes to (``jsonl:/real/path``)
+    identity: str = ""
+    #: steps left out because the target cannot write below its last (``--below-last skip``)
+    skipped_below: int = 0
 
 
 @dataclass(slots=True)
@@ -117,7 +130,9 @@ def summarize(root: str | os.PathLike[str]) -> SpoolSummary:
             summary.sizes[key] = s.path.stat(follow_symlinks=False).st_size
         for n, inc in enumerate(incs):
             later_inc = n + 1 < len(incs)
-            summary.incarnations.append(_one(rank, inc, by_inc[inc], later_inc, summary.bad))
+            one = _one(rank, inc, by_inc[inc], later_inc, summary.bad)
+            one.superseded_by = incs[n + 1] if later_inc else None
+            summary.incarnations.append(one)
     return summary
 
 
@@ -234,10 +249,11 @@ def format_summary(s: SpoolSummary, *, now: float | None = None) -> str:
         lines.append("strays  entries that are not segments (links are never followed):")
         lines += [f"  {p}" for p in s.strays]
     for sh in s.shippers:
+        skipped = f", {sh.skipped_below} left out below W&B's last" if sh.skipped_below else ""
         lines.append(
-            f"shipper {sh.name} -> {sh.target}: step {sh.last_step} "
-            f"({sh.steps_shipped} shipped), lag {sh.lag_steps} steps / {sh.lag_bytes} B, "
-            f"late {sh.late_events}, re-logged {sh.relogged_events}, "
+            f"shipper {sh.name} -> {sh.target}: {sh.state}; step {sh.last_step} "
+            f"({sh.steps_shipped} shipped{skipped}), lag {sh.lag_steps} steps / "
+            f"{sh.lag_bytes} B, late {sh.late_events}, re-logged {sh.relogged_events}, "
             f"corrupt ranges {sh.bad_ranges}, updated {_ago(sh.updated, now)}"
         )
     unknown = sum(i.unknown_kinds + i.unknown_fields for i in s.incarnations)

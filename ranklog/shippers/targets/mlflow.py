@@ -68,7 +68,12 @@ from pathlib import Path
 from typing import Any, Final
 
 from ranklog._version import __version__
-from ranklog.errors import ExtraMissingError, TargetError, TransientTargetError
+from ranklog.errors import (
+    ExtraMissingError,
+    TargetError,
+    TargetHeldError,
+    TransientTargetError,
+)
 from ranklog.schemas import ParamValue
 from ranklog.shippers._held import ALL_NAMES, Holding, StepSet, refuse_other
 from ranklog.shippers._registry import Option, TargetContext, TargetKind
@@ -506,8 +511,10 @@ class MlflowTarget:
         found = self._client.get_run(run_id)
         owner = found.data.tags.get("ranklog.run_id")
         if owner not in (None, self._ranklog_id):
-            raise TargetError(f"MLflow run {run_id} holds ranklog run {owner}, not "
-                              f"{self._ranklog_id}: use another run id")  # fmt: skip
+            raise TargetHeldError(
+                f"MLflow run {run_id} holds run {owner}, not this run {self._ranklog_id}: use "
+                "another --run-id (without one, each ranklog run gets its own MLflow run)"
+            )
         self._exp_id = str(found.info.experiment_id)
         if owner is None:
             new = [RunTag(k, v) for k, v in {"ranklog.run_id": self._ranklog_id, **tags}.items()]

@@ -79,7 +79,7 @@ def _build(arg: str, context: TargetContext, options: Mapping[str, Any]) -> Tens
     _tb()
     return TensorBoardTarget(
         Path(arg).expanduser(), per_rank=context.per_rank, name=options.get("run_name"),
-        gpu_names=options.get("gpu_names") or "ranklog",
+        gpu_names=options.get("gpu_names") or "ranklog", names=context.names,
     )  # fmt: skip
 
 

@@ -359,9 +359,7 @@ class WandbTarget:
         self._wait_for_writers(base)
         mark: dict[str, Any] = {}
         steps, self._config = scan_offline(self.root, base, mark)
-        theirs = Holding(
-            str(mark.get("run_id", run.run_id)), "", str(mark.get("names", ALL_NAMES))
-        )
+        theirs = Holding(str(mark.get("run_id", run.run_id)), "", str(mark.get("names", ALL_NAMES)))
         refuse_other(
             f"W&B run {base} ({self.root / 'wandb'})", theirs,
             Holding(run.run_id, run.name, self.names), steps,
