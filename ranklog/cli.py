@@ -157,17 +157,24 @@ def _log_to_stderr() -> None:
     Called again once a target is built: importing MLflow configures its loggers anew.
     """
     ours = logging.getLogger("ranklog")
-    if not any(getattr(h, "_ranklog", False) for h in ours.handlers):
-        handler = logging.StreamHandler(sys.stderr)
+    if not any(isinstance(h, _Stderr) for h in ours.handlers):
+        handler = _Stderr()
         handler.setFormatter(logging.Formatter("ranklog: %(message)s"))
-        handler._ranklog = True  # type: ignore[attr-defined]
         ours.addHandler(handler)
     ours.setLevel(logging.INFO)
     ours.propagate = False
     # a library's retry bookkeeping (urllib3's "Retrying (Retry(total=...))") never reaches
     # the terminal: the shipper says in one line what failed and what it does about it
-    for name in ("", "urllib3", "requests", "mlflow", "wandb", "alembic", "sqlalchemy", "git"):
+    for name in ("urllib3", "requests", "mlflow", "wandb", "alembic", "sqlalchemy", "git"):
         logging.getLogger(name).setLevel(logging.ERROR)
+
+
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """A handler writing to whatever ``sys.stderr`` is at the time of each record."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
 
 
 class _Stopped(KeyboardInterrupt):

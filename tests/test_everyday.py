@@ -8,8 +8,11 @@ killed at once. Each ends with every step once, or with one line and its exit co
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from ranklog.cli import main
 from ranklog.shippers.targets.jsonl import read_jsonl
 from ranklog.spool import read_run
 
@@ -32,7 +36,7 @@ from mlflow.tracking import MlflowClient
 
 from ranklog.shippers.targets._wandb_log import history_rows, iter_records
 
-from .mlflow_server import free_port, running_server
+from .mlflow_server import free_port
 from .test_tensorboard import tb_back
 
 
@@ -42,6 +46,26 @@ def cli(*args: str, cwd: Path | None = None, timeout: float = 120, **env: str) -
         [sys.executable, "-m", "ranklog.cli", *args], cwd=cwd, env=python_env(**env),
         capture_output=True, text=True, timeout=timeout, check=False,
     )  # fmt: skip
+
+
+def ranklog_cmd(*args: str, cwd: Path | None = None, **env: str) -> Any:
+    """``ranklog ARGS`` in this process (what ``cli`` does, without a start of its own)."""
+    out, err = io.StringIO(), io.StringIO()
+    saved, here = {k: os.environ.get(k) for k in env}, os.getcwd()
+    os.environ.update(env)
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        os.chdir(here)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
 def follow(*args: str, **env: str) -> subprocess.Popen[str]:
@@ -89,6 +113,21 @@ def one_line(err: str) -> str:
     got = err.strip().splitlines()
     assert len(got) == 1, err
     return got[0]
+
+
+@pytest.fixture(scope="module")
+def store_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty MLflow sqlite store, its tables made once (migrations take seconds)."""
+    path = tmp_path_factory.mktemp("mlflow-template") / "m.db"
+    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    return path
+
+
+@pytest.fixture
+def store(store_template: Path, tmp_path: Path) -> str:
+    """The URI of a fresh MLflow sqlite store, ``tmp_path/m.db``."""
+    shutil.copyfile(store_template, tmp_path / "m.db")
+    return f"sqlite:///{tmp_path / 'm.db'}"
 
 
 def wandb_env(tmp: Path) -> dict[str, str]:
@@ -139,7 +178,7 @@ class TestTwoSpellings:
         run = rank(spool, 0, 1)
         for n, spelling in enumerate(("sub/../a.jsonl", "a.jsonl", "./sub/../a.jsonl")):
             log_steps(run, range(50 * n, 50 * n + 50))
-            res = cli("ship", str(spool), "--to", f"jsonl:{spelling}", "--once", "--quiet",
+            res = ranklog_cmd("ship", str(spool), "--to", f"jsonl:{spelling}", "--once", "--quiet",
                       cwd=tmp_path)  # fmt: skip
             assert res.returncode == 0, res.stderr
         assert steps_of(tmp_path / "a.jsonl") == list(range(150))
@@ -151,17 +190,18 @@ class TestTwoSpellings:
         (tmp_path / "tb").mkdir()
         (tmp_path / "alias").symlink_to(tmp_path / "tb")
         for where in ("tb", "alias"):
-            res = cli("ship", str(spool), "--to", f"tensorboard:{tmp_path / where}", "--once",
-                      "--quiet")  # fmt: skip
+            res = ranklog_cmd(
+                "ship", str(spool), "--to", f"tensorboard:{tmp_path / where}", "--once", "--quiet"
+            )
             assert res.returncode == 0, res.stderr
         assert [s for s, _ in tb_back(tmp_path / "tb")] == list(range(20))
         assert len(list((spool / "cursors").glob("*.json"))) == 1
 
-    def test_mlflow_store_spelled_two_ways(self, spool: Path, tmp_path: Path) -> None:
+    def test_mlflow_store_spelled_two_ways(self, spool: Path, tmp_path: Path, store: str) -> None:
         """A sqlite store named relatively and absolutely is one target: one cursor, no repeat."""
         job(spool, range(10))
         for uri in ("sqlite:///m.db", f"sqlite:///{tmp_path / 'm.db'}"):
-            res = cli("ship", str(spool), "--to", f"mlflow:{uri}", "--once", "--quiet",
+            res = ranklog_cmd("ship", str(spool), "--to", f"mlflow:{uri}", "--once", "--quiet",
                       cwd=tmp_path)  # fmt: skip
             assert res.returncode == 0, res.stderr
         assert len(list((spool / "cursors").glob("*.json"))) == 1
@@ -181,9 +221,11 @@ class TestAnotherRun:
         a, b, out = tmp_path / "a", tmp_path / "b", tmp_path / "m.jsonl"
         job(a, range(10))
         job(b, range(15))
-        assert cli("ship", str(a), "--to", f"jsonl:{out}", "--once", "--quiet").returncode == 0
+        assert (
+            ranklog_cmd("ship", str(a), "--to", f"jsonl:{out}", "--once", "--quiet").returncode == 0
+        )
         before = out.read_bytes()
-        res = cli("ship", str(b), "--to", f"jsonl:{out}", "--once", "--quiet")
+        res = ranklog_cmd("ship", str(b), "--to", f"jsonl:{out}", "--once", "--quiet")
         assert res.returncode == 5
         line = one_line(res.stderr)
         assert read_run(a).run_id in line and "--append-run" in line
@@ -195,20 +237,22 @@ class TestAnotherRun:
         job(a, range(10))
         job(b, range(15))
         for spool in (a, b, b):  # B twice: the second time, nothing more
-            res = cli("ship", str(spool), "--to", f"jsonl:{out}", "--once", "--quiet",
+            res = ranklog_cmd("ship", str(spool), "--to", f"jsonl:{out}", "--once", "--quiet",
                       "--append-run")  # fmt: skip
             assert res.returncode == 0, res.stderr
         runs = [x["ranklog"]["run_id"] for x in read_jsonl(out) if "ranklog" in x]
         assert runs == [read_run(s).run_id for s in (a, b)]
         assert steps_of(out) == [*range(10), *range(15)]
 
-    def test_mlflow_run_id_of_another_run_is_refused(self, tmp_path: Path) -> None:
+    def test_mlflow_run_id_of_another_run_is_refused(self, tmp_path: Path, store: str) -> None:
         """Each ranklog run gets its own MLflow run; B into A's run id is refused (exit 5)."""
-        a, b, uri = tmp_path / "a", tmp_path / "b", f"sqlite:///{tmp_path / 'm.db'}"
+        a, b, uri = tmp_path / "a", tmp_path / "b", store
         job(a, range(5))
         job(b, range(7))
         for spool in (a, b):
-            res = cli("ship", str(spool), "--to", f"mlflow:{uri}", "--experiment", "e", "--once")
+            res = ranklog_cmd(
+                "ship", str(spool), "--to", f"mlflow:{uri}", "--experiment", "e", "--once"
+            )
             assert res.returncode == 0, res.stderr
         client = MlflowClient(tracking_uri=uri)
         runs = client.search_runs([client.get_experiment_by_name("e").experiment_id])
@@ -217,7 +261,9 @@ class TestAnotherRun:
         of_a = next(r for r in runs if r.data.tags["ranklog.run_id"] == read_run(a).run_id)
         c = tmp_path / "c"
         job(c, range(3))
-        res = cli("ship", str(c), "--to", f"mlflow:{uri}", "--run-id", of_a.info.run_id, "--once")
+        res = ranklog_cmd(
+            "ship", str(c), "--to", f"mlflow:{uri}", "--run-id", of_a.info.run_id, "--once"
+        )
         assert res.returncode == 5 and "holds run" in one_line(res.stderr), res.stderr
 
     def test_wandb_run_id_of_another_run_is_refused(self, tmp_path: Path) -> None:
@@ -226,8 +272,8 @@ class TestAnotherRun:
         job(a, range(5))
         job(b, range(5))
         to = ["--to", "wandb:p", "--mode", "offline", "--dir", str(tmp_path), "--run-id", "shared"]
-        assert cli("ship", str(a), *to, "--once", "--quiet", **env).returncode == 0
-        res = cli("ship", str(b), *to, "--once", "--quiet", **env)
+        assert ranklog_cmd("ship", str(a), *to, "--once", "--quiet", **env).returncode == 0
+        res = ranklog_cmd("ship", str(b), *to, "--once", "--quiet", **env)
         assert res.returncode == 5 and "holds run" in one_line(res.stderr), res.stderr
         assert wandb_steps(tmp_path) == list(range(5))
 
@@ -239,7 +285,7 @@ class TestAnotherRun:
 def dataset(spool: Path, tmp_path: Path) -> Path:
     """A 300-step run of 2 ranks, compacted."""
     job(spool, range(300), world=2)
-    res = cli("compact", str(spool), "--out", str(tmp_path / "ds"))
+    res = ranklog_cmd("compact", str(spool), "--out", str(tmp_path / "ds"))
     assert res.returncode == 0, res.stderr
     return tmp_path / "ds"
 
@@ -248,19 +294,19 @@ class TestWindowedReplay:
     def test_jsonl_window_then_all(self, dataset: Path, tmp_path: Path) -> None:
         """``--steps 100:200`` then a full replay: steps 0..299, each once, few stderr lines."""
         out = f"jsonl:{tmp_path / 'r.jsonl'}"
-        first = cli("replay", str(dataset), "--to", out, "--steps", "100:200")
+        first = ranklog_cmd("replay", str(dataset), "--to", out, "--steps", "100:200")
         assert first.returncode == 0 and len(first.stderr.splitlines()) <= 2, first.stderr
         assert steps_of(tmp_path / "r.jsonl") == list(range(100, 200))
-        assert cli("replay", str(dataset), "--to", out).returncode == 0
+        assert ranklog_cmd("replay", str(dataset), "--to", out).returncode == 0
         assert sorted(steps_of(tmp_path / "r.jsonl")) == list(range(300))
-        again = cli("replay", str(dataset), "--to", out)  # nothing left to write
+        again = ranklog_cmd("replay", str(dataset), "--to", out)  # nothing left to write
         assert again.returncode == 0 and sorted(steps_of(tmp_path / "r.jsonl")) == list(range(300))
 
     def test_tensorboard_window_then_all(self, dataset: Path, tmp_path: Path) -> None:
         """TensorBoard: the gap is filled in files read in step order; nothing purged or doubled."""
         tb = f"tensorboard:{tmp_path / 'tb'}"
         for window in (["--steps", "100:200"], ["--steps", "250:"], []):
-            res = cli("replay", str(dataset), "--to", tb, *window)
+            res = ranklog_cmd("replay", str(dataset), "--to", tb, *window)
             assert res.returncode == 0, res.stderr
         back = tb_back(tmp_path / "tb")  # raw files: each tag in step order, each step once
         assert [s for s, _ in back] == list(range(300))
@@ -269,21 +315,23 @@ class TestWindowedReplay:
     def test_names_then_all_is_refused(self, dataset: Path, tmp_path: Path) -> None:
         """Steps held with ``--names 'train/*'``: a full replay is refused; the same names fill."""
         tb = f"tensorboard:{tmp_path / 'tb'}"
-        res = cli("replay", str(dataset), "--to", tb, "--names", "train/*", "--steps", "100:200")
+        res = ranklog_cmd(
+            "replay", str(dataset), "--to", tb, "--names", "train/*", "--steps", "100:200"
+        )
         assert res.returncode == 0, res.stderr
-        res = cli("replay", str(dataset), "--to", tb)
+        res = ranklog_cmd("replay", str(dataset), "--to", tb)
         assert res.returncode == 5 and "--names 'train/*'" in one_line(res.stderr)
-        res = cli("replay", str(dataset), "--to", tb, "--names", "train/*")
+        res = ranklog_cmd("replay", str(dataset), "--to", tb, "--names", "train/*")
         assert res.returncode == 0, res.stderr
         back = tb_back(tmp_path / "tb")
         assert [s for s, _ in back] == list(range(300))
         assert all("timing/step" not in m for _, m in back)
 
-    def test_mlflow_window_then_all(self, dataset: Path, tmp_path: Path) -> None:
+    def test_mlflow_window_then_all(self, dataset: Path, store: str) -> None:
         """MLflow: a replay after a windowed one writes the missing steps, each once."""
-        uri = f"sqlite:///{tmp_path / 'm.db'}"
+        uri = store
         for window in (["--steps", "100:200"], []):
-            res = cli("replay", str(dataset), "--to", f"mlflow:{uri}", *window)
+            res = ranklog_cmd("replay", str(dataset), "--to", f"mlflow:{uri}", *window)
             assert res.returncode == 0, res.stderr
         client = MlflowClient(tracking_uri=uri)
         (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
@@ -296,11 +344,11 @@ class TestWindowedReplay:
         writes the steps above and says what it left out."""
         env = wandb_env(tmp_path)
         to = ["--to", "wandb:p", "--mode", "offline", "--dir", str(tmp_path)]
-        assert cli("replay", str(dataset), *to, "--steps", "100:200", **env).returncode == 0
-        res = cli("replay", str(dataset), *to, **env)
+        assert ranklog_cmd("replay", str(dataset), *to, "--steps", "100:200", **env).returncode == 0
+        res = ranklog_cmd("replay", str(dataset), *to, **env)
         assert res.returncode == 5 and "--below-last skip" in one_line(res.stderr)
         assert wandb_steps(tmp_path) == list(range(100, 200))
-        res = cli("replay", str(dataset), *to, "--below-last", "skip", **env)
+        res = ranklog_cmd("replay", str(dataset), *to, "--below-last", "skip", **env)
         assert res.returncode == 0 and "left out" in res.stderr, res.stderr
         assert wandb_steps(tmp_path) == list(range(100, 300))
 
@@ -313,12 +361,12 @@ class TestCompactDelete:
         """No shipper known: --delete deletes; a later ``ship --once`` names the replay (exit 3)."""
         job(spool, range(50))
         ds, out = tmp_path / "ds", tmp_path / "o.jsonl"
-        res = cli("compact", str(spool), "--out", str(ds), "--delete")
+        res = ranklog_cmd("compact", str(spool), "--out", str(ds), "--delete")
         assert res.returncode == 0 and "deleted (verified)" in res.stdout, res.stdout
-        res = cli("ship", str(spool), "--to", f"jsonl:{out}", "--once", "--quiet")
+        res = ranklog_cmd("ship", str(spool), "--to", f"jsonl:{out}", "--once", "--quiet")
         assert res.returncode == 3
         assert f"ranklog replay {ds.resolve()}" in one_line(res.stderr)
-        assert cli("replay", str(ds), "--to", f"jsonl:{out}").returncode == 0
+        assert ranklog_cmd("replay", str(ds), "--to", f"jsonl:{out}").returncode == 0
         assert steps_of(out) == list(range(50))
 
     def test_a_shipper_with_no_cursor_yet_keeps_them(self, spool: Path, tmp_path: Path) -> None:
@@ -329,7 +377,7 @@ class TestCompactDelete:
         lease = Lease(spool, "jsonl-0000", target="jsonl:/elsewhere.jsonl")
         lease.acquire()
         try:
-            res = cli("compact", str(spool), "--out", str(tmp_path / "ds"), "--delete")
+            res = ranklog_cmd("compact", str(spool), "--out", str(tmp_path / "ds"), "--delete")
         finally:
             lease.release()
         assert res.returncode == 0
@@ -341,14 +389,16 @@ class TestCompactDelete:
         run = rank(spool, 0, 1)
         log_steps(run, range(10))
         out = tmp_path / "o.jsonl"
-        assert cli("ship", str(spool), "--to", f"jsonl:{out}", "--once").returncode == 0
+        assert ranklog_cmd("ship", str(spool), "--to", f"jsonl:{out}", "--once").returncode == 0
         log_steps(run, range(10, 20))
         run.close()
-        res = cli("compact", str(spool), "--out", str(tmp_path / "ds"), "--delete")
+        res = ranklog_cmd("compact", str(spool), "--out", str(tmp_path / "ds"), "--delete")
         assert "has not shipped all of it yet" in res.stdout, res.stdout
-        res = cli("compact", str(spool), "--out", str(tmp_path / "ds"), "--delete", "--force")
+        res = ranklog_cmd(
+            "compact", str(spool), "--out", str(tmp_path / "ds"), "--delete", "--force"
+        )
         assert "deleted (verified)" in res.stdout, res.stdout
-        res = cli("ship", str(spool), "--to", f"jsonl:{out}", "--once", "--quiet")
+        res = ranklog_cmd("ship", str(spool), "--to", f"jsonl:{out}", "--once", "--quiet")
         assert res.returncode == 3 and "ranklog replay" in one_line(res.stderr)
 
 
@@ -384,7 +434,7 @@ class TestOnceEnds:
         uri = f"http://127.0.0.1:{free_port()}"
         t0 = time.monotonic()
         res = cli("ship", str(spool), "--to", f"mlflow:{uri}", "--once", "--quiet",
-                  "--retry-for", "3", timeout=120)  # fmt: skip
+                  "--retry-for", "2", timeout=120, MLFLOW_HTTP_REQUEST_MAX_RETRIES="0")  # fmt: skip
         assert res.returncode == 5, res.stderr
         assert time.monotonic() - t0 < 90
         err = res.stderr.strip().splitlines()
@@ -417,39 +467,34 @@ class TestJobEnd:
         ("how", "status"), [("ok", "FINISHED"), ("error", "FAILED"), ("signal", "KILLED")]
     )
     def test_mlflow_run_ends_as_the_ranks_did(
-        self, how: str, status: str, spool: Path, tmp_path: Path
+        self, how: str, status: str, spool: Path, store: str
     ) -> None:
         """Every rank ok: FINISHED; a rank failed: FAILED; a rank stopped by a signal: KILLED."""
         _ended(spool, how)
-        uri = f"sqlite:///{tmp_path / 'm.db'}"
-        res = cli("ship", str(spool), "--to", f"mlflow:{uri}", "--once", "--dead-after", "0")
+        uri = store
+        res = ranklog_cmd(
+            "ship", str(spool), "--to", f"mlflow:{uri}", "--once", "--dead-after", "0"
+        )
         assert res.returncode == 0, res.stderr
         client = MlflowClient(tracking_uri=uri)
         (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
         assert run.info.status == status
         assert run.info.end_time is not None
 
-    @pytest.mark.slow
-    def test_mlflow_server_run_finishes_and_runs_again(self, spool: Path, tmp_path: Path) -> None:
-        """On a real server: FINISHED at the end, RUNNING once a requeued rank logs again."""
-        with running_server(tmp_path / "server") as server:
-            run = rank(spool, 0, 1)
-            log_steps(run, range(5))
-            run.close()
-            to = ["--to", f"mlflow:{server.uri}", "--quiet"]
-            assert cli("ship", str(spool), *to, "--once").returncode == 0
-            client = MlflowClient(tracking_uri=server.uri)
-            (got,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
-            assert got.info.status == "FINISHED"
-            again = rank(spool, 0, 1)  # a requeue: the next incarnation
-            again.log_metrics({"loss": 9.0}, step=5)
-            again.step_end(5)
-            again.flush()
-            assert cli("ship", str(spool), *to, "--once").returncode == 0
-            assert client.get_run(got.info.run_id).info.status == "RUNNING"
-            again.close()
-            assert cli("ship", str(spool), *to, "--once").returncode == 0
-            assert client.get_run(got.info.run_id).info.status == "FINISHED"
+    def test_an_uncaught_exception_fails_the_run(self, spool: Path, store: str) -> None:
+        """A training script that dies of an exception (no close()): the MLflow run FAILED."""
+        code = (
+            "import os, ranklog; r = ranklog.init(os.environ['SPOOL'], rank=0, world_size=1);"
+            "r.log_metrics({'x': 1.0}, step=0); r.step_end(0); raise RuntimeError('boom')"
+        )
+        proc = subprocess.run([sys.executable, "-c", code], env=python_env(SPOOL=str(spool)),
+                              capture_output=True, text=True, check=False)  # fmt: skip
+        assert proc.returncode == 1 and "boom" in proc.stderr
+        uri = store
+        assert ranklog_cmd("ship", str(spool), "--to", f"mlflow:{uri}", "--once").returncode == 0
+        client = MlflowClient(tracking_uri=uri)
+        (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+        assert run.info.status == "FAILED"
 
     @pytest.mark.parametrize(("how", "code"), [("ok", 0), ("error", 1)])
     def test_wandb_run_finishes_with_the_exit_code(
@@ -458,7 +503,7 @@ class TestJobEnd:
         """The W&B run's exit record carries 0 when every rank ended ok, 1 when one failed."""
         _ended(spool, how)
         to = ["--to", "wandb:p", "--mode", "offline", "--dir", str(tmp_path)]
-        res = cli("ship", str(spool), *to, "--once", "--quiet", **wandb_env(tmp_path))
+        res = ranklog_cmd("ship", str(spool), *to, "--once", "--quiet", **wandb_env(tmp_path))
         assert res.returncode == 0, res.stderr
         exits = [
             rec.exit.exit_code
@@ -473,7 +518,7 @@ class TestJobEnd:
 
 
 def _inspect(spool: Path) -> dict[str, Any]:
-    res = cli("inspect", str(spool), "--json")
+    res = ranklog_cmd("inspect", str(spool), "--json")
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)  # type: ignore[no-any-return]
 
@@ -580,7 +625,7 @@ class TestWholeJobKill:
     def test_no_recorded_target_is_one_line(self, spool: Path) -> None:
         """``ranklog ship SPOOL --once`` with no shipper recorded: one line, exit 2."""
         job(spool, range(2))
-        res = cli("ship", str(spool), "--once")
+        res = ranklog_cmd("ship", str(spool), "--once")
         assert res.returncode == 2 and "--to" in one_line(res.stderr)
 
     def test_a_shipper_follows_its_training_process(self, spool: Path, tmp_path: Path) -> None:

@@ -37,7 +37,7 @@ from .compliance import (
 )
 from .conftest import python_env, run_python
 from .mlflow_server import MlflowServer, free_port, running_server
-from .shiphelp import build_target, lines, rank
+from .shiphelp import build_target, lines, log_steps, rank
 
 pytest.importorskip("mlflow", reason="installed by ./tools/test (extra ranklog[mlflow])")
 
@@ -368,6 +368,25 @@ class TestServer:
         (run,) = client.search_runs(exps, query)
         hist = history(client, run.info.run_id, ["loss", MARKER])
         assert sorted(hist["loss"]) == sorted(hist[MARKER]) == list(range(60))
+
+    def test_run_finishes_and_runs_again(self, server: MlflowServer, spool: Path) -> None:
+        """The run ends FINISHED with its ranks, RUNNING once a requeued rank logs again."""
+        client = MlflowClient(tracking_uri=server.uri)
+        first = rank(spool, 0, 1)
+        log_steps(first, range(5))
+        first.close()
+        run_once(spool, make(server.uri, spool))
+        query = f"tags.\"ranklog.run_id\" = '{read_run(spool).run_id}'"
+        (got,) = client.search_runs([e.experiment_id for e in client.search_experiments()], query)
+        assert got.info.status == "FINISHED" and got.info.end_time is not None
+        again = rank(spool, 0, 1)  # a requeue: the next incarnation
+        log_steps(again, range(5, 7))
+        run_once(spool, make(server.uri, spool))
+        assert client.get_run(got.info.run_id).info.status == "RUNNING"
+        again.close()
+        run_once(spool, make(server.uri, spool))
+        assert client.get_run(got.info.run_id).info.status == "FINISHED"
+        assert sorted(history(client, got.info.run_id, ["loss"])["loss"]) == list(range(7))
 
 
 @pytest.mark.slow

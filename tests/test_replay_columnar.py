@@ -804,5 +804,5 @@ class TestMoreDepartures:
         compact(spool, tmp_path / "pq")
         assert _planned(tmp_path / "pq") == (True, "")
         out = _replays(tmp_path / "pq", tmp_path, monkeypatch)
-        got = [json.loads(line)["metrics"] for line in out.splitlines()]
+        got = [x["metrics"] for x in map(json.loads, out.splitlines()) if "metrics" in x]
         assert [m["x/max"] for m in got] == [5.0, 7.0, 2.0]

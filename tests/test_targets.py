@@ -114,5 +114,5 @@ class TestWalkThrough:
         out = tmp_path / "out.jsonl"
         proc = _cli(site, "ship", str(spool), "--to", f"jsonl:{out}", "--once", "--quiet")
         assert proc.returncode == 0, proc.stderr
-        assert len(out.read_text().splitlines()) == 3
+        assert len(out.read_text().splitlines()) == 4  # the run line, then 3 steps
         assert "target entry point csv (no_such_module:TARGET) cannot be loaded" in proc.stderr
