@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
-__all__ = ["DIR_MODE", "FILE_MODE", "atomic_write", "fsync_dir"]
+__all__ = ["DIR_MODE", "FILE_MODE", "atomic_write", "create_once", "fsync_dir"]
 
 #: files ranklog creates (under the caller's umask)
 FILE_MODE: Final = 0o640
@@ -76,3 +78,31 @@ def atomic_write(
             os.unlink(tmp)
     if sync_dir:
         fsync_dir(path.parent)
+
+
+def create_once(path: str | os.PathLike[str], data: bytes, *, mode: int = FILE_MODE) -> bool:
+    """Create ``path`` holding ``data`` unless it exists; whether this call created it.
+
+    The data goes to a private temporary file first (fsync'd), which is then ``link()``ed
+    to ``path``: that fails with EEXIST when the name exists, atomically, also on NFS,
+    and unlike ``O_CREAT | O_EXCL`` it never shows anyone a half-written file.
+    """
+    path = Path(path)
+    tmp = path.with_name(
+        f".{path.name}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    )
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    fsync_dir(path.parent)
+    return True

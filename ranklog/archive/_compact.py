@@ -439,12 +439,13 @@ def _unfinished_by_shippers(layout: SpoolLayout) -> tuple[set[SegmentId], str]:
     every segment too.
     """
     from ranklog.shippers import load_cursor  # the shipper engine: only --delete needs it
+    from ranklog.shippers._lease import read_leases
 
     out: set[SegmentId] = set()
     segments = [seg.id for seg in layout.all_segments()]
     d = layout.cursors_dir
     names = {p.stem for p in d.glob("*.json")} if d.is_dir() else set()
-    leases = {p.name.removesuffix(".lease") for p in d.glob("*.lease")} if d.is_dir() else set()
+    leases = {lease.key: lease for lease in read_leases(layout.root)}
     who: list[str] = []
     for name in sorted(names):
         try:
@@ -455,9 +456,9 @@ def _unfinished_by_shippers(layout: SpoolLayout) -> tuple[set[SegmentId], str]:
         if left:
             out.update(left)
             who.append(f"shipper {name}" + (f" ({cursor.target})" if cursor else ""))
-    for name in sorted(leases - names):
+    for name in sorted(set(leases) - names):
         out.update(segments)
-        who.append(f"shipper {name} (running, no cursor yet)")
+        who.append(f"shipper of {leases[name].target} ({leases[name].state()}, no cursor yet)")
     return out, " and ".join(who[:2]) + (f" and {len(who) - 2} more" if len(who) > 2 else "")
 
 

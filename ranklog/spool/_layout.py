@@ -14,18 +14,16 @@ Listing never follows symbolic links: a link in the spool is reported, not read.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import socket
 import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Final
 
-from ranklog._fs import DIR_MODE, FILE_MODE, fsync_dir
+from ranklog._fs import DIR_MODE, FILE_MODE, create_once
 from ranklog.errors import ConfigError, SpoolFormatError
 from ranklog.spool._segid import SegmentId
 
@@ -213,21 +211,7 @@ def ensure_run(
         name=name or layout.root.resolve().name,
         world_size=world_size,
     )
-    tmp = layout.root / f".run.json.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
-    try:
-        os.write(fd, info.to_json())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
-        os.link(tmp, layout.run_json)
-        fsync_dir(layout.root)
-    except FileExistsError:
-        pass
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+    create_once(layout.run_json, info.to_json())
     return read_run(root)
 
 

@@ -48,7 +48,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ranklog._fs import fsync_dir
+from ranklog._fs import create_once
 from ranklog.errors import TargetError
 from ranklog.schemas import ParamValue
 from ranklog.shippers._held import ALL_NAMES, Holding, StepSet, refuse_other
@@ -154,8 +154,8 @@ class JsonlTarget:
                     "after it",
                 )  # fmt: skip
             if scan.adopts(mine):
-                log.warning("%s: its lines before any run line are taken as run %s's (an "
-                            "older ranklog's file)", self.path, run.run_id)  # fmt: skip
+                log.info("%s: its lines before any run line are taken as run %s's (an older "
+                         "ranklog's file)", self.path, run.run_id)  # fmt: skip
             steps, params = scan.held_by(mine)
             self._end = os.fstat(fd).st_size
         except BaseException:
@@ -245,23 +245,8 @@ def _create(path: Path, first: bytes) -> None:
     Two runs shipping to one new file at once: one creates it with its run line, the
     other finds that line and is refused, never both writing their lines into it.
     """
-    if path.exists():
-        return
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.new")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        os.write(fd, first)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
-        os.link(tmp, path)
-        fsync_dir(path.parent)
-    except FileExistsError:
-        pass
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+    if not path.exists():
+        create_once(path, first, mode=0o644)
 
 
 def _repair(fd: int) -> None:

@@ -453,6 +453,8 @@ class MlflowTarget:
         """The job ended: the run (and each rank's child run) ends FINISHED, FAILED or KILLED,
         at the time of the last step written (now, if this session wrote none)."""
         state = {"finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}[status]
+        if state == self._status:
+            return  # ended so already (a second shipper at the end of a job): keep its time
         end = _ms(self._last_ts) if self._last_ts is not None else None
         with _guard("end"):
             for run_id in (*self._children.values(), self.run_id):
