@@ -22,18 +22,17 @@ class, never a traceback.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ranklog._cli_run import OPT, log_to_stderr, long_running, options
 from ranklog._version import __version__
 from ranklog.errors import ConfigError, RanklogError
 
@@ -41,9 +40,6 @@ if TYPE_CHECKING:
     from ranklog.spool._inspect import SpoolSummary
 
 __all__ = ["build_parser", "main"]
-
-#: where parsed target option values go in the namespace (``opt_run_name`` ...)
-_OPT = "opt_"
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -107,266 +103,16 @@ def _add_shippers(summary: SpoolSummary) -> None:
         )  # fmt: skip
 
 
-def _long_running() -> None:
-    """Tune the collector for a shipper process, once its backend library is imported.
-
-    What a shipper allocates (events, values, steps) is acyclic and freed by reference
-    counting; what it imported (a backend's modules: MLflow and SQLAlchemy hold about a
-    million objects) stays for good. Frozen, those are never traversed again, and full
-    collections come a hundred times less often: they were a third of MLflow shipping.
-    """
-    gc.freeze()
-    gc.set_threshold(100_000, 50, 100)
-    if "pyarrow" in sys.modules and not os.environ.get("ARROW_DEFAULT_MEMORY_POOL"):
-        # Compaction and replay allocate and free columns all the time; the system
-        # allocator measured up to twice as fast as mimalloc for that (the user's
-        # ARROW_DEFAULT_MEMORY_POOL, when set, wins).
-        import pyarrow as pa
-
-        pa.set_memory_pool(pa.system_memory_pool())
-    if "pyarrow" in sys.modules and "pandas" not in sys.modules:
-        _pyarrow_without_pandas()
-
-
-def _pyarrow_without_pandas() -> None:
-    """Spare a compaction or replay the ~0.25 s of importing pandas, which it never uses.
-
-    pyarrow imports pandas (when installed) on its first conversion, to check whether an
-    input is a pandas object. Shown absent for that one check, pyarrow stops asking;
-    pandas itself stays importable, and anything that needs it in pyarrow imports it then.
-    """
-    import pyarrow as pa
-
-    class NoPandas:  # `import pandas` fails, for the one check
-        @staticmethod
-        def find_spec(name: str, *args: object) -> None:
-            if name == "pandas":
-                raise ImportError("pandas is not needed here")
-
-    blocker = NoPandas()
-    sys.meta_path.insert(0, blocker)
-    try:
-        pa.array([0])
-    finally:
-        sys.meta_path.remove(blocker)
-
-
-def _log_to_stderr() -> None:
-    """ranklog's own messages on stderr, one line each; libraries' only when they are errors.
-
-    Called again once a target is built: importing MLflow configures its loggers anew.
-    """
-    ours = logging.getLogger("ranklog")
-    if not any(isinstance(h, _Stderr) for h in ours.handlers):
-        handler = _Stderr()
-        handler.setFormatter(logging.Formatter("ranklog: %(message)s"))
-        ours.addHandler(handler)
-    ours.setLevel(logging.INFO)
-    ours.propagate = False
-    # a library's retry bookkeeping (urllib3's "Retrying (Retry(total=...))") never reaches
-    # the terminal: the shipper says in one line what failed and what it does about it
-    for name in ("urllib3", "requests", "mlflow", "wandb", "alembic", "sqlalchemy", "git"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-
-
-class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
-    """A handler writing to whatever ``sys.stderr`` is at the time of each record."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.stream = sys.stderr
-        super().emit(record)
-
-
-class _Stopped(KeyboardInterrupt):
-    """SIGTERM, turned into an exception so that the shipper stops like on Ctrl-C."""
-
-
-def _on_sigterm(signum: int, frame: object) -> None:
-    raise _Stopped
-
-
 def _ship(args: argparse.Namespace) -> int:
-    from ranklog.shippers import Progress, Shipper, make_target
-    from ranklog.shippers._retry import ONCE_RETRY_FOR
-    from ranklog.spool import require_run
+    from ranklog._cli_ship import ship
 
-    targets: list[str] = args.to or []
-    require_run(args.spool)
-    if not targets:
-        return _ship_known(args)
-    if len(targets) > 1 and not args.in_process:
-        return _ship_each(args, targets)
-    _log_to_stderr()
-    if args.ray is not None and args.readers < 1:
-        raise ConfigError(f"--readers must be at least 1, got {args.readers}")
-    retry_for = args.retry_for
-    if retry_for is None and args.once:
-        retry_for = ONCE_RETRY_FOR
-    code = 0
-    for spec in targets:
-        name = args.name if args.name and len(targets) == 1 else None
-        argv = _ship_argv(args, spec)
-        if args.ray is not None:
-            _ship_on_ray(args, spec, name, retry_for=retry_for, argv=argv)
-            continue
-        target = make_target(
-            spec, args.spool, _options(args), per_rank=args.per_rank, append_run=args.append_run
-        )
-        _log_to_stderr()
-        _long_running()
-        shipper = Shipper(
-            args.spool,
-            target,
-            name=name,
-            poll=args.poll,
-            dead_after=args.dead_after,
-            start_grace=args.start_grace,
-            per_rank=args.per_rank,
-            progress=None if args.quiet else Progress(),
-            lease_ttl=args.lease_ttl,
-            late=args.late,
-            retry_for=retry_for,
-            parent=args.exit_with,
-            below_last=args.below_last,
-            argv=argv,
-        )
-        previous = signal.signal(signal.SIGTERM, _on_sigterm)
-        try:
-            code = max(code, shipper.run_forever(once=args.once))
-        except KeyboardInterrupt as exc:
-            what = "terminated" if isinstance(exc, _Stopped) else "interrupted"
-            print(
-                f"ranklog ship: {what}; {spec} holds every step up to {shipper.shipped_upto} "
-                f"({shipper.stats.steps_shipped} shipped); run the same command to resume",
-                file=sys.stderr,
-            )
-            return 143 if isinstance(exc, _Stopped) else 130
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-    return code
-
-
-def _ship_on_ray(args: argparse.Namespace, spec: str, name: str | None, **shipper: Any) -> None:
-    from ranklog.shippers._fanin import FanIn, ship_on_ray
-
-    ship_on_ray(
-        args.ray or None,
-        args.spool,
-        spec,
-        _options(args),
-        FanIn(readers=args.readers, reader_cpus=args.reader_cpus),
-        name=name,
-        poll=args.poll,
-        dead_after=args.dead_after,
-        start_grace=args.start_grace,
-        per_rank=args.per_rank,
-        once=args.once,
-        quiet=args.quiet,
-        lease_ttl=args.lease_ttl,
-        late=args.late,
-        below_last=args.below_last,
-        **shipper,
-    )
-
-
-def _options(args: argparse.Namespace) -> dict[str, Any]:
-    """The target options given on the command line (unset ones left out)."""
-    return {
-        key[len(_OPT) :]: value
-        for key, value in vars(args).items()
-        if key.startswith(_OPT) and value is not None and value is not False
-    }
-
-
-def _ship_argv(args: argparse.Namespace, spec: str) -> list[str]:
-    """The ``ranklog ship SPOOL`` arguments that start this target's shipper again (kept in
-    its cursor): the target and its options, never ``--once`` and the like."""
-    from ranklog.shippers import all_options
-
-    flags = ["--to", spec, "--dead-after", str(args.dead_after)]
-    flags += ["--start-grace", str(args.start_grace), "--lease-ttl", str(args.lease_ttl)]
-    flags += ["--late", args.late, "--below-last", args.below_last]
-    flags += ["--per-rank"] * args.per_rank + ["--append-run"] * args.append_run
-    if args.poll is not None:
-        flags += ["--poll", str(args.poll)]
-    if args.ray is not None:
-        flags += [f"--ray={args.ray}", "--readers", str(args.readers)]
-        flags += ["--reader-cpus", str(args.reader_cpus)]
-    if args.name:
-        flags += ["--name", args.name]
-    declared = all_options()
-    for key, value in _options(args).items():
-        opt = declared[key][0]
-        flags += [opt.flag] if value is True else [opt.flag, str(value)]
-    return flags
-
-
-def _invocation(args: argparse.Namespace) -> list[str]:
-    """The flags of this command that are not part of a target's shipper (``--once``)."""
-    flags = ["--once"] * args.once + ["--quiet"] * args.quiet
-    if args.retry_for is not None:
-        flags += ["--retry-for", str(args.retry_for)]
-    if args.exit_with is not None:
-        flags += ["--exit-with", str(args.exit_with)]
-    return flags
-
-
-def _children(cmds: list[tuple[list[str], str | None]]) -> int:
-    """Run ``ranklog ship`` processes side by side; the highest exit code."""
-    procs = [subprocess.Popen(cmd, env=dict(os.environ), cwd=cwd) for cmd, cwd in cmds]
-    try:
-        return max((p.wait() for p in procs), default=0)
-    except KeyboardInterrupt:
-        for p in procs:
-            p.terminate()
-        return max(p.wait() for p in procs)
-
-
-def _ship_each(args: argparse.Namespace, targets: list[str]) -> int:
-    """One process per target: a slow or broken target never holds another back."""
-    base = [sys.executable, "-m", "ranklog.cli", "ship", args.spool]
-    cmds: list[tuple[list[str], str | None]] = []
-    for spec in targets:
-        argv = _ship_argv(args, spec)
-        if args.name:  # one cursor name per target
-            argv[argv.index("--name") + 1] = f"{args.name}-{spec.partition(':')[0]}"
-        cmds.append(([*base, *argv, *_invocation(args)], None))
-    return _children(cmds)
-
-
-def _ship_known(args: argparse.Namespace) -> int:
-    """``ranklog ship SPOOL`` with no ``--to``: every target this spool's shippers recorded.
-
-    The epilogue of a job: whatever the shippers a training process started did not get
-    to (they were killed with it), the same targets get now, with the same options.
-    """
-    from ranklog.shippers import list_cursors
-
-    base = [sys.executable, "-m", "ranklog.cli", "ship", os.path.abspath(args.spool)]
-    cmds: list[tuple[list[str], str | None]] = []
-    unknown = []
-    for c in list_cursors(args.spool):
-        if not c.argv:
-            unknown.append(c)
-            continue
-        cmds.append(([*base, *c.argv, *_invocation(args)], c.cwd or None))
-    for c in unknown:
-        print(f"ranklog ship: shipper {c.name} ({c.target}) was not started by `ranklog "
-              f"ship` (or by an older ranklog): ship it with --to {c.target}",
-              file=sys.stderr)  # fmt: skip
-    if not cmds:
-        raise ConfigError(
-            f"no --to given and no shipper of {args.spool} recorded its target: name the "
-            "targets with --to"
-        )
-    code = _children(cmds)
-    return max(code, ConfigError.exit_code if unknown else 0)
+    return ship(args)
 
 
 def _compact(args: argparse.Namespace) -> int:
     from ranklog.archive import compact
 
-    _long_running()
+    long_running()
     res = compact(args.spool, args.out, delete=args.delete, force=args.force)
     rows = ", ".join(f"{t} {n:,}" for t, n in sorted(res.rows.items())) or "nothing new"
     print(f"compacted {res.files} files into {args.out}: {rows}")
@@ -399,13 +145,13 @@ def _replay(args: argparse.Namespace) -> int:
     if not args.to:
         raise ConfigError("replay needs a target: --to TARGET")
     require_manifest(args.dataset)
-    _log_to_stderr()
+    log_to_stderr()
     code = 0
     for spec in args.to:
-        target = make_target(spec, args.dataset, _options(args), per_rank=args.per_rank,
+        target = make_target(spec, args.dataset, options(args), per_rank=args.per_rank,
                              names=args.names, append_run=args.append_run)  # fmt: skip
-        _log_to_stderr()
-        _long_running()
+        log_to_stderr()
+        long_running()
         code = max(code, replay(args.dataset, target, steps=args.steps, names=args.names,
                                 per_rank=args.per_rank, relogged=args.relogged,
                                 late=args.late, below_last=args.below_last,
@@ -477,10 +223,10 @@ def _target_flags(p: argparse.ArgumentParser) -> None:
         text = f"{opt.help} [{', '.join(kinds)}]"
         try:
             if opt.type is bool:
-                group.add_argument(opt.flag, dest=_OPT + name, action="store_true", help=text)
+                group.add_argument(opt.flag, dest=OPT + name, action="store_true", help=text)
             else:
                 group.add_argument(
-                    opt.flag, dest=_OPT + name, type=opt.parse, help=text,
+                    opt.flag, dest=OPT + name, type=opt.parse, help=text,
                     metavar=opt.metavar or (" | ".join(opt.choices) if opt.choices else None)
                     or name.upper(),
                 )  # fmt: skip

@@ -179,7 +179,7 @@ ALLOWED_RAISES: dict[tuple[str, str], str] = {
     ("ranklog/spool/_writer.py", "OSError"): "a short write, caught at once like any failed write",
     ("ranklog/cli.py", "ValueError"): "a bad --steps value, caught at once for argparse",
     ("ranklog/cli.py", "ArgumentTypeError"): "argparse's protocol: a usage error, exit 2",
-    ("ranklog/cli.py", "ImportError"): "an import hook's protocol: pandas shown absent to "
+    ("ranklog/_cli_run.py", "ImportError"): "an import hook's protocol: pandas shown absent to "
     "pyarrow's one optional check, in compact/replay processes",
     ("ranklog/archive/__init__.py", "AttributeError"): "a module __getattr__'s protocol "
     "(replay imported on first use)",

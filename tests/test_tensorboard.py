@@ -33,6 +33,7 @@ from tensorboard.util import tensor_util
 
 from ranklog.errors import ConfigError, TargetError
 from ranklog.shippers import ShippedStep, Shipper, TextItem
+from ranklog.shippers.targets import _tfrecord as tfr
 from ranklog.shippers.targets import tensorboard as tbt
 from ranklog.shippers.targets.tensorboard import HPARAMS_FILE, TensorBoardTarget, crc32c
 from ranklog.spool import RunInfo, read_run
@@ -272,7 +273,7 @@ class TestTornLate:
         _session(tmp_path / "tb", batch)
         (path,) = _session_files(tmp_path / "tb")
         full = path.read_bytes()
-        spans = tbt._spans(full, len(full))
+        spans = tfr.spans(full, len(full))
         records = [event_pb2.Event.FromString(full[a:b]) for a, b in spans]
         late = [r.source_metadata.writer == "ranklog late" for r in records]
         assert [(r.step, x) for r, x in zip(records, late, strict=True)][2:] == [
@@ -665,20 +666,20 @@ class TestWiring:
     ) -> None:
         """The CRCs of a batch, with numpy (parts over the table's rows in pieces), are exact."""
         if rows is not None:
-            monkeypatch.setattr(tbt, "_ROWS_MAX", rows)
-            monkeypatch.setattr(tbt, "_rows", [])
+            monkeypatch.setattr(tfr, "_ROWS_MAX", rows)
+            monkeypatch.setattr(tfr, "_rows", [])
         if per_pass is not None:
-            monkeypatch.setattr(tbt, "_NP_PASS", per_pass)
+            monkeypatch.setattr(tfr, "_NP_PASS", per_pass)
         rng = random.Random(7)
         sizes = [0, 1, 3, 4, 5, 8, 63, 64, 65, 127, 128, 129, 391, 4095, 4096, 4097, 9000]
         datas = [rng.randbytes(rng.choice(sizes)) for _ in range(120)]
-        datas += [rng.randbytes(tbt._NP_MAX + 1), b"\xff" * 70_000, bytes(5000)]
+        datas += [rng.randbytes(tfr._NP_MAX + 1), b"\xff" * 70_000, bytes(5000)]
         want = [crc32c(d) for d in datas]
         assert want[:60] == [tb_crc32c(d) for d in datas[:60]]
-        assert tbt._crcs(datas) == want
-        assert tbt._crcs(datas[::-1]) == want[::-1]
-        assert [tbt._crcs([d])[0] for d in datas[:30]] == want[:30]
-        assert tbt._crcs([]) == []
+        assert tfr._crcs(datas) == want
+        assert tfr._crcs(datas[::-1]) == want[::-1]
+        assert [tfr._crcs([d])[0] for d in datas[:30]] == want[:30]
+        assert tfr._crcs([]) == []
 
     def test_records_check_with_tensorboard_and_match_python(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -692,7 +693,7 @@ class TestWiring:
         files = []
         for numpy in (True, False):
             if not numpy:
-                monkeypatch.setattr(tbt, "_numpy", lambda: None)
+                monkeypatch.setattr(tfr, "_numpy", lambda: None)
             _session(tmp_path / str(numpy), steps, {"lr": 0.1})
             (session,) = _session_files(tmp_path / str(numpy))
             files.append(

@@ -82,7 +82,7 @@ class Check:
 #: "rss_mb": peak} (VmHWM: ru_maxrss can carry the forking parent's peak across exec)
 CHILD: Final = """
 import json, resource, sys, time
-from ranklog.cli import _long_running
+from ranklog._cli_run import long_running as _long_running
 from ranklog.shippers import Shipper, make_target
 spool, spec, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 target = make_target(spec, spool, options)

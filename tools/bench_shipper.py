@@ -665,9 +665,9 @@ def _archive_profile(
 
     Replay's reader thread is not in the profile (cProfile follows the calling thread).
     """
+    from ranklog._cli_run import long_running as _long_running
     from ranklog.archive import compact
     from ranklog.archive import replay as replay_dataset
-    from ranklog.cli import _long_running
     from ranklog.shippers.targets.jsonl import JsonlTarget
 
     _long_running()  # the collector and allocator as the CLI commands tune them

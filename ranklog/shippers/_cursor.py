@@ -13,6 +13,7 @@ the directory): a crash leaves either the old cursor or the new one.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from pathlib import Path
@@ -22,9 +23,18 @@ import msgspec
 from ranklog._fs import DIR_MODE, atomic_write
 from ranklog.errors import CursorError
 from ranklog.schemas import ParamValue
-from ranklog.spool import NO_STEP, SegmentId, SpoolLayout, watermark
+from ranklog.spool import NO_STEP, RunInfo, SegmentId, SpoolLayout, deleted_segments, watermark
 
-__all__ = ["CURSOR_VERSION", "Cursor", "IncState", "SegmentCursor", "load_cursor", "save_cursor"]
+__all__ = [
+    "CURSOR_VERSION",
+    "Cursor",
+    "IncState",
+    "SegmentCursor",
+    "adopt_legacy_cursor",
+    "check_not_deleted",
+    "load_cursor",
+    "save_cursor",
+]
 
 CURSOR_VERSION = 1
 
@@ -96,6 +106,8 @@ class Cursor(msgspec.Struct, forbid_unknown_fields=False):
         return entry is not None and entry.done
 
 
+log = logging.getLogger("ranklog.ship")
+
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Cursor)
 
@@ -139,3 +151,33 @@ def list_cursors(spool: str | os.PathLike[str]) -> list[Cursor]:
             if c is not None:
                 out.append(c)
     return out
+
+
+def adopt_legacy_cursor(
+    spool: str | os.PathLike[str], legacy: str, name: str, run: RunInfo
+) -> bool:
+    """Rename the cursor ``legacy`` (named by an older ranklog after the spec as typed) to
+    ``name`` (named after what the target writes to); whether it did."""
+    old, new = cursor_path(spool, legacy), cursor_path(spool, name)
+    if legacy == name or not old.exists() or new.exists():
+        return False
+    cursor = load_cursor(spool, legacy)
+    if cursor is None or cursor.run_id not in (None, run.run_id):
+        return False
+    log.info("cursor %s renamed %s (named after what its target writes to)", legacy, name)
+    os.replace(old, new)
+    return True
+
+
+def check_not_deleted(spool: str | os.PathLike[str], cursor: Cursor, spec: str) -> None:
+    """:class:`CursorError` naming the dataset and the ``ranklog replay`` command when
+    ``compact --delete`` removed segments before this cursor's shipper shipped them."""
+    gone = [d for d in deleted_segments(spool) if not cursor.done(d.segment)]
+    if gone:
+        first = gone[0]
+        raise CursorError(
+            f"{len(gone)} segment(s) of this spool ({first.segment.key}, ...) were compacted "
+            f"into {first.dataset} and deleted before this shipper shipped them: ship from "
+            f"the dataset with `ranklog replay {first.dataset} --to {spec}` (it writes only "
+            f"the steps {spec} lacks)"
+        )

@@ -29,57 +29,43 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Final, Protocol
+from typing import Final
 
 from ranklog._proc import process_running
 from ranklog.errors import (
-    ConfigError,
     CursorError,
-    SpoolError,
     TailRestartedError,
-    TargetError,
-    TargetHeldError,
     TransientTargetError,
 )
 from ranklog.schemas import ParamValue
-from ranklog.shippers._cursor import Cursor, cursor_path, load_cursor, save_cursor
-from ranklog.shippers._held import StepSet, as_step_set
+from ranklog.shippers._cursor import (
+    Cursor,
+    adopt_legacy_cursor,
+    check_not_deleted,
+    load_cursor,
+    save_cursor,
+)
 from ranklog.shippers._lease import DEFAULT_TTL, Lease
 from ranklog.shippers._progress import Progress, Status
 from ranklog.shippers._registry import default_name
 from ranklog.shippers._retry import RetryClock, describe, is_permanent, permanent_error
 from ranklog.shippers._source import Source, SpoolSource
-from ranklog.shippers._steps import StepPartial
 from ranklog.shippers._tail import (
     NO_GAP,
-    RankTail,
     RankView,
-    StepGap,
-    TailCommit,
-    TailPoll,
     check_late,
 )
-from ranklog.shippers._target import ShippedStep, Target, target_identity
+from ranklog.shippers._tails import LocalTails, Tails
+from ranklog.shippers._target import ShippedStep, Target, job_status, target_identity
+from ranklog.shippers._written import BELOW_LAST, TargetHeld
 from ranklog.spool import BadRange, RunInfo, read_run
 
-__all__ = ["BELOW_LAST", "EngineStats", "LocalTails", "Shipper", "Tails", "job_status"]
+__all__ = ["BELOW_LAST", "EngineStats", "LocalTails", "Shipper", "Tails"]
 
 log = logging.getLogger("ranklog.ship")
 
 #: steps handed to the target in one write
 BATCH_STEPS: Final = 1000
-#: what to do with a step a target cannot write because it lies below its last one (W&B)
-BELOW_LAST: Final = ("refuse", "skip")
-
-
-def job_status(views: list[RankView]) -> str:
-    """How the job ended, from its ranks (all released): see ``JOB_STATUSES``."""
-    statuses = [v.status for v in views]
-    if any(s in ("error", "dead", "unknown") for s in statuses):
-        return "failed"
-    if any(s in ("signal", "interrupted") for s in statuses):
-        return "killed"
-    return "finished"
 
 
 @dataclass(slots=True)
@@ -91,85 +77,6 @@ class EngineStats:
     late_events: int = 0
     relogged_events: int = 0
     bad: list[BadRange] = field(default_factory=list)
-
-
-class Tails(Protocol):
-    """The reading half as the root sees it: one local tail, or a fan-in of reader actors."""
-
-    @property
-    def mode(self) -> str:
-        """How changes are noticed, for status lines."""
-        ...
-
-    def open(self, run: RunInfo, cursor: Cursor | None) -> None:
-        """Start reading (from ``cursor``'s offsets, if any)."""
-        ...
-
-    def poll(self, shipped_upto: int, gap: StepGap, floor: int | None) -> TailPoll:
-        """One read round everywhere; ``floor``: lowest watermark of ranks waited for."""
-        ...
-
-    def partials(self, steps: list[int], *, per_rank: bool) -> list[StepPartial | None]:
-        """Each step's partial over every rank."""
-        ...
-
-    def commit(self, shipped_upto: int, gap: StepGap, *, params_pending: bool) -> TailCommit:
-        """Consume what the target accepted; the segment and rank state to save."""
-        ...
-
-    def wait(self, timeout: float) -> None:
-        """Sleep until something may have changed."""
-        ...
-
-    def close(self) -> None:
-        """Stop reading."""
-        ...
-
-
-class LocalTails:
-    """One :class:`RankTail` over every rank, in the shipper's own process."""
-
-    def __init__(self, source: Source, *, dead_after: float, late: str = "count") -> None:
-        self.source = source
-        self.dead_after = dead_after
-        self.late = late
-        self.tail: RankTail | None = None
-
-    @property
-    def mode(self) -> str:
-        """The source's way of noticing changes."""
-        return self.source.mode
-
-    def open(self, run: RunInfo, cursor: Cursor | None) -> None:
-        """Make the tail; restore it from ``cursor``."""
-        self.tail = RankTail(self.source, run, dead_after=self.dead_after, late=self.late)
-        if cursor is not None:
-            self.tail.restore(cursor)
-
-    def poll(self, shipped_upto: int, gap: StepGap, floor: int | None) -> TailPoll:
-        """Read one round."""
-        assert self.tail is not None
-        self.tail.sync(shipped_upto, gap)
-        return self.tail.poll()
-
-    def partials(self, steps: list[int], *, per_rank: bool) -> list[StepPartial | None]:
-        """Built from the tail's contributions (no merge: no need to keep sums exact)."""
-        assert self.tail is not None
-        return self.tail.partials(steps, per_rank=per_rank, exact=False)
-
-    def commit(self, shipped_upto: int, gap: StepGap, *, params_pending: bool) -> TailCommit:
-        """The tail's commit."""
-        assert self.tail is not None
-        self.tail.sync(shipped_upto, gap)
-        return self.tail.commit(shipped_upto, params_pending=params_pending)
-
-    def wait(self, timeout: float) -> None:
-        """The source's wait."""
-        self.source.wait(timeout)
-
-    def close(self) -> None:
-        """Close the source."""
-        self.source.close()
 
 
 class Shipper:
@@ -203,8 +110,6 @@ class Shipper:
         last one, instead of refusing; ``argv``: the ``ranklog ship`` arguments that
         start this shipper again (kept in the cursor).
         """
-        if below_last not in BELOW_LAST:
-            raise ConfigError(f"below_last must be one of {', '.join(BELOW_LAST)}")
         self.spool = spool
         self.target = target
         self.name = name or ""
@@ -214,7 +119,6 @@ class Shipper:
         self.per_rank = per_rank
         self.retry_for = retry_for
         self.parent = parent
-        self.below_last = below_last
         self.argv = list(argv) if argv is not None else None
         if tails is None:
             src = source if source is not None else SpoolSource(spool, poll=poll)
@@ -235,7 +139,7 @@ class Shipper:
         self._params_read: set[str] = set()
         self.shipped_upto = -1  # steps <= this are shipped (or held by the target)
         #: steps of this run the target held when it was last opened: never sent again
-        self.held = StepSet()
+        self.held = TargetHeld(target, below_last)
         #: (fan-in) steps a reader's earlier life had shipped: none in this engine
         self._durable_gap = NO_GAP
         self.run: RunInfo | None = None
@@ -246,8 +150,6 @@ class Shipper:
         self._open_error: BaseException | None = None
         self._opened = False
         self._late_warned = False
-        self._below_warned = False
-        self._held_said = False
         #: the job ended and everything was shipped: the target was told (Target.end)
         self.ended: str | None = None
         #: one shipper per (spool, target): held while running (made once the run is read)
@@ -262,24 +164,12 @@ class Shipper:
         self.identity = target_identity(self.target, self.run)
         if not self._name_given:
             self.name = default_name(self.identity)
-            self._adopt_legacy_cursor()
+            assert self.run is not None
+            adopt_legacy_cursor(self.spool, default_name(self.target.spec), self.name, self.run)
         self.cursor.name = self.name
         self.lease = Lease(
             self.spool, default_name(self.identity), target=self.identity, ttl=self._lease_ttl
         )
-
-    def _adopt_legacy_cursor(self) -> None:
-        """A cursor an older ranklog named after the spec as typed becomes this one's."""
-        legacy = default_name(self.target.spec)
-        if legacy == self.name:
-            return
-        old, new = cursor_path(self.spool, legacy), cursor_path(self.spool, self.name)
-        if old.exists() and not new.exists():
-            cursor = load_cursor(self.spool, legacy)
-            if cursor is not None and cursor.run_id in (None, self.run and self.run.run_id):
-                log.info("cursor %s renamed %s (named after what %s writes to)",
-                         legacy, self.name, self.target.spec)  # fmt: skip
-                os.replace(old, new)
 
     def _open(self) -> None:
         if self.run is None:
@@ -314,23 +204,9 @@ class Shipper:
         self.cursor.target = self.target.spec
         if self.argv is not None:
             self.cursor.argv, self.cursor.cwd = self.argv, os.getcwd()
-        self._check_compacted()
+        check_not_deleted(self.spool, self.cursor, self.target.spec)
         self.tails.open(self.run, self.cursor)  # the object _commit keeps current
         self._target_ok = False  # opened by the loop, with retries (a server may be down)
-
-    def _check_compacted(self) -> None:
-        """Segments compacted and deleted before this shipper shipped them: say where."""
-        from ranklog.spool import deleted_segments
-
-        gone = [d for d in deleted_segments(self.spool) if not self.cursor.done(d.segment)]
-        if gone:
-            first = gone[0]
-            raise CursorError(
-                f"{len(gone)} segment(s) of this spool ({first.segment.key}, ...) were "
-                f"compacted into {first.dataset} and deleted before this shipper shipped "
-                f"them: ship from the dataset with `ranklog replay {first.dataset} --to "
-                f"{self.target.spec}` (it writes only the steps {self.target.spec} lacks)"
-            )
 
     def _reopen_target(self) -> None:
         """(Re-)open the target and learn which steps of this run it holds.
@@ -348,7 +224,7 @@ class Shipper:
                 log.debug("closing %s after a failure: %s", self.target.spec, exc)
         assert self.run is not None
         try:
-            held = as_step_set(self.target.open(self.run))
+            held = self.target.open(self.run)
         except (OSError, TransientTargetError) as exc:
             if is_permanent(exc):
                 raise permanent_error(self.target.spec, exc) from exc
@@ -357,7 +233,7 @@ class Shipper:
             return
         self._open_error = None
         self._target_ok = self._opened = True
-        self.held = held
+        self.held.opened(held)
 
     # -- reading --------------------------------------------------------------------------
 
@@ -486,12 +362,13 @@ class Shipper:
         chunk: list[ShippedStep] = []
         written: list[ShippedStep] = []
         held = 0  # steps found held (shipped by an earlier process or replay)
-        for s in self._writable(steps):
+        skipped = self.held.skipped_below
+        for s in self.held.writable(steps):
             if s.carrier is not None:  # late values: right after their carrier
-                if s.carrier not in self.held:
+                if not self.held.holds(s):
                     chunk.append(s)
                 continue
-            if s.step in self.held:
+            if self.held.holds(s):
                 while sent < len(due) and due[sent][0] <= s.step:
                     sent += 1  # written before this step, which the target holds
                 held += 1
@@ -519,10 +396,8 @@ class Shipper:
         done = set(map(id, due[:sent]))
         self.params_due = [d for d in self.params_due if id(d) not in done]
         self.stats.steps_shipped += held  # the target holds them: shipped, as it counts
-        if held and not self._held_said:
-            self._held_said = True
-            log.info("%s already holds steps %s of this run: not sent again",
-                     self.target.spec, self.held.describe())  # fmt: skip
+        self.held.said(held)
+        self.cursor.skipped_below += self.held.skipped_below - skipped
         for s in written:
             self.stats.steps_shipped += 1
             self.stats.partial_steps += not s.complete
@@ -531,35 +406,6 @@ class Shipper:
             self.shipped_upto = top
             self.pending = {p for p in self.pending if p > top}
         self._commit()
-
-    def _writable(self, steps: list[ShippedStep]) -> list[ShippedStep]:
-        """``steps`` less those a target that writes in step order cannot take.
-
-        W&B cannot log a step below its run's last one: such a step (one it does not
-        hold) is refused before anything of the batch is written, or left out and
-        counted with ``--below-last skip``.
-        """
-        last = self.held.last
-        if last is None or not getattr(self.target, "steps_in_order", False):
-            return steps
-        held = self.held
-        below = [s for s in steps if s.carrier is None and s.step < last and s.step not in held]
-        if not below:
-            return steps
-        if self.below_last != "skip":
-            raise TargetHeldError(
-                f"{self.target.spec} holds steps {self.held.describe()} of this run and "
-                f"cannot write below its last step ({last}): step {below[0].step} would be "
-                "lost; write into a new run (--run-id), or pass --below-last skip to leave "
-                "those steps out"
-            )
-        if not self._below_warned:
-            self._below_warned = True
-            log.warning("%s: steps below %d it does not hold are left out (--below-last skip), "
-                        "from step %d on", self.target.spec, last, below[0].step)  # fmt: skip
-        self.cursor.skipped_below += len(below)
-        gone = {s.step for s in below}
-        return [s for s in steps if (s.step if s.carrier is None else s.carrier) not in gone]
 
     def _commit(self) -> None:
         assert self.lease is not None
@@ -642,29 +488,6 @@ class Shipper:
             corrupt=len(self.stats.bad),
         )
 
-    def _acquire_lease(self, clock: RetryClock) -> None:
-        """Take the lease; a spool that cannot be written yet (disk full) is waited for."""
-        assert self.lease is not None
-        backoff = 0.5
-        while True:
-            try:
-                self.lease.acquire()
-                return
-            except OSError as exc:
-                if is_permanent(exc) or (clock.failed() and clock.expired()):
-                    raise SpoolError(f"cannot write the lease {self.lease.path}: "
-                                     f"{describe(exc)}") from exc  # fmt: skip
-                log.warning("cannot write the lease %s (%s); retrying in %.1fs",
-                            self.lease.path, describe(exc), backoff)  # fmt: skip
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 30.0)
-
-    def _retry_reopen(self) -> None:
-        """Reopen the target after a failure; a reopen that fails too waits for the next try."""
-        if not self._target_ok:
-            return
-        self._reopen_target()
-
     def _final_commit(self) -> None:
         """The last cursor write; a full disk is waited out (up to a minute) before giving up."""
         backoff = 0.5
@@ -685,28 +508,13 @@ class Shipper:
         """Every rank ended and everything is shipped: tell the target how (``Target.end``)."""
         end = getattr(self.target, "end", None)
         if self.ended is None and callable(end) and self._opened:
-            status = job_status(list(self.views.values()))
+            status = job_status(v.status for v in self.views.values())
             end(status)
             self.ended = status
 
-    def _parent_gone(self) -> bool:
-        """Whether the process this shipper follows (``parent``) has ended."""
-        return self.parent is not None and not process_running(self.parent)
-
     def _failure(self, exc: BaseException, clock: RetryClock) -> None:
         """Raise the error that ends the shipper, or return to retry ``exc`` later."""
-        if is_permanent(exc):
-            name = str(getattr(exc, "filename", "") or "")
-            if name and os.path.abspath(name).startswith(os.path.abspath(self.spool) + os.sep):
-                raise SpoolError(f"{describe(exc)} (in the spool; not retried)") from exc
-            raise permanent_error(self.target.spec, exc) from exc
-        waited = clock.failed()
-        if clock.expired():
-            raise TargetError(
-                f"{self.target.spec}: {describe(exc)}, still after {waited:.0f}s of retries "
-                f"(--retry-for {clock.bound:g}): shipped up to step {self.shipped_upto}; what "
-                "follows it is not shipped: run the same command again to resume"
-            ) from exc
+        clock.check(exc, self.target.spec, self.spool, f"shipped up to step {self.shipped_upto}")
 
     def run_forever(self, *, once: bool = False, max_seconds: float | None = None) -> int:
         """Ship until done: ``once`` drains what is ready and returns; else follows the job.
@@ -721,7 +529,7 @@ class Shipper:
         try:
             self._identify()
             assert self.lease is not None
-            self._acquire_lease(clock)
+            self.lease.acquire_waiting(clock)
         except BaseException:
             self.tails.close()
             raise
@@ -756,7 +564,8 @@ class Shipper:
                                 self.target.spec, describe(exc), backoff)  # fmt: skip
                     time.sleep(backoff)
                     try:
-                        self._retry_reopen()
+                        if self._target_ok:  # it failed writing: open it again now
+                            self._reopen_target()
                     except (OSError, TransientTargetError) as again:
                         self._failure(again, clock)
                         self._target_ok = False
@@ -769,7 +578,7 @@ class Shipper:
                     break
                 if self.all_released(time.time()) and not self.pending:
                     break
-                if self._parent_gone():
+                if self.parent is not None and not process_running(self.parent):
                     self._orphaned()
                     break
                 if deadline is not None and time.monotonic() > deadline:

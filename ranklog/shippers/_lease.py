@@ -36,7 +36,8 @@ from typing import Any, Final, NamedTuple
 
 from ranklog._fs import DIR_MODE, FILE_MODE
 from ranklog._proc import process_running
-from ranklog.errors import LeaseHeldError
+from ranklog.errors import LeaseHeldError, SpoolError
+from ranklog.shippers._retry import RetryClock, describe, is_permanent
 from ranklog.spool import SpoolLayout
 
 __all__ = ["DEFAULT_TTL", "Lease", "LeaseInfo", "read_leases"]
@@ -91,6 +92,24 @@ class Lease:
         self._renewed = time.monotonic()
         self._thread = threading.Thread(target=self._renew_loop, name="ranklog-lease", daemon=True)
         self._thread.start()
+
+    def acquire_waiting(self, clock: RetryClock) -> None:
+        """:meth:`acquire`, waiting out a spool that cannot be written yet (a full disk)
+        for as long as ``clock`` allows; a permanent failure is a SpoolError at once."""
+        backoff = 0.5
+        while True:
+            try:
+                self.acquire()
+                return
+            except OSError as exc:
+                if is_permanent(exc) or (clock.failed() and clock.expired()):
+                    raise SpoolError(
+                        f"cannot write the lease {self.path}: {describe(exc)}"
+                    ) from exc
+                log.warning("cannot write the lease %s (%s); retrying in %.1fs",
+                            self.path, describe(exc), backoff)  # fmt: skip
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 30.0)
 
     def _create(self) -> bool:
         """Create the lease if there is none (atomically, also on NFS)."""

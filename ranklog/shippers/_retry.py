@@ -15,12 +15,13 @@ is *transient*: retried with backoff, for ever by a live shipper, for at most
 from __future__ import annotations
 
 import errno
+import os
 import re
 import socket
 import time
 from typing import Final
 
-from ranklog.errors import TargetError, TransientTargetError
+from ranklog.errors import SpoolError, TargetError, TransientTargetError
 
 __all__ = ["ONCE_RETRY_FOR", "RetryClock", "describe", "is_permanent", "permanent_error"]
 
@@ -118,3 +119,20 @@ class RetryClock:
     def ok(self) -> None:
         """A success ends the series."""
         self._since = None
+
+    def check(self, exc: BaseException, spec: str, spool: str, progress: str) -> None:
+        """Raise the error that ends a shipper of ``spec`` failing with ``exc``, or return
+        to retry it: permanent now (a file in ``spool``: a SpoolError), transient once it
+        outlasted the bound (``progress`` says how far shipping got)."""
+        if is_permanent(exc):
+            name = str(getattr(exc, "filename", "") or "")
+            if name and os.path.abspath(name).startswith(os.path.abspath(spool) + os.sep):
+                raise SpoolError(f"{describe(exc)} (in the spool; not retried)") from exc
+            raise permanent_error(spec, exc) from exc
+        waited = self.failed()
+        if self.expired():
+            raise TargetError(
+                f"{spec}: {describe(exc)}, still after {waited:.0f}s of retries (--retry-for "
+                f"{self.bound:g}): {progress}; what follows is not shipped: run the same "
+                "command again to resume"
+            ) from exc

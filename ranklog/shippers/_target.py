@@ -40,6 +40,7 @@ with the cursor held back (permanent ones, see :mod:`ranklog.shippers._retry`, a
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol
 
 import msgspec
@@ -56,6 +57,7 @@ __all__ = [
     "TableItem",
     "Target",
     "TextItem",
+    "job_status",
     "target_identity",
 ]
 
@@ -172,3 +174,18 @@ def target_identity(target: Target, run: RunInfo) -> str:
     """What ``target`` writes to, canonical (its ``identity(run)``, else its spec)."""
     ident = getattr(target, "identity", None)
     return str(ident(run)) if callable(ident) else target.spec
+
+
+def job_status(statuses: Iterable[str | None]) -> str:
+    """How a job ended (one of :data:`JOB_STATUSES`), from its ranks' end statuses.
+
+    A rank that failed (``error``), went silent (``dead``) or left no ``rank_end``
+    (``unknown``, in a replay) fails the job; one stopped by a signal or Ctrl-C, with
+    no requeue after it, kills it; ``ok`` and ``exit`` (the script ended) finish it.
+    """
+    seen = set(statuses)
+    if seen & {"error", "dead", "unknown"}:
+        return "failed"
+    if seen & {"signal", "interrupted"}:
+        return "killed"
+    return "finished"

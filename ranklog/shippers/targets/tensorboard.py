@@ -36,7 +36,6 @@ import mmap
 import os
 import socket
 import struct
-import threading
 import time
 from collections.abc import Mapping
 from itertools import count
@@ -51,6 +50,7 @@ from ranklog.shippers._held import ALL_NAMES, Holding, StepSet, refuse_other
 from ranklog.shippers._registry import Option, TargetContext, TargetKind
 from ranklog.shippers._target import ShippedStep, TableItem, TextItem
 from ranklog.shippers.targets._media import GPU_NAMES_OPTION
+from ranklog.shippers.targets._tfrecord import crc32c, records, spans, varint
 from ranklog.spool import RunInfo
 
 if TYPE_CHECKING:
@@ -62,12 +62,8 @@ HPARAMS_FILE: Final = "events.out.tfevents.0000000000.ranklog.hparams"
 _RUN_TAG: Final = "ranklog run "
 _SSI_TAG: Final = "_hparams_/session_start_info"
 _SSI_BYTES: Final = _SSI_TAG.encode()
-_U32, _U64, _F32, _F64 = (struct.Struct(f) for f in ("<I", "<Q", "<f", "<d"))
+_F32, _F64 = (struct.Struct(f) for f in ("<f", "<d"))
 _F32_INF: Final = 2.0**128 - 2.0**103  # from here on, float32 rounds to inf
-_NP_MIN: Final = 1024  # CRCs of less data are quicker in Python than numpy's fixed cost
-_NP_PASS: Final = 1 << 18  # bytes per numpy pass (its work arrays: 8 bytes a byte)
-_NP_MAX: Final = 1 << 20  # a longer record gets its CRC in Python (numpy would need 8x it)
-_ROWS_MAX: Final = 1 << 12  # numpy's position table: 4 MiB at most; longer parts go in pieces
 _seq = count()
 _TB_MODULES: Final = (  # under tensorboard.
     "compat.proto.event_pb2 compat.proto.summary_pb2 compat.proto.tensor_pb2 compat.proto.types_pb2"
@@ -110,184 +106,6 @@ def _tb() -> Any:
                               for k, v in mods.items()})  # fmt: skip
 
 
-@functools.cache
-def _crc_tables() -> tuple[list[int], ...]:
-    """CRC-32C tables: four that take 16 bits of an 8-byte word each, and the bytewise one."""
-    t8 = []
-    for i in range(256):
-        c = i
-        for _ in range(8):
-            c = (c >> 1) ^ (0x82F63B78 if c & 1 else 0)
-        t8.append(c)
-    s = [t8]  # s[k][b]: byte b followed by k zero bytes
-    for _ in range(7):
-        s.append([(x >> 8) ^ t8[x & 0xFF] for x in s[-1]])
-    return (*([a ^ b for b in s[6 - k] for a in s[7 - k]] for k in (0, 2, 4, 6)), t8)
-
-
-def crc32c(data: bytes) -> int:
-    """CRC-32C (Castagnoli) of ``data``, eight bytes a round (tensorboard's own is bytewise)."""
-    t0, t1, t2, t3, t8 = _crc_tables()
-    c = 0xFFFFFFFF
-    n = len(data) & ~7
-    for q in struct.unpack_from(f"<{n >> 3}Q", data):
-        x = c ^ q
-        c = t0[x & 0xFFFF] ^ t1[(x >> 16) & 0xFFFF] ^ t2[(x >> 32) & 0xFFFF] ^ t3[x >> 48]
-    for b in data[n:]:
-        c = t8[(c ^ b) & 0xFF] ^ (c >> 8)
-    return c ^ 0xFFFFFFFF
-
-
-@functools.cache
-def _numpy() -> Any:
-    """numpy (a dependency of tensorboard, imported by it already), or None: CRCs in Python."""
-    try:
-        return importlib.import_module("numpy")
-    except ImportError:
-        return None
-
-
-_rows: list[tuple[int, Any, list[list[int]]]] = []  # the one position table, grown on demand
-
-
-def _crc_rows(need: int) -> tuple[int, Any, list[list[int]]]:
-    """``n`` >= ``need`` (at most ``_ROWS_MAX``), ``rows``, ``shift``: numpy's CRC-32C tables.
-
-    ``rows[d * 256 + b]``: the CRC register (from 0) after byte ``b`` and ``d`` zero bytes,
-    ``d < n``. ``shift[j][x]``: a register's byte ``j`` being ``x``, its part of that register
-    after ``n`` zero bytes. (Reflected CRCs: a register's four bytes act as four message bytes.)
-    """
-    if _rows and _rows[0][0] >= min(need, _ROWS_MAX):
-        return _rows[0]
-    np, n = _numpy(), min(_ROWS_MAX, 1 << max(6, (need - 1).bit_length()))
-    t8 = np.array(_crc_tables()[-1], np.uint32)
-    rows = np.empty((n, 256), np.uint32)
-    rows[0] = t8
-    for d in (1, 2, 3):
-        rows[d] = (rows[d - 1] >> 8) ^ t8[rows[d - 1] & 0xFF]
-    m = 4
-    while m < n:  # rows m..2m-1: rows 0..m-1 shifted through m zero bytes
-        src = rows[: min(m, n - m)]
-        acc = rows[m - 1][src & 0xFF]
-        for j in (1, 2, 3):
-            acc ^= rows[m - 1 - j][(src >> (8 * j)) & 0xFF]
-        rows[m : m + len(src)] = acc
-        m += len(src)
-    _rows[:] = [(n, rows.ravel(), [rows[n - 1 - j].tolist() for j in range(4)])]
-    return _rows[0]
-
-
-_scratch = threading.local()  # numpy's work arrays, kept: fresh ones cost page faults
-
-
-def _crcs_numpy(np: Any, parts: list[bytes]) -> list[int]:
-    """CRC-32C of each part (4 bytes or more), all at once: a table look-up per byte, xored."""
-    lens = np.fromiter(map(len, parts), np.int32, len(parts))
-    longest = int(lens.max())
-    n, rows, shift = _crc_rows(longest)
-    starts = np.cumsum(lens, dtype=np.int32)
-    starts -= lens
-    joined = b"".join(parts)
-    work = getattr(_scratch, "work", None)
-    if work is None or work.shape[1] < len(joined):
-        work = np.empty((2, len(joined)), np.int32)
-        if len(joined) <= 2 * _NP_PASS:
-            _scratch.work = work
-    idx, looked_up = work[0, : len(joined)], work[1, : len(joined)].view(np.uint32)
-    idx.fill(-1)
-    idx[starts] = lens - 1
-    np.cumsum(idx, dtype=np.int32, out=idx)  # each byte: how many follow it in its part
-    segs = starts
-    if longest > n:  # parts longer than the table: n-byte pieces from the end, a short one first
-        idx &= n - 1
-        first = idx == n - 1
-        first[starts] = True
-        segs = np.flatnonzero(first)
-    idx <<= 8
-    idx += np.frombuffer(joined, np.uint8)
-    idx[(starts[:, None] + np.arange(4, dtype=np.int32)).ravel()] ^= 0xFF  # the register's
-    rows.take(idx, out=looked_up)  # initial ones: as if xored into a part's first four bytes
-    raw = np.bitwise_xor.reduceat(looked_up, segs).tolist()
-    if len(raw) == len(parts):
-        return [c ^ 0xFFFFFFFF for c in raw]
-    out, end, s0, s1, s2, s3 = [], 0, *shift
-    for size in lens.tolist():
-        at, end = end, end + (size + n - 1) // n
-        c = raw[at]
-        for k in range(at + 1, end):  # the register through n zero bytes, and the next piece
-            c = s0[c & 0xFF] ^ s1[(c >> 8) & 0xFF] ^ s2[(c >> 16) & 0xFF] ^ s3[c >> 24] ^ raw[k]
-        out.append(c ^ 0xFFFFFFFF)
-    return out
-
-
-def _crcs(datas: list[bytes]) -> list[int]:
-    """CRC-32C of each of ``datas``: with numpy in passes of ~256 KiB, else (or when cheaper:
-    little data, a part shorter than 4 bytes or over 1 MiB) with :func:`crc32c`."""
-    np = _numpy()
-    if np is None or sum(map(len, datas)) < _NP_MIN:
-        return [crc32c(d) for d in datas]
-    out, todo, size = [0] * len(datas), list[int](), 0
-    for i, d in enumerate(datas):
-        if 4 <= len(d) <= _NP_MAX:
-            todo.append(i)
-            size += len(d)
-        else:
-            out[i] = crc32c(d)
-        if todo and (size >= _NP_PASS or i == len(datas) - 1):
-            for k, c in zip(todo, _crcs_numpy(np, [datas[k] for k in todo]), strict=True):
-                out[k] = c
-            todo, size = [], 0
-    return out
-
-
-def _mask(c: int) -> int:
-    return ((((c >> 15) | (c << 17)) & 0xFFFFFFFF) + 0xA282EAD8) & 0xFFFFFFFF
-
-
-def _masked(data: bytes) -> int:
-    return _mask(_crcs([data])[0])
-
-
-@functools.lru_cache(maxsize=1024)
-def _head(size: int) -> bytes:
-    """A record's length and the masked CRC-32C of that length (12 bytes)."""
-    head = _U64.pack(size)
-    return head + _U32.pack(_mask(crc32c(head)))
-
-
-def _records(datas: list[bytes]) -> bytes:
-    """TFRecord frames of ``datas``, one after another (all the CRCs computed at once)."""
-    out = [b""] * (3 * len(datas))
-    out[0::3] = map(_head, map(len, datas))
-    out[1::3] = datas
-    out[2::3] = map(_U32.pack, map(_mask, _crcs(datas)))
-    return b"".join(out)
-
-
-def _spans(buf: Any, size: int) -> list[tuple[int, int]]:
-    """(start, end) of each record's data in ``buf``, up to the first torn or bad record."""
-    spans, pos = [], 0
-    while pos + 12 <= size:
-        length = _U64.unpack_from(buf, pos)[0]
-        end = pos + 16 + length
-        if end > size or buf[pos : pos + 12] != _head(length):
-            break
-        spans.append((pos + 12, end - 4))
-        pos = end
-    while spans and _U32.unpack_from(buf, spans[-1][1])[0] != _masked(buf[slice(*spans[-1])]):
-        spans.pop()  # written in part: a crash or power loss mid-record
-    return spans
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
 def _event(wall: float, step: int, summary: bytes, *, late: bool = False) -> bytes:
     """A serialized ``Event{1: wall_time, 2: step, 5: summary}``.
 
@@ -296,7 +114,7 @@ def _event(wall: float, step: int, summary: bytes, *, late: bool = False) -> byt
     """
     head = b"\x09" + _F64.pack(wall if math.isfinite(wall) else time.time()) + b"\x10"
     tail = _LATE_SOURCE if late else b""
-    return b"".join((head, _varint(step), b"\x2a", _varint(len(summary)), summary, tail))
+    return b"".join((head, varint(step), b"\x2a", varint(len(summary)), summary, tail))
 
 
 #: ``source_metadata.writer`` of a record of late values
@@ -313,8 +131,8 @@ class _Scalars:
         fmt, self.args = ["<"], list[bytes | float]()
         for name in names:
             tag = name.encode()
-            value = b"\x0a" + _varint(len(tag)) + tag + b"\x15"
-            entry = b"\x0a" + _varint(len(value) + 4) + value
+            value = b"\x0a" + varint(len(tag)) + tag + b"\x15"
+            entry = b"\x0a" + varint(len(value) + 4) + value
             fmt.append(f"{len(entry)}sf")
             self.args += (entry, 0.0)
         self.packer = struct.Struct("".join(fmt))
@@ -358,7 +176,7 @@ def _text_value(tag: str, text: str) -> bytes:
     raw: bytes = tb.summary_pb2.Summary.Value(
         tag=tag, metadata=meta, tensor=tensor
     ).SerializeToString()
-    return b"\x0a" + _varint(len(raw)) + raw
+    return b"\x0a" + varint(len(raw)) + raw
 
 
 def _media(s: ShippedStep) -> bytes:
@@ -379,7 +197,7 @@ def _media(s: ShippedStep) -> bytes:
         h, w, c = image_size(img.data)
         image = pb.Summary.Image(height=h, width=w, colorspace=c, encoded_image_string=img.data)
         out.append(pb.Summary.Value(tag=tag, image=image).SerializeToString())
-    return b"".join(b"\x0a" + _varint(len(raw)) + raw for raw in out)
+    return b"".join(b"\x0a" + varint(len(raw)) + raw for raw in out)
 
 
 class _File(NamedTuple):
@@ -414,16 +232,16 @@ def _scan(path: Path) -> _File:
     with open(path, "r+b") as f:
         size = os.fstat(f.fileno()).st_size
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else memoryview(b"") as mm:
-            spans = _spans(mm, size)
-            for a, b in spans[:3]:
+            found = spans(mm, size)
+            for a, b in found[:3]:
                 if (owner := _owner(str(event.FromString(mm[a:b]).session_log.msg))) is not None:
                     holding = owner
                     break
             if holding is None:  # another writer's file: leave it alone
                 return _File(path.name, None, steps)
-            good = spans[-1][1] + 4
+            good = found[-1][1] + 4
             late_from = None  # the first late record after the last carrier
-            for a, b in spans:
+            for a, b in found:
                 step = _step_of(mm, a, b)
                 if step is None:
                     continue
@@ -524,11 +342,11 @@ class _Run:
         fsync_dir(self.path)
         self.files.append(_File(full, self.mine, StepSet()))
         self.ceiling = self.held.after(first)
-        return _records([version, start])
+        return records([version, start])
 
-    def append(self, records: list[bytes], steps: list[int | None]) -> None:
+    def append(self, recs: list[bytes], steps: list[int | None]) -> None:
         """Append records; ``steps``: the step each holds (None: no step of its own)."""
-        i, n = 0, len(records)
+        i, n = 0, len(recs)
         while i < n:
             step = next((s for s in steps[i:] if s is not None), None)
             head = b""
@@ -539,7 +357,7 @@ class _Run:
             j, top = i + 1, self.ceiling
             while j < n and (top is None or (at := steps[j]) is None or at < top):
                 j += 1
-            self._write(head + _records(records[i:j]))
+            self._write(head + records(recs[i:j]))
             for s in steps[i:j]:
                 if s is not None:
                     self.held.add(s)
@@ -642,25 +460,25 @@ class TensorBoardTarget:
                     summary += _tables(s.tables)
                 if s.histograms or s.images:
                     summary += _media(s)
-                records, at = todo.setdefault(main, ([], []))
+                recs, at = todo.setdefault(main, ([], []))
                 if s.carrier is None:
                     if own is not None:
-                        records.append(own[1])
+                        recs.append(own[1])
                         at.append(own[0])
                     own = (s.step, _event(s.ts, s.step, summary))
                 else:
                     if own is not None and own[0] != s.carrier:
-                        records.append(own[1])
+                        recs.append(own[1])
                         at.append(own[0])
                         own = None
-                    records.append(_event(s.ts, s.step, summary, late=True))
+                    recs.append(_event(s.ts, s.step, summary, late=True))
                     at.append(None)  # held with its carrier, whose record follows
                     if own is None:
                         # a carrier with nothing of its own: an empty record marks it held
                         own = (s.carrier, _event(s.ts, s.carrier, b""))
         if own is not None:
-            records, at = todo[main]
-            records.append(own[1])
+            recs, at = todo[main]
+            recs.append(own[1])
             at.append(own[0])
         for run in sorted(todo, key=lambda r: r is main):
             run.append(*todo[run])
@@ -723,7 +541,7 @@ class TensorBoardTarget:
             _event(run.created, 0, ssi),
             _event(run.created, 0, config),
         )
-        atomic_write(self.path / HPARAMS_FILE, _records(list(data)), mode=0o644)
+        atomic_write(self.path / HPARAMS_FILE, records(list(data)), mode=0o644)
         return ssi
 
     def _load_hparams(self) -> tuple[dict[str, ParamValue], set[str]]:
@@ -732,7 +550,7 @@ class TensorBoardTarget:
         metrics: set[str] = set()
         path, tb = self.path / HPARAMS_FILE, _tb()
         data = path.read_bytes() if path.is_file() else b""
-        for a, b in _spans(data, len(data)):
+        for a, b in spans(data, len(data)):
             for v in tb.event_pb2.Event.FromString(data[a:b]).summary.value:
                 content = v.metadata.plugin_data.content
                 if v.tag == _SSI_TAG:

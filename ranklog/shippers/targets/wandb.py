@@ -59,7 +59,6 @@ Online, the step comes from the resumed run (``starting_step``).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import netrc
@@ -77,6 +76,7 @@ from ranklog.shippers._held import ALL_NAMES, Holding, StepSet, refuse_other
 from ranklog.shippers._registry import Option, TargetContext, TargetKind
 from ranklog.shippers._target import ShippedStep
 from ranklog.shippers.targets._media import GPU_NAMES_OPTION
+from ranklog.shippers.targets._wandb_config import RUN_KEY, config_set, nest, scan_offline
 from ranklog.shippers.targets._wandb_log import LogReader
 from ranklog.spool import RunInfo
 
@@ -201,92 +201,6 @@ def wandb_run_id(ranklog_run_id: str, rank: int | None = None) -> str:
     """The W&B run id of a ranklog run (``rank``: of that rank's own run)."""
     base = re.sub(r"[^0-9a-zA-Z]", "", ranklog_run_id)[:16]
     return base if rank is None else f"{base}r{rank:05d}"
-
-
-#: the config key under which a W&B run records the ranklog run it holds (W&B's UI hides
-#: config keys that start with "_")
-RUN_KEY: Final = "_ranklog"
-
-
-def scan_offline(
-    root: Path, wid: str, mark: dict[str, Any] | None = None
-) -> tuple[StepSet, dict[str, Any]]:
-    """(steps held, config) over every offline directory of W&B run ``wid`` under ``root``.
-
-    ``mark``: filled with the run's ``_ranklog`` config (which ranklog run it holds).
-    """
-    steps = StepSet()
-    config: dict[str, Any] = {}
-    for path in sorted(root.glob(f"wandb/offline-run-*/run-{wid}.wandb")):
-        for rec in LogReader(path).read():
-            if rec.WhichOneof("record_type") == "history":
-                steps.add(rec.history.step.num)
-            for k, v in _config_set(rec):
-                if k.startswith(RUN_KEY + "."):
-                    if mark is not None:
-                        mark[k[len(RUN_KEY) + 1 :]] = v
-                elif k != "_wandb":
-                    config[k] = v
-    return steps, config
-
-
-def _config_set(rec: Any) -> list[tuple[str, Any]]:
-    """The config items a record sets: a config record's, or those the run record starts with."""
-    kind = rec.WhichOneof("record_type")
-    if kind not in ("config", "run"):
-        return []
-    cfg = rec.config if kind == "config" else rec.run.config
-    out: list[tuple[str, Any]] = []
-    for item in cfg.update:
-        key = item.key or ".".join(item.nested_key)
-        value = json.loads(item.value_json)
-        out += _flat(key, value) if key != "_wandb" else [(key, value)]
-    return out
-
-
-def _flat(key: str, value: Any) -> list[tuple[str, Any]]:
-    """A nested config item as the dotted params it was made of (see :func:`nest`)."""
-    if isinstance(value, dict) and value:
-        return [p for k, v in value.items() for p in _flat(f"{key}.{k}", v)]
-    if isinstance(value, list) and value:
-        return [p for i, v in enumerate(value) for p in _flat(f"{key}.{i}", v)]
-    return [(key, value)]
-
-
-def nest(params: dict[str, Any]) -> dict[str, Any]:
-    """Dotted params as the nested config they came from: ``a.b`` -> ``{"a": {"b": ...}}``.
-
-    Keys ``0..n-1`` under one parent become a list (a config's list, flattened by index).
-    A key that is both a value and a parent (``a`` and ``a.b``) stays dotted.
-    """
-    tree: dict[str, Any] = {}
-    flat: dict[str, Any] = {}
-    for key, value in params.items():
-        parts = key.split(".")
-        node = tree
-        for part in parts[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                flat[key] = value
-                break
-            node = child
-        else:
-            if isinstance(node.get(parts[-1]), dict):
-                flat[key] = value
-            else:
-                node[parts[-1]] = value
-    return {**_lists(tree), **flat}
-
-
-def _lists(node: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in node.items():
-        if isinstance(v, dict):
-            v = _lists(v)
-            if v and set(v) == {str(i) for i in range(len(v))}:
-                v = [v[str(i)] for i in range(len(v))]
-        out[k] = v
-    return out
 
 
 class _Held:
@@ -549,7 +463,7 @@ class WandbTarget:
             for rec in held.reader.read():
                 if rec.WhichOneof("record_type") == "history":
                     held.seen = max(held.seen, rec.history.step.num)
-                for key, value in _config_set(rec):
+                for key, value in config_set(rec):
                     want = held.config_wait.get(key, held)  # `held`: not waited for
                     nan = isinstance(want, float) and math.isnan(want) and value != value
                     if nan or (want is not held and want == value):
