@@ -241,9 +241,9 @@ class TestOtherEvents:
         with _run(spool) as run:
             run.log_hyperparams(cfg)
         (p,) = [e for e in read_events(spool) if isinstance(e, Params)]
+        assert p.lists == {"optim.betas": [0.9, 0.95]}  # a list stays a list
         assert p.values == {
             "optim.lr": 3e-4,
-            "optim.betas": "[0.9, 0.95]",
             "wandb.api_key": "<redacted>",
             "wandb.project": "p",
             "hf_token": "<redacted>",

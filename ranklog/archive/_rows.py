@@ -483,7 +483,9 @@ def frame_events(
         ):
             grouped.setdefault((seq, idx), (ts / 1e6, {}))[1][name] = json.loads(value)
         for (seq, idx), (ts, values) in grouped.items():
-            put(seq, idx, Params(ts, values))
+            lists = {k: v for k, v in values.items() if isinstance(v, list)}
+            scalars = {k: v for k, v in values.items() if not isinstance(v, list)}
+            put(seq, idx, Params(ts, scalars, lists))
     gpu_cols = COLUMNS["gpu"]
     t = tables.get("gpu")
     if t is not None:

@@ -478,9 +478,9 @@ def _table(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
 
 
 def _params(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
-    n = len(ev.values)
-    vals = [json.dumps(v) for v in ev.values.values()]
-    out["params"].rows(n, **key, name=list(ev.values), value=vals)
+    values = ev.all()  # lists of scalars too (Params.lists): a JSON array each
+    vals = [json.dumps(v) for v in values.values()]
+    out["params"].rows(len(values), **key, name=list(values), value=vals)
 
 
 def _gpu(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:

@@ -13,7 +13,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any, Final, Literal
@@ -25,6 +25,7 @@ from ranklog.producer._env import detect_rank
 from ranklog.producer._sink import DURABILITY_LEVELS, SpoolSink
 from ranklog.producer._values import (
     MAX_STEP,
+    Redactor,
     as_float,
     check_name,
     check_step,
@@ -110,6 +111,7 @@ class Run:
         gpu: Any = "off",
         gpu_interval: float = 10.0,
         host: str | None = None,
+        redact: Iterable[str] = (),
     ) -> None:
         if durability not in DURABILITY_LEVELS:
             raise ConfigError(f"durability must be one of {DURABILITY_LEVELS}, got {durability!r}")
@@ -124,6 +126,9 @@ class Run:
         self.world_size = world_size
         self.local_rank = local_rank
         self.durability: Durability = durability
+        if isinstance(redact, str):
+            redact = [redact]
+        self._redactor = Redactor(redact)
         self.layout = SpoolLayout(self.spool)
         self.info = ensure_run(self.spool, name=name, world_size=world_size)
         self._host = host or socket.gethostname()
@@ -360,8 +365,12 @@ class Run:
         self._sink.append(Image(time.time(), step, name, data, format), step=step)
 
     def log_hyperparams(self, params: Mapping[str, Any] | Any) -> None:
-        """Log hyperparameters: nested dicts flattened with ``.``, secrets redacted."""
-        self._sink.append(Params(time.time(), flatten_params(params)))
+        """Log hyperparameters: nested dicts flattened with ``.``, secrets redacted (the
+        rule: docs/producer.md), lists of scalars kept as lists."""
+        flat = flatten_params(params, redactor=self._redactor)
+        lists = {k: v for k, v in flat.items() if isinstance(v, list)}
+        values = {k: v for k, v in flat.items() if not isinstance(v, list)}
+        self._sink.append(Params(time.time(), values, lists))
 
     def step_end(self, step: int) -> None:
         """Close every step up to ``step``: the shipper may reduce and ship them.
@@ -543,6 +552,7 @@ def init(
     gpu: Any = "off",
     gpu_interval: float = 10.0,
     host: str | None = None,
+    redact: Iterable[str] = (),
 ) -> Run:
     """Start logging this rank into ``spool`` (default: ``$RANKLOG_SPOOL``).
 
@@ -555,6 +565,8 @@ def init(
     rank 0, or whoever holds the host's lock in the spool when local ranks are unknown).
     ``host`` names this machine in ``rank_start`` and GPU events and keys that election
     (default: the hostname; :func:`ranklog.ray.init` passes the Ray node's IP).
+    ``redact``: shell globs of hyperparameter keys to redact besides the built-in rule
+    (and ``$RANKLOG_REDACT``), e.g. ``["*.db_url"]``.
     """
     if spool is None:
         spool = os.environ.get(SPOOL_ENV)
@@ -576,4 +588,5 @@ def init(
         gpu=gpu,
         gpu_interval=gpu_interval,
         host=host,
+        redact=redact,
     )

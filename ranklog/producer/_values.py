@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 import re
@@ -9,12 +10,14 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
 from ranklog.errors import InvalidStepError, InvalidValueError
-from ranklog.schemas import REDUCE_OPS, ParamValue, TableCell
+from ranklog.producer._redact import Redactor
+from ranklog.schemas import REDUCE_OPS, ParamScalar, ParamValue, TableCell
 
 __all__ = [
     "MAX_NAME_CHARS",
     "MAX_STEP",
     "REDACTED",
+    "Redactor",
     "as_float",
     "check_name",
     "check_step",
@@ -31,7 +34,9 @@ MAX_NAME_CHARS: Final = 1024
 #: the highest step: every backend and Parquet stores steps as signed 64-bit integers
 MAX_STEP: Final = 2**63 - 1
 _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-_SECRET_RE: Final = re.compile(r"token|secret|password|passwd|api[_-]?key", re.IGNORECASE)
+#: the integers a hyperparameter keeps as a number (every backend's: signed 64-bit)
+_PARAM_INT_MIN: Final = -(2**63)
+_PARAM_INT_MAX: Final = 2**63 - 1
 
 
 def as_float(key: object, value: object) -> float:
@@ -41,7 +46,13 @@ def as_float(key: object, value: object) -> float:
     torch tensors of exactly one element. NaN and infinities are kept.
     """
     if isinstance(value, numbers.Real):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an int past float's range (10**400)
+            raise InvalidValueError(
+                f"metric {key!r}: {_short(value)} is beyond the range of a float (about "
+                "1.8e308): log it as a float, or scale it"
+            ) from None
     numel = getattr(value, "numel", None)  # torch.Tensor
     size = numel() if callable(numel) else getattr(value, "size", None)  # numpy.ndarray
     item = getattr(value, "item", None)
@@ -118,14 +129,18 @@ def op_spec(reduce: object, *, what: str = "reduce") -> str:
     return ",".join(dict.fromkeys(ops))
 
 
-def flatten_params(params: Mapping[str, Any] | Any, *, sep: str = ".") -> dict[str, ParamValue]:
-    """Flatten nested mappings into ``a.b.c`` keys; redact values of secret-looking keys.
+def flatten_params(
+    params: Mapping[str, Any] | Any, *, sep: str = ".", redactor: Redactor | None = None
+) -> dict[str, ParamValue]:
+    """Flatten nested mappings into ``a.b.c`` keys; redact secrets (:mod:`._redact`).
 
-    Objects with ``__dict__`` (``argparse.Namespace``, simple dataclasses) are
-    flattened like mappings; sequences and other objects become strings.
+    Objects with ``__dict__`` (``argparse.Namespace``, simple dataclasses) are flattened
+    like mappings. Lists and tuples of scalars stay lists; a sequence holding anything
+    else, and other objects, become their text. Integers beyond 64 bits, NaN and
+    infinities become their text too (no backend stores them as numbers).
     """
     out: dict[str, ParamValue] = {}
-    _flatten(_as_mapping(params), "", sep, out)
+    _flatten(_as_mapping(params), "", sep, out, redactor or Redactor(env=True))
     return out
 
 
@@ -139,30 +154,62 @@ def _as_mapping(obj: Any) -> Mapping[str, Any]:
     raise InvalidValueError(f"hyperparameters must be a mapping, got {type(obj).__name__}")
 
 
-def _flatten(node: Mapping[str, Any], prefix: str, sep: str, out: dict[str, ParamValue]) -> None:
+def _flatten(
+    node: Mapping[str, Any], prefix: str, sep: str, out: dict[str, ParamValue], red: Redactor
+) -> None:
     for k, v in node.items():
         key = check_name("hyperparameter", f"{prefix}{k}")
         if isinstance(v, Mapping) or hasattr(v, "__dataclass_fields__"):
-            _flatten(_as_mapping(v), key + sep, sep, out)
-        elif _SECRET_RE.search(str(k)):
+            _flatten(_as_mapping(v), key + sep, sep, out, red)
+        elif red.key(key):
             out[key] = REDACTED
         else:
-            out[key] = _param_value(v)
+            value = _param_value(v)
+            if isinstance(value, list):
+                value = [REDACTED if isinstance(x, str) and red.value(key, x) else x for x in value]
+            elif isinstance(value, str) and red.value(key, value):
+                value = REDACTED
+            out[key] = value
 
 
 def _param_value(v: Any) -> ParamValue:
-    if v is None or isinstance(v, str | bool | int):
-        return v
-    if isinstance(v, float):
-        return v if math.isfinite(v) else str(v)
+    if isinstance(v, list | tuple):
+        items = [_scalar(x) for x in v]
+        if all(x is not _NOT_SCALAR for x in items):
+            return items  # type: ignore[return-value]  # (the check above)
+        return _text(v)
+    scalar = _scalar(v)
+    return str(v) if scalar is _NOT_SCALAR else scalar  # type: ignore[return-value]
+
+
+_NOT_SCALAR: Final = object()
+
+
+def _scalar(v: Any) -> ParamScalar | object:
+    """``v`` as a hyperparameter scalar (big ints and non-finite floats as text), or
+    :data:`_NOT_SCALAR`."""
+    if v is None or type(v) in (str, bool):
+        return v  # type: ignore[no-any-return]
+    if isinstance(v, str):  # numpy.str_ and other subclasses: plain str for the encoder
+        return str(v)
+    if isinstance(v, bool):
+        return bool(v)
     if isinstance(v, numbers.Integral):
-        return int(v)
+        i = int(v)
+        return i if _PARAM_INT_MIN <= i <= _PARAM_INT_MAX else str(i)
     if isinstance(v, numbers.Real):
         f = float(v)
         return f if math.isfinite(f) else str(f)
-    if isinstance(v, list | tuple):
-        return "[" + ", ".join(str(_param_value(x)) for x in v) + "]"
-    return str(v)
+    return _NOT_SCALAR
+
+
+def _text(v: Any) -> str:
+    """A sequence that holds more than scalars (a list of dicts), as text: JSON where it
+    can be, else ``str``."""
+    try:
+        return json.dumps(v, default=str)
+    except (TypeError, ValueError):
+        return str(v)
 
 
 def check_table(

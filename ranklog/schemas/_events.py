@@ -35,6 +35,7 @@ __all__ = [
     "Image",
     "Metrics",
     "MetricsRaw",
+    "ParamScalar",
     "ParamValue",
     "Params",
     "RankEnd",
@@ -49,14 +50,17 @@ __all__ = [
 
 #: Version of the event schema written by this release. Bumped whenever a field
 #: or a kind is added; a reader meeting a higher version counts what it skips.
-SCHEMA_VERSION: Final = 4  # 2: histogram and image kinds; 3: step_end.events; 4: table
+#: 2: histogram and image kinds; 3: step_end.events; 4: table; 5: params.lists
+SCHEMA_VERSION: Final = 5
 
 #: Reductions a value may ask for (the NeMo RL timer set, plus ``last``).
 REDUCE_OPS: Final = frozenset({"mean", "sum", "min", "max", "median", "std", "count", "last"})
 DEFAULT_METRIC_REDUCE: Final = "mean"
 DEFAULT_TIMER_REDUCE: Final = "max"
 
-ParamValue: TypeAlias = str | int | float | bool | None
+ParamScalar: TypeAlias = str | int | float | bool | None
+#: a hyperparameter as shippers see it: a scalar, or a list of scalars (``Params.lists``)
+ParamValue: TypeAlias = ParamScalar | list[ParamScalar]
 #: what one cell of a :class:`Table` may hold
 TableCell: TypeAlias = str | int | float | bool | None
 
@@ -136,9 +140,18 @@ class Gpu(EventBase, tag="gpu", frozen=True):
 
 
 class Params(EventBase, tag="params", frozen=True):
-    """Hyperparameters, flattened with ``.``; secret-looking keys redacted."""
+    """Hyperparameters, flattened with ``.``; secrets redacted.
 
-    values: dict[str, ParamValue]
+    ``lists`` (added in 0.9) holds the values that are lists of scalars; an older reader
+    skips it as an unknown field and keeps ``values``.
+    """
+
+    values: dict[str, ParamScalar]
+    lists: dict[str, list[ParamScalar]] = msgspec.field(default_factory=dict)
+
+    def all(self) -> dict[str, ParamValue]:
+        """Every hyperparameter of the event, scalars and lists."""
+        return {**self.values, **self.lists} if self.lists else dict(self.values)
 
 
 class Text(EventBase, tag="text", frozen=True):

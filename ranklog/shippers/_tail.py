@@ -597,7 +597,7 @@ class RankTail:
                 where = f"{seg.key}@{frame_end}#{nparams}"
                 nparams += 1
                 self._poll.params.append(
-                    ParamsRead(effective, rank, dict(params.values), fresh, where)
+                    ParamsRead(effective, rank, params.all(), fresh, where)
                 )
                 # the owner decides what is new; until it shipped them, keep the frame
                 holds = holds or effective > shipped_upto

@@ -16,7 +16,7 @@ from typing import Any, Final
 from ranklog.shippers._held import StepSet
 from ranklog.shippers.targets._wandb_log import LogReader
 
-__all__ = ["RUN_KEY", "config_set", "nest", "scan_offline"]
+__all__ = ["RUN_KEY", "config_set", "flat_params", "nest", "scan_offline"]
 
 
 #: the config key under which a W&B run records the ranklog run it holds (W&B's UI hides
@@ -103,3 +103,8 @@ def _lists(node: dict[str, Any]) -> dict[str, Any]:
                 v = [v[str(i)] for i in range(len(v))]
         out[k] = v
     return out
+
+
+def flat_params(params: dict[str, Any]) -> dict[str, Any]:
+    """Params as :func:`scan_offline` reads them back from the config (a list by index)."""
+    return dict(p for key, value in params.items() for p in _flat(key, value))

@@ -110,6 +110,11 @@ _HTTP_DEFAULTS: Final = {
 }
 
 
+def _param_text(v: ParamValue) -> str:
+    """A param as MLflow stores it (text): a list as its JSON text, else ``str``."""
+    return json.dumps(v) if isinstance(v, list) else str(v)
+
+
 @contextlib.contextmanager
 def _guard(what: str) -> Iterator[None]:
     """Map MLflow's errors: server down, 5xx, 429 -> TransientTargetError; 4xx -> TargetError."""
@@ -269,7 +274,7 @@ class MlflowTarget:
 
             self._running()
             keys = self._map_keys(list(params))
-            values = {keys[k]: str(v)[:_MAX_PARAM_VALUE] for k, v in params.items()}
+            values = {keys[k]: _param_text(v)[:_MAX_PARAM_VALUE] for k, v in params.items()}
             for attempt in range(2):
                 new, tags = [], []
                 for key, value in values.items():

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import json
 import math
 import mmap
 import os
@@ -198,6 +199,13 @@ def _media(s: ShippedStep) -> bytes:
         image = pb.Summary.Image(height=h, width=w, colorspace=c, encoded_image_string=img.data)
         out.append(pb.Summary.Value(tag=tag, image=image).SerializeToString())
     return b"".join(b"\x0a" + varint(len(raw)) + raw for raw in out)
+
+
+def _hparam(v: ParamValue) -> str | bool | int | float:
+    """A hyperparameter as TensorBoard's hparams take it: a list as its JSON text."""
+    if v is None:
+        return "None"
+    return json.dumps(v) if isinstance(v, list) else v
 
 
 class _File(NamedTuple):
@@ -524,7 +532,7 @@ class TensorBoardTarget:
             return b""
         tb, run, infos = _tb(), self._run, []
         hp = tb.hparams_summary_v2
-        values = {k: "None" if v is None else v for k, v in sorted(self._params.items())}
+        values = {k: _hparam(v) for k, v in sorted(self._params.items())}
         pb = hp.hparams_pb(values, trial_id=self.name or run.name, start_time_secs=run.created)
         for k, v in values.items():
             if isinstance(v, str | bool):

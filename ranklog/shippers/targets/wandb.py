@@ -76,7 +76,13 @@ from ranklog.shippers._held import ALL_NAMES, Holding, StepSet, refuse_other
 from ranklog.shippers._registry import Option, TargetContext, TargetKind
 from ranklog.shippers._target import ShippedStep
 from ranklog.shippers.targets._media import GPU_NAMES_OPTION
-from ranklog.shippers.targets._wandb_config import RUN_KEY, config_set, nest, scan_offline
+from ranklog.shippers.targets._wandb_config import (
+    RUN_KEY,
+    config_set,
+    flat_params,
+    nest,
+    scan_offline,
+)
 from ranklog.shippers.targets._wandb_log import LogReader
 from ranklog.spool import RunInfo
 
@@ -322,7 +328,7 @@ class WandbTarget:
             self._start(main)  # the config goes in with init
         else:
             self._call(main.run.config.update, nest(params), allow_val_change=True)
-        main.config_wait.update(params)
+        main.config_wait.update(flat_params(params))
 
     def write(self, steps: list[ShippedStep]) -> None:
         main = self._require(None)
@@ -417,7 +423,7 @@ class WandbTarget:
         if self.mode == "online" and held.durable < 0 and started.starting_step > 0:
             held.durable = held.sent = int(started.starting_step) - 1
         if rank is None:
-            held.config_wait.update(self._config)
+            held.config_wait.update(flat_params(self._config))
 
     def _mark(self) -> dict[str, str]:
         """The ranklog run this W&B run holds (its config's ``_ranklog``)."""

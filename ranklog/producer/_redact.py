@@ -1,0 +1,107 @@
+"""Which hyperparameters are secrets: shipped as ``<redacted>``, everything else as logged.
+
+A key is split into components at ``.`` and ``/`` (``wandb.api_key``: ``wandb``,
+``api_key``), and each component into words at ``_``, ``-``, spaces and camelCase
+(``apiKey``: ``api``, ``key``). A component names a secret when
+
+- one of its words is ``password``, ``passwd``, ``passphrase``, ``secret``, ``secrets``,
+  ``credential``, ``credentials`` or ``apikey``; or it holds ``api key`` or ``private
+  key`` (``wandb.api_key``, ``db_password``, ``aws_secret_access_key``);
+- it is ``token``, or ends with ``token`` after a word that says whose
+  (``hf_token``, ``access_token``, ``auth_token``, ``refresh_token``, ``github_token``);
+
+unless its last word says it names *where* a secret is (``env``, ``var``, ``file``,
+``path``, ``dir``, ``name``: ``api_key_env_var``, ``password_file``). Words that merely
+contain "token" are never secrets: ``max_new_tokens``, ``num_tokens``, ``tokenizer``,
+``token_level_loss``, ``stop_token_ids``, ``pad_token``.
+
+A string value is a secret, whatever its key, when it looks like a credential: a W&B API
+key (40 hex digits, unless its key names a commit, sha, hash or revision: a git SHA), a
+Hugging Face token (``hf_...``), an OpenAI key (``sk-...``), a GitHub token (``ghp_...``,
+``github_pat_...``), a Slack token (``xox?-...``) or a JWT (``eyJ...``).
+
+Users add their own: ``ranklog.init(redact=["*.db_url", "private_*"])`` and the
+environment variable ``RANKLOG_REDACT`` (comma-separated), shell globs matched, case
+blind, against the whole dotted key and against each component.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+import os
+import re
+from collections.abc import Iterable
+from typing import Final
+
+__all__ = ["REDACT_ENV", "Redactor"]
+
+#: the environment variable with more globs of keys to redact (comma-separated)
+REDACT_ENV: Final = "RANKLOG_REDACT"
+
+_SPLIT: Final = re.compile(r"[._/\-\s]+|(?<=[a-z0-9])(?=[A-Z])")
+_SECRET_WORDS: Final = frozenset(
+    {"password", "passwd", "passphrase", "secret", "secrets", "credential", "credentials",
+     "apikey"}
+)  # fmt: skip
+_SECRET_PAIRS: Final = frozenset({("api", "key"), ("private", "key")})
+#: the words before "token" that make it a credential
+_TOKEN_OWNERS: Final = frozenset(
+    {"hf", "huggingface", "access", "auth", "refresh", "api", "bearer", "session", "id",
+     "github", "gh", "gitlab", "wandb", "openai", "slack", "bot", "oauth", "personal",
+     "private", "secret", "client", "service", "upload", "write", "read", "user"}
+)  # fmt: skip
+#: a component whose last word is one of these names where a secret is, not the secret
+_PLACES: Final = frozenset({"env", "var", "file", "path", "dir", "name"})
+#: words of a key under which 40 hex digits are a git object, not a W&B key
+_GIT_WORDS: Final = frozenset({"commit", "sha", "hash", "revision", "rev", "digest"})
+_LOOKS_SECRET: Final = re.compile(
+    r"hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_\-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}"
+    r"|github_pat_\w{20,}|xox[abposr]-[A-Za-z0-9\-]{10,}|eyJ[\w\-]{10,}\.[\w\-]{10,}\.[\w\-]+"
+)
+_HEX40: Final = re.compile(r"[0-9a-f]{40}")
+
+
+def _words(component: str) -> list[str]:
+    return [w.lower() for w in _SPLIT.split(component) if w]
+
+
+def secret_component(component: str) -> bool:
+    """Whether one component of a key names a secret (see the module docstring)."""
+    words = _words(component)
+    if not words or words[-1] in _PLACES:
+        return False
+    if any(w in _SECRET_WORDS for w in words):
+        return True
+    if any(pair in _SECRET_PAIRS for pair in itertools.pairwise(words)):
+        return True
+    return words[-1] == "token" and (len(words) == 1 or words[-2] in _TOKEN_OWNERS)
+
+
+class Redactor:
+    """Decides which hyperparameters are shipped as ``<redacted>``."""
+
+    def __init__(self, extra: Iterable[str] = (), *, env: bool = True) -> None:
+        globs = [g.strip() for g in extra if g.strip()]
+        if env:
+            globs += [g.strip() for g in os.environ.get(REDACT_ENV, "").split(",") if g.strip()]
+        self.globs = tuple(g.lower() for g in globs)
+
+    def key(self, key: str) -> bool:
+        """Whether the dotted ``key`` names a secret (built in, or a user's glob)."""
+        parts = [p for p in re.split(r"[./]", key) if p]
+        if any(secret_component(p) for p in parts):
+            return True
+        low = key.lower()
+        return any(
+            fnmatch.fnmatchcase(low, g) or any(fnmatch.fnmatchcase(p.lower(), g) for p in parts)
+            for g in self.globs
+        )
+
+    def value(self, key: str, value: str) -> bool:
+        """Whether the string ``value`` of ``key`` looks like a credential."""
+        if _LOOKS_SECRET.fullmatch(value):
+            return True
+        if _HEX40.fullmatch(value):
+            return not any(w in _GIT_WORDS for w in _words(key))
+        return False
