@@ -215,3 +215,40 @@ def test_std_of_huge_values_does_not_overflow() -> None:
     """Squares past the float range give inf, as numpy does, instead of an exception."""
     p = Partial.of([1e160, 3e160], last=(0, 0, 0), ops=("std",))
     assert p.result("std") == oracle([1e160, 3e160], "std") == math.inf
+
+
+class TestSignedZero:
+    """IEEE's sign of zero: values that are all -0.0 sum (and average) to -0.0."""
+
+    @pytest.mark.parametrize("exact", [False, True])
+    @pytest.mark.parametrize(
+        ("values", "negative"),
+        [([-0.0], True), ([-0.0, -0.0, -0.0], True), ([-0.0, 0.0], False), ([1.0, -1.0], False),
+         ([0.0], False)],
+    )  # fmt: skip
+    def test_one_partial(self, values: list[float], negative: bool, exact: bool) -> None:
+        """mean and sum of a partial keep the sign IEEE addition gives."""
+        for op in ("mean", "sum"):
+            p = Partial.of(values, last=(1.0, 0, values[-1]), ops=(op,), exact=exact)
+            got = p.result(op)
+            assert got == 0.0 and (math.copysign(1.0, got) < 0) == negative, (values, op)
+
+    def test_merged_partials(self) -> None:
+        """Merged exactly (a fan-in), -0.0 from every reader stays -0.0; one +0.0 makes +0.0."""
+        neg = [Partial.of([-0.0, -0.0], last=(1.0, r, -0.0), ops=("sum",), exact=True)
+               for r in range(3)]  # fmt: skip
+        total = neg[0].merge(neg[1]).merge(neg[2]).result("sum")
+        assert math.copysign(1.0, total) < 0
+        pos = Partial.of([0.0], last=(1.0, 9, 0.0), ops=("sum",), exact=True)
+        assert math.copysign(1.0, neg[0].merge(pos).result("sum")) > 0
+
+    def test_every_rank_logs_minus_zero(self) -> None:
+        """A step where every rank logged -0.0 ships -0.0 for mean and sum, as for min and max."""
+        acc = _acc({r: [Metrics(1.0, 0, {"z": -0.0}, "mean,sum,min,max")] for r in range(4)})
+        shipped = reduce_step(0, acc, closed=4, world_size=4)
+        for op in ("mean", "sum", "min", "max"):
+            value = shipped.metrics[f"z/{op}"]
+            assert value == 0.0 and math.copysign(1.0, value) < 0, op
+        acc = _acc({r: [Metrics(1.0, 0, {"z": -0.0})] for r in range(4)})  # the usual mean
+        value = reduce_step(0, acc, closed=4, world_size=4).metrics["z"]
+        assert math.copysign(1.0, value) < 0

@@ -61,6 +61,26 @@ class TestEquivalence:
         assert got[3]["metrics"]["loss"] == pytest.approx((0 + 1 + 2 + 3) / 4 + 0.03)  # no 1e9
         assert got[38]["metrics"]["loss"] == pytest.approx((0 + 1 + 2 + 3) / 4 + 0.38)  # first kept
 
+    def test_minus_zero_everywhere(self, spool: Path, tmp_path: Path) -> None:
+        """-0.0 on every rank ships -0.0 for mean and sum, live and replayed alike."""
+        runs = [rank(spool, r, 3) for r in range(3)]
+        for s in range(3):
+            for run in runs:
+                run.log_metrics({"z": -0.0, "w": -0.0 if run.rank else 0.0}, step=s)
+                run.log_metrics({"t": -0.0}, step=s, reduce="sum")
+                run.step_end(s)
+        for run in runs:
+            run.close()
+        live, again = tmp_path / "live.jsonl", tmp_path / "replay.jsonl"
+        ship(spool, live)
+        compact(spool, tmp_path / "pq")
+        replay(tmp_path / "pq", JsonlTarget(again))
+        assert live.read_bytes() == again.read_bytes()
+        for x in lines(live):
+            z, w, t = x["metrics"]["z"], x["metrics"]["w"], x["metrics"]["t"]
+            assert math.copysign(1, z) < 0 and math.copysign(1, t) < 0  # every rank -0.0
+            assert math.copysign(1, w) > 0  # one rank +0.0: +0.0, as IEEE adds them
+
     def test_replay_twice_adds_nothing(self, spool: Path, tmp_path: Path) -> None:
         """Replaying into a target that has everything sends nothing again."""
         _job(spool)

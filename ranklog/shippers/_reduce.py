@@ -27,7 +27,15 @@ from typing import Final
 from ranklog.errors import ConfigError
 from ranklog.schemas import REDUCE_OPS
 
-__all__ = ["SUMMED_OPS", "Partial", "exact_parts", "fsums", "output_names", "parse_ops"]
+__all__ = [
+    "SUMMED_OPS",
+    "Partial",
+    "exact_parts",
+    "fsums",
+    "output_names",
+    "parse_ops",
+    "zero_sign",
+]
 
 _NEEDS_VALUES: Final = frozenset({"median", "std"})
 #: ops whose partial is the count and the sum alone (when every value is finite)
@@ -84,6 +92,8 @@ class Partial:
         try:
             total = math.fsum(values)
             finite = math.isfinite(total)
+            if total == 0.0:
+                total = zero_sign(total, values)
         except (ValueError, OverflowError):  # inf + -inf, or an intermediate overflow
             finite = False
         if finite and not exact:
@@ -151,7 +161,7 @@ class Partial:
         if self.parts is not None and other.parts is not None:
             parts = self.parts + other.parts
             try:
-                total = math.fsum(parts)
+                total = zero_sign(math.fsum(parts), parts)
             except OverflowError:  # the exact sum itself overflows
                 parts = None
         if parts is None:
@@ -215,16 +225,33 @@ def fsums(values: list[float], starts: list[int], ends: list[int]) -> list[float
     With such a sum, :meth:`Partial.summed` may be all a group's partial needs.
     """
     try:
-        return list(map(math.fsum, map(values.__getitem__, map(slice, starts, ends))))
+        out = list(map(math.fsum, map(values.__getitem__, map(slice, starts, ends))))
     except (ValueError, OverflowError):
         return None
+    if 0.0 in out:  # (rare) a sum of zeros: its sign, as IEEE gives it
+        for i, total in enumerate(out):
+            if total == 0.0:
+                out[i] = zero_sign(total, values[starts[i] : ends[i]])
+    return out
+
+
+def zero_sign(total: float, values: Sequence[float]) -> float:
+    """``total``, the ``math.fsum`` of ``values``, with IEEE's sign of zero.
+
+    ``math.fsum`` returns ``+0.0`` for any zero sum; IEEE addition gives ``-0.0`` when
+    every value is ``-0.0`` (and ``+0.0`` when values cancel). Only a zero ``total`` is
+    looked at again.
+    """
+    if total == 0.0 and values and all(v == 0.0 and math.copysign(1.0, v) < 0.0 for v in values):
+        return -0.0
+    return total
 
 
 def _add(a: float, b: float) -> float:
     """a + b, exactly rounded where both are finite (fsum raises on inf - inf)."""
     if math.isfinite(a) and math.isfinite(b):
         try:
-            return math.fsum((a, b))
+            return zero_sign(math.fsum((a, b)), (a, b))
         except OverflowError:
             return a + b
     return a + b
@@ -244,7 +271,7 @@ def exact_parts(values: Sequence[float]) -> list[float]:
     while True:
         r = math.fsum(more)  # the exact sum of values minus parts, rounded
         if r == 0.0:  # exact: a sum of doubles is a multiple of 2**-1074, never rounded to 0
-            return parts or [r]  # a zero sum keeps fsum's sign of zero
+            return parts or [zero_sign(r, values)]  # a zero sum: IEEE's sign of zero
         parts.append(r)
         more.append(-r)
 

@@ -30,7 +30,7 @@ from ranklog.schemas import (
     Text,
     Timer,
 )
-from ranklog.shippers._reduce import SUMMED_OPS, Partial, output_names, parse_ops
+from ranklog.shippers._reduce import SUMMED_OPS, Partial, output_names, parse_ops, zero_sign
 from ranklog.shippers._target import GpuStat, ImageItem, ShippedStep, TableItem, TextItem
 
 __all__ = ["Contributed", "Contribution", "StepAcc", "StepPartial"]
@@ -203,6 +203,8 @@ class StepPartial:
                 if spec in _SUMMED_SPECS and not exact:  # mean, sum or count: the usual spec
                     try:
                         total = math.fsum(lst)
+                        if total == 0.0:
+                            total = zero_sign(total, lst)
                     except (ValueError, OverflowError):
                         total = math.nan
                     if total - total == 0.0:  # finite: the count and the sum are the partial
