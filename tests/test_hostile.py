@@ -18,12 +18,13 @@ import numpy as np
 import pytest
 
 import ranklog
-from ranklog.errors import ConfigError, InvalidStepError, InvalidValueError
+from ranklog.errors import ConfigError, InvalidStepError, InvalidValueError, RanklogWarning
 from ranklog.producer._values import MAX_NAME_CHARS
 from ranklog.shippers import Shipper, make_target
 from ranklog.shippers._source import SpoolSource
 from ranklog.shippers.targets.jsonl import JsonlTarget
 from ranklog.spool import IncarnationWriter, SpoolLayout, ensure_run, read_run
+from ranklog.spool._inspect import summarize
 from ranklog.testing import bad_ranges, read_events
 
 from .conftest import python_env
@@ -232,7 +233,7 @@ run.close()
             assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
             with pytest.raises(ConfigError, match=f"rank 0 is being written by pid {proc.pid}"):
                 ranklog.init(spool, rank=0, world_size=2, handle_signals=False)
-            assert len(list((spool / "ranks" / "00000").iterdir())) == 1  # nothing claimed
+            assert len(list((spool / "ranks" / "00000").glob("*.rlog"))) == 1  # nothing claimed
         finally:
             proc.kill()
             proc.wait()
@@ -244,10 +245,50 @@ run.close()
                                 env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)  # fmt: skip
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        other = ranklog.init(spool, rank=0, world_size=2, handle_signals=False, host="node-b")
+        with pytest.warns(RanklogWarning, match="by pid .* on node-a"):  # the newer one too
+            other = ranklog.init(spool, rank=0, world_size=2, handle_signals=False, host="node-b")
         _, err = proc.communicate(timeout=30)
         other.close()
         assert "another process started as rank 0 (incarnation 2)" in err
+        (first, second) = summarize(spool).incarnations
+        assert first.state.startswith("conflict: still written after incarnation 2 started")
+        assert second.state == "ended (ok)"
+
+    RACE = """
+import os, sys, time, ranklog
+from ranklog.errors import ConfigError
+while time.time() < float(sys.argv[2]):
+    pass
+try:
+    run = ranklog.init(sys.argv[1], rank=0, world_size=1, handle_signals=False)
+except ConfigError as exc:
+    print("refused:", exc, flush=True)
+    sys.exit(0)
+print("claimed", flush=True)
+time.sleep(1.5)
+run.close()
+"""
+
+    @pytest.mark.parametrize("trial", range(3))
+    def test_two_processes_at_the_same_instant(self, spool: Path, trial: int) -> None:
+        """Two processes of this host claim rank 0 at once: exactly one gets it."""
+        ranklog.init(spool, rank=1, world_size=2, handle_signals=False).close()  # run.json
+        at = str(time.time() + 1.0)
+        procs = [subprocess.Popen([sys.executable, "-c", self.RACE, str(spool), at],
+                                  env=python_env(), stdout=subprocess.PIPE, text=True)
+                 for _ in range(2)]  # fmt: skip
+        outs = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
+        assert outs[0] == "claimed", outs
+        assert outs[1].startswith("refused: rank 0 is being written by pid"), outs
+        assert len(list((spool / "ranks" / "00000").glob("*.rlog"))) == 1
+
+    def test_init_twice_in_one_process(self, spool: Path) -> None:
+        """init(rank=0) while this process's rank 0 is open is refused; after close() it is not."""
+        first = ranklog.init(spool, rank=0, world_size=1, handle_signals=False)
+        with pytest.raises(ConfigError, match="already open in this process"):
+            ranklog.init(spool, rank=0, world_size=1, handle_signals=False)
+        first.close()
+        ranklog.init(spool, rank=0, world_size=1, handle_signals=False).close()
 
 
 class TestWorldSize:

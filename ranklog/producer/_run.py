@@ -20,7 +20,7 @@ from typing import Any, Final, Literal
 
 from ranklog._version import __version__
 from ranklog.errors import ConfigError, InvalidValueError, RanklogWarning
-from ranklog.producer._dupes import running_writer
+from ranklog.producer._dupes import claim_rank, other_host_writer, running_writer
 from ranklog.producer._env import detect_rank
 from ranklog.producer._sink import DURABILITY_LEVELS, SpoolSink
 from ranklog.producer._values import (
@@ -134,22 +134,21 @@ class Run:
         self._host = host or socket.gethostname()
         self._gpu: Any = None
         self._gpu_lock = False
-        running = running_writer(self.layout, rank, self._host)
-        if running is not None:
-            inc, pid, path = running
-            raise ConfigError(
-                f"rank {rank} is being written by pid {pid} on this host (incarnation {inc}, "
-                f"{path}): two processes with the same rank id? set RANK, or init(rank=...)"
+        self._claim: tuple[str, int] = (os.path.realpath(self.spool), rank)
+        self._claim_fd = self._claim_rank(rank)
+        try:
+            if gpu != "off":
+                self._gpu = self._gpu_sampler(gpu, gpu_interval, local_rank)
+            writer = IncarnationWriter.create(
+                self.layout,
+                self.info,
+                rank,
+                world_size=world_size,
+                max_segment_bytes=max_segment_bytes,
             )
-        if gpu != "off":
-            self._gpu = self._gpu_sampler(gpu, gpu_interval, local_rank)
-        writer = IncarnationWriter.create(
-            self.layout,
-            self.info,
-            rank,
-            world_size=world_size,
-            max_segment_bytes=max_segment_bytes,
-        )
+        except BaseException:
+            self._release_claim()
+            raise
         self.incarnation = writer.incarnation
         self._sink: SpoolSink | _DeadSink = SpoolSink(
             writer,
@@ -187,6 +186,36 @@ class Run:
         if handle_signals and threading.current_thread() is threading.main_thread():
             with contextlib.suppress(ValueError, OSError):
                 self._prev_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _claim_rank(self, rank: int) -> int | None:
+        """This host's claim on ``rank`` (see :mod:`._dupes`); ConfigError when a Run of
+        this process, or another live process of this host, writes it."""
+        if any(r._claim == self._claim for r in list(_live_runs)):
+            raise ConfigError(
+                f"rank {rank} of {self.spool} is already open in this process: log through "
+                "that Run (ranklog.init returned it), or close() it first"
+            )
+        fd = claim_rank(self.layout, rank, self._host)
+        elsewhere = other_host_writer(self.layout, rank, self._host)
+        if elsewhere is not None:
+            inc, pid, host = elsewhere
+            warnings.warn(
+                f"ranklog: rank {rank} was written in the last minute by pid {pid} on {host} "
+                f"(incarnation {inc}, not ended): if that process still runs, two processes "
+                "have the same rank id and their values mix; set RANK, or init(rank=...)",
+                RanklogWarning,
+                stacklevel=3,
+            )
+        running = running_writer(self.layout, rank, self._host)
+        if running is not None:
+            if fd is not None:
+                os.close(fd)
+            inc, pid, path = running
+            raise ConfigError(
+                f"rank {rank} is being written by pid {pid} on this host (incarnation {inc}, "
+                f"{path}): two processes with the same rank id? set RANK, or init(rank=...)"
+            )
+        return fd
 
     def __repr__(self) -> str:
         return (
@@ -398,7 +427,17 @@ class Run:
         """Write ``rank_end``, flush, seal and fsync. Idempotent; also runs at exit."""
         sink = self._detach("after close()")
         if sink is not None:
-            sink.close(RankEnd(time.time(), status, exit_code))
+            try:
+                sink.close(RankEnd(time.time(), status, exit_code))
+            finally:
+                self._release_claim()
+
+    def _release_claim(self) -> None:
+        """Let another process claim this rank (a relaunch)."""
+        fd, self._claim_fd = self._claim_fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def _detach(self, why: str) -> SpoolSink | _DeadSink | None:
         """Stop logging here (later calls warn ``why``); the sink to finish (None: done)."""
@@ -476,10 +515,12 @@ class Run:
         sink = self._detach("after a simulated crash")
         if isinstance(sink, SpoolSink):
             sink.abandon()
+        self._release_claim()  # as the kernel does for a killed process
 
     def _forget_after_fork(self) -> None:
         """In a forked child: never touch the parent's files."""
         self._gpu = None  # the thread did not survive the fork; the lock is the parent's
+        self._release_claim()  # the child's copy: the parent keeps its claim
         self._closed = True
         self._sink = _DeadSink("from a forked child of a rank")
         with contextlib.suppress(Exception):

@@ -596,9 +596,7 @@ class RankTail:
                 effective = inc.max_step + 1 if inc.max_step >= 0 else 0
                 where = f"{seg.key}@{frame_end}#{nparams}"
                 nparams += 1
-                self._poll.params.append(
-                    ParamsRead(effective, rank, params.all(), fresh, where)
-                )
+                self._poll.params.append(ParamsRead(effective, rank, params.all(), fresh, where))
                 # the owner decides what is new; until it shipped them, keep the frame
                 holds = holds or effective > shipped_upto
         return max_step, holds

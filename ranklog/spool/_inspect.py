@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -50,12 +51,17 @@ class IncarnationSummary:
     unknown_fields: int = 0
     #: the incarnation of the same rank that started after this one (a relaunch)
     superseded_by: int | None = None
+    #: it went on writing after that incarnation started: two processes had one rank id
+    conflict: bool = False
 
     @property
     def state(self) -> str:
         """``ended (status)`` once rank_end was read; ``crashed`` when a relaunch started
         without one; else ``open`` (running, or killed with no relaunch yet)."""
         later = "" if self.superseded_by is None else f", superseded by {self.superseded_by}"
+        if self.conflict:
+            return (f"conflict: still written after incarnation {self.superseded_by} started "
+                    "(two processes with one rank id?)")  # fmt: skip
         if self.end_status is not None:
             return f"ended ({self.end_status}){later}"
         if self.superseded_by is not None:
@@ -128,11 +134,19 @@ def summarize(root: str | os.PathLike[str]) -> SpoolSummary:
         for s in segs:
             key = s.id.key
             summary.sizes[key] = s.path.stat(follow_symlinks=False).st_size
-        for n, inc in enumerate(incs):
-            later_inc = n + 1 < len(incs)
-            one = _one(rank, inc, by_inc[inc], later_inc, summary.bad)
-            one.superseded_by = incs[n + 1] if later_inc else None
-            summary.incarnations.append(one)
+        ones = [
+            _one(rank, inc, by_inc[inc], n + 1 < len(incs), summary.bad)
+            for n, inc in enumerate(incs)
+        ]
+        for one, after in itertools.pairwise(ones):
+            one.superseded_by = after.incarnation
+            # events after the next incarnation's start: both processes were writing
+            one.conflict = (
+                after.started is not None
+                and one.last_event is not None
+                and one.last_event > after.started
+            )
+        summary.incarnations += ones
     return summary
 
 

@@ -8,6 +8,7 @@
       cursors/<shipper-name>.json
       deleted.json                                 segments ``compact --delete`` removed,
                                                    and the dataset that holds each
+      claims/<rank:05d>.<host>                     the lock a live rank of that host holds
 
 Listing never follows symbolic links: a link in the spool is reported, not read.
 """
