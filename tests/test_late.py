@@ -221,3 +221,50 @@ class TestTornJsonl:
             held = JsonlTarget(path).open(RUN)
             kept = max((e for e in whole if e <= cut), default=0)
             assert (held.last, path.stat().st_size) == (whole.get(kept), kept), cut
+
+
+class TestAhead:
+    """A value logged for a step ahead of the one a rank is in closes nothing before it."""
+
+    def _job(self, spool: Path, *, end: bool = True) -> Any:
+        run = rank(spool, 0, 1)
+        run.log_metrics({"x": 0.0}, step=0)
+        run.step_end(0)
+        with pytest.warns(Warning, match=r"'eval/y' for step 1000 ahead of step 1"):
+            run.log_metrics({"y": 9.0}, step=1000, prefix="eval")
+        for s in range(1, 10):
+            run.log_metrics({"x": float(s)}, step=s)
+            run.step_end(s)
+        run.flush()
+        if end:
+            run.close()
+        return run
+
+    def test_steps_before_it_ship_as_they_close(self, spool: Path, tmp_path: Path) -> None:
+        """Steps 1..9 ship as step_end closes them; step 1000 once the rank ends; each once."""
+        run = self._job(spool, end=False)
+        out = tmp_path / "o.jsonl"
+        ship(spool, out)
+        assert [x["step"] for x in lines(out)] == list(range(10))  # 1000 still open
+        run.close()
+        ship(spool, out)
+        got = lines(out)
+        assert [x["step"] for x in got] == [*range(10), 1000]
+        assert got[-1]["metrics"]["eval/y"] == 9.0  # (partial: no step_end ever closed it)
+        assert all(x["metrics"] == {"x": float(x["step"])} for x in got[:-1])
+
+    def test_live_and_replay_agree(self, spool: Path, tmp_path: Path) -> None:
+        """Replay (on columns and event by event) ships what live shipping shipped."""
+        from ranklog.archive import compact, replay
+
+        self._job(spool)
+        live = tmp_path / "live.jsonl"
+        shipper = ship(spool, live)
+        assert shipper.stats.late_events == 0
+        compact(spool, tmp_path / "pq")
+        again = tmp_path / "again.jsonl"
+        replay(tmp_path / "pq", JsonlTarget(again))
+        assert again.read_bytes() == live.read_bytes()
+        windowed = tmp_path / "win.jsonl"
+        replay(tmp_path / "pq", JsonlTarget(windowed), steps=(0, 2000))  # the event path
+        assert [x["step"] for x in lines(windowed)] == [*range(10), 1000]

@@ -281,7 +281,7 @@ def _stream(
     top = np.maximum.accumulate(np.where(code == _STEP, step, NO_STEP))
     before_closed = np.concatenate(([NO_STEP], closed[:-1]))
     before_top = np.concatenate(([NO_STEP], top[:-1]))
-    own = np.maximum(before_closed, before_top - 1)
+    own = np.where(before_closed != NO_STEP, before_closed, before_top - 1)  # the watermark
     is_step = code == _STEP
     if np.any(is_step & (step <= own)):
         raise _No(f"rank {rank} logged late values")
@@ -306,7 +306,7 @@ def _stream(
         if np.any(steps_of[1:] < steps_of[:-1]):
             raise _No(f"rank {rank} has GPU samples out of step order")
         out.gpu_steps = steps_of
-    out.watermark = int(max(closed[-1], top[-1] - 1))
+    out.watermark = int(closed[-1] if closed[-1] != NO_STEP else top[-1] - 1)
     for i in np.flatnonzero(code == _PARAMS).tolist():
         q, k = int(seq[i]), int(idx[i])
         effective = int(before_top[i]) + 1 if before_top[i] >= 0 else 0

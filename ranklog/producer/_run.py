@@ -160,6 +160,7 @@ class Run:
         self._fsync = durability == "fsync"
         self._closed_step = -1
         self._late_warned = False
+        self._ahead_warned = False
         self._closed = False
         self._names: dict[str | None, dict[str, str]] = {}
         self._timer_names: set[str] = set()
@@ -266,8 +267,8 @@ class Run:
         op = self._ops.get(reduce) if type(reduce) is str else None
         if op is None:
             op = self._reduce(reduce, prefix)
-        if step <= self._closed_step:
-            self._late(step)
+        if step <= self._closed_step or step > self._closed_step + 1 >= 1:
+            self._off_step(step, next(iter(values), ""))
         self._sink.append(Metrics(time.time(), step, values, op), step=step)
 
     def _name(self, names: dict[str, str], prefix: str | None, key: object) -> str:
@@ -290,6 +291,21 @@ class Run:
             self._ops[reduce] = spec
         return spec
 
+    def _off_step(self, step: int, name: str) -> None:
+        """A value for a step this rank closed (late), or past the one it is in (ahead)."""
+        if step <= self._closed_step:
+            self._late(step)
+        elif not self._ahead_warned:
+            self._ahead_warned = True
+            warnings.warn(
+                f"ranklog: rank {self.rank} logged {name!r} for step {step} ahead of step "
+                f"{self._closed_step + 1}, the next it closes: the value waits in its step, "
+                "which ships once step_end() closes it (or the rank ends); the steps before "
+                "it ship as step_end() closes them",
+                RanklogWarning,
+                stacklevel=3,
+            )
+
     def _late(self, step: int) -> None:
         if not self._late_warned:
             self._late_warned = True
@@ -311,8 +327,8 @@ class Run:
                 self._timer_names.add(name)
         if type(seconds) is not float:
             seconds = as_float(name, seconds)
-        if step <= self._closed_step:
-            self._late(step)
+        if step <= self._closed_step or step > self._closed_step + 1 >= 1:
+            self._off_step(step, name)
         self._sink.append(
             Timer(time.time(), step, name, seconds, self._timer_op(reduce)), step=step
         )

@@ -526,7 +526,7 @@ class RankTail:
                 ev: StepEvent = event  # type: ignore[assignment]  # the set holds only those
                 step = ev.step
                 # inc.watermark, inlined: this runs once per event
-                own = inc.closed if inc.closed >= inc.max_step else inc.max_step - 1
+                own = inc.closed if inc.closed != NO_STEP else inc.max_step - 1
                 if step > max_step:
                     max_step = step
                 if step > inc.max_step:
