@@ -90,6 +90,7 @@ def _add_shippers(summary: SpoolSummary) -> None:
                 state=lease.state() if lease is not None else "stopped",
                 identity=c.identity,
                 skipped_below=c.skipped_below,
+                name_collisions=c.name_collisions,
             )
         )
     for lease in leases.values():  # running, nothing committed yet

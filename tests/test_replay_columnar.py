@@ -792,8 +792,8 @@ class TestMoreDepartures:
     def test_an_output_name_two_names_share(
         self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        """``x`` reduced by mean and max ships ``x/max``, as does a metric named ``x/max``:
-        the one logged later in the step wins, on columns as in the engine."""
+        """``x`` reduced by mean and max derives ``x/max``, a name also logged on its own:
+        both values ship, the derived one as ``x/max.derived``, on columns as in the engine."""
         self._one_rank(spool, [
             [Metrics(T0, 0, {"x/max": 5.0}), StepEnd(T0, 0, 1)],
             [Metrics(T0 + 1, 1, {"x": 1.0}, "mean,max"), Metrics(T0 + 1, 1, {"x/max": 7.0}),
@@ -805,4 +805,5 @@ class TestMoreDepartures:
         assert _planned(tmp_path / "pq") == (True, "")
         out = _replays(tmp_path / "pq", tmp_path, monkeypatch)
         got = [x["metrics"] for x in map(json.loads, out.splitlines()) if "metrics" in x]
-        assert [m["x/max"] for m in got] == [5.0, 7.0, 2.0]
+        assert [m["x/max"] for m in got] == [5.0, 7.0, 9.0]
+        assert [m.get("x/max.derived") for m in got] == [None, 1.0, 2.0]

@@ -21,8 +21,8 @@ from typing import Any, Final, Literal
 from ranklog._version import __version__
 from ranklog.errors import ConfigError, InvalidValueError, RanklogWarning
 from ranklog.producer._dupes import claim_rank, other_host_writer, running_writer
-from ranklog.producer._env import detect_rank
-from ranklog.producer._sink import DURABILITY_LEVELS, SpoolSink
+from ranklog.producer._names import NameBook
+from ranklog.producer._sink import DURABILITY_LEVELS, DeadSink, SpoolSink
 from ranklog.producer._values import (
     MAX_STEP,
     Redactor,
@@ -34,6 +34,7 @@ from ranklog.producer._values import (
     op_spec,
 )
 from ranklog.schemas import (
+    REDUCE_OPS,
     Gpu,
     Histogram,
     Image,
@@ -45,9 +46,9 @@ from ranklog.schemas import (
     Text,
     Timer,
 )
-from ranklog.spool import DEFAULT_SEGMENT_BYTES, IncarnationWriter, SpoolLayout, ensure_run
+from ranklog.spool import IncarnationWriter, SpoolLayout, ensure_run
 
-__all__ = ["Durability", "Run", "init"]
+__all__ = ["SPOOL_ENV", "Durability", "Run"]
 
 Durability = Literal["buffered", "step", "fsync"]
 #: a cross-rank reduction: one op, several, or per name (names left out: ``mean``)
@@ -56,6 +57,8 @@ SPOOL_ENV: Final = "RANKLOG_SPOOL"
 MAX_TEXT_BYTES: Final = 8 * 1024 * 1024
 MAX_HISTOGRAM_VALUES: Final = 1_000_000
 _NAME_CACHE_MAX: Final = 100_000
+#: specs of one op: no derived names (a spec of several ops is checked for names meeting)
+_ONE_OP: Final = REDUCE_OPS
 _FORMAT: Final = re.compile(r"[A-Za-z0-9]{1,16}")
 _live_runs: weakref.WeakSet[Run] = weakref.WeakSet()
 
@@ -150,7 +153,7 @@ class Run:
             self._release_claim()
             raise
         self.incarnation = writer.incarnation
-        self._sink: SpoolSink | _DeadSink = SpoolSink(
+        self._sink: SpoolSink | DeadSink = SpoolSink(
             writer,
             flush_interval=flush_interval,
             max_buffer_bytes=max_buffer_bytes,
@@ -164,6 +167,7 @@ class Run:
         self._closed = False
         self._names: dict[str | None, dict[str, str]] = {}
         self._timer_names: set[str] = set()
+        self._book = NameBook(rank)
         self._ops: dict[object, str] = {}
         self._sink.append(
             RankStart(
@@ -267,6 +271,8 @@ class Run:
         op = self._ops.get(reduce) if type(reduce) is str else None
         if op is None:
             op = self._reduce(reduce, prefix)
+        if type(op) is not str or op not in _ONE_OP:  # several ops derive name/op
+            self._several(values, op)
         if step <= self._closed_step or step > self._closed_step + 1 >= 1:
             self._off_step(step, next(iter(values), ""))
         self._sink.append(Metrics(time.time(), step, values, op), step=step)
@@ -275,9 +281,19 @@ class Run:
         """The name ``key`` logs under with ``prefix``, checked once and then cached."""
         key = check_name("metric", key)
         name = check_name("metric", f"{prefix}/{key}" if prefix else key)
+        self._book.logged(name)
         if len(names) < _NAME_CACHE_MAX:
             names[key] = name
         return name
+
+    def _several(self, values: dict[str, float], op: Any) -> None:
+        """Note the names a spec of several ops derives (a dict spec: per name)."""
+        if type(op) is str:
+            self._book.several(values, op)
+            return
+        for name, spec in op.items():
+            if "," in spec and name in values:
+                self._book.several({name: 0.0}, spec)
 
     def _reduce(self, reduce: object, prefix: str | None) -> Any:
         if isinstance(reduce, Mapping):
@@ -322,9 +338,7 @@ class Run:
         if type(step) is not int or not 0 <= step <= MAX_STEP:
             step = check_step(step)
         if name not in self._timer_names:
-            check_name("timer", name)
-            if len(self._timer_names) < _NAME_CACHE_MAX:  # bounded, as the metric names
-                self._timer_names.add(name)
+            self._new_timer(name)
         if type(seconds) is not float:
             seconds = as_float(name, seconds)
         if step <= self._closed_step or step > self._closed_step + 1 >= 1:
@@ -342,7 +356,15 @@ class Run:
 
     def timer(self, name: str, step: int, *, reduce: str = "max") -> _Timer:
         """Context manager timing its block with ``perf_counter`` and logging it for ``step``."""
-        return _Timer(self, check_name("timer", name), check_step(step), self._timer_op(reduce))
+        if name not in self._timer_names:
+            self._new_timer(name)
+        return _Timer(self, name, check_step(step), self._timer_op(reduce))
+
+    def _new_timer(self, name: str) -> None:
+        check_name("timer", name)
+        self._book.timer(name)
+        if len(self._timer_names) < _NAME_CACHE_MAX:  # bounded, as the metric names
+            self._timer_names.add(name)
 
     def log_text(self, name: str, text: str, step: int) -> None:
         """Log a piece of text (a validation sample, say) for ``step``."""
@@ -455,7 +477,7 @@ class Run:
             with contextlib.suppress(OSError):
                 os.close(fd)
 
-    def _detach(self, why: str) -> SpoolSink | _DeadSink | None:
+    def _detach(self, why: str) -> SpoolSink | DeadSink | None:
         """Stop logging here (later calls warn ``why``); the sink to finish (None: done)."""
         if self._closed:
             return None
@@ -464,7 +486,7 @@ class Run:
         with contextlib.suppress(Exception):
             atexit.unregister(self._atexit)
         self._stop_gpu()
-        sink, self._sink = self._sink, _DeadSink(why)
+        sink, self._sink = self._sink, DeadSink(why)
         return sink
 
     def __enter__(self) -> Run:
@@ -538,42 +560,9 @@ class Run:
         self._gpu = None  # the thread did not survive the fork; the lock is the parent's
         self._release_claim()  # the child's copy: the parent keeps its claim
         self._closed = True
-        self._sink = _DeadSink("from a forked child of a rank")
+        self._sink = DeadSink("from a forked child of a rank")
         with contextlib.suppress(Exception):
             atexit.unregister(self._atexit)
-
-
-class _DeadSink:
-    """Stands in for the sink of a closed run, or of a run inherited by a forked child.
-
-    Logging there is ignored with one warning: nothing can be written any more
-    (a forked child must never write its parent's files).
-    """
-
-    def __init__(self, why: str) -> None:
-        self._why = why
-        self._warned = False
-
-    def append(self, event: object, *, wait: bool = True, step: int | None = None) -> None:
-        self._warn()
-
-    def append_step_end(self, ts: float, step: int) -> None:
-        self._warn()
-
-    def _warn(self) -> None:
-        if not self._warned:
-            self._warned = True
-            warnings.warn(
-                f"ranklog: logging {self._why} is ignored; call ranklog.init() to log again",
-                RanklogWarning,
-                stacklevel=4,  # the caller of the Run method
-            )
-
-    def flush(self, *, sync: bool = False) -> bool:
-        return False
-
-    def close(self, final: object, *, timeout: float = 0.0) -> int:
-        return 0
 
 
 def _flatten(values: Any) -> Iterator[Any]:
@@ -591,59 +580,3 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def init(
-    spool: str | os.PathLike[str] | None = None,
-    *,
-    rank: int | None = None,
-    world_size: int | None = None,
-    local_rank: int | None = None,
-    durability: Durability = "step",
-    flush_interval: float = 1.0,
-    max_buffer_bytes: int = 64 * 1024 * 1024,
-    heartbeat_interval: float = 10.0,
-    max_segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-    name: str | None = None,
-    handle_signals: bool = True,
-    gpu: Any = "off",
-    gpu_interval: float = 10.0,
-    host: str | None = None,
-    redact: Iterable[str] = (),
-) -> Run:
-    """Start logging this rank into ``spool`` (default: ``$RANKLOG_SPOOL``).
-
-    Rank, world size and local rank come from the arguments, else from torchrun,
-    SLURM, Open MPI or PMI variables, else rank 0 of 1. A restarted rank (SLURM
-    requeue, restart from checkpoint) writes a new incarnation in the same spool.
-
-    ``gpu`` (``"off"``, ``"auto"``, ``"nvml"``, ``"ray"`` or a source object) starts a
-    background GPU sampler every ``gpu_interval`` seconds on one process per host (local
-    rank 0, or whoever holds the host's lock in the spool when local ranks are unknown).
-    ``host`` names this machine in ``rank_start`` and GPU events and keys that election
-    (default: the hostname; :func:`ranklog.ray.init` passes the Ray node's IP).
-    ``redact``: shell globs of hyperparameter keys to redact besides the built-in rule
-    (and ``$RANKLOG_REDACT``), e.g. ``["*.db_url"]``.
-    """
-    if spool is None:
-        spool = os.environ.get(SPOOL_ENV)
-        if not spool:
-            raise ConfigError(f"no spool given: pass ranklog.init(PATH) or set ${SPOOL_ENV}")
-    who = detect_rank(rank, world_size, local_rank)
-    return Run(
-        spool,
-        rank=who.rank,
-        world_size=who.world_size,
-        local_rank=who.local_rank,
-        durability=durability,
-        flush_interval=flush_interval,
-        max_buffer_bytes=max_buffer_bytes,
-        heartbeat_interval=heartbeat_interval,
-        max_segment_bytes=max_segment_bytes,
-        name=name,
-        handle_signals=handle_signals,
-        gpu=gpu,
-        gpu_interval=gpu_interval,
-        host=host,
-        redact=redact,
-    )

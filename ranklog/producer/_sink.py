@@ -29,7 +29,7 @@ from ranklog.schemas import Event, Heartbeat, StepEnd
 from ranklog.spool import MAX_FRAME_BYTES, IncarnationWriter
 from ranklog.spool._format import msgpack_array_header
 
-__all__ = ["DURABILITY_LEVELS", "SpoolSink"]
+__all__ = ["DURABILITY_LEVELS", "DeadSink", "SpoolSink"]
 
 log = logging.getLogger("ranklog")
 
@@ -323,3 +323,36 @@ class SpoolSink:
                 stacklevel=2,
             )
         return lost
+
+
+class DeadSink:
+    """Stands in for the sink of a closed run, or of a run inherited by a forked child.
+
+    Logging there is ignored with one warning: nothing can be written any more
+    (a forked child must never write its parent's files).
+    """
+
+    def __init__(self, why: str) -> None:
+        self._why = why
+        self._warned = False
+
+    def append(self, event: object, *, wait: bool = True, step: int | None = None) -> None:
+        self._warn()
+
+    def append_step_end(self, ts: float, step: int) -> None:
+        self._warn()
+
+    def _warn(self) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"ranklog: logging {self._why} is ignored; call ranklog.init() to log again",
+                RanklogWarning,
+                stacklevel=4,  # the caller of the Run method
+            )
+
+    def flush(self, *, sync: bool = False) -> bool:
+        return False
+
+    def close(self, final: object, *, timeout: float = 0.0) -> int:
+        return 0

@@ -99,6 +99,8 @@ class Cursor(msgspec.Struct, forbid_unknown_fields=False):
     cwd: str = ""
     #: steps left out because the target cannot write below its last (``--below-last skip``)
     skipped_below: int = 0
+    #: derived names (``m/max``, ``timing/t``) that met another name and shipped renamed
+    name_collisions: int = 0
 
     def done(self, seg: SegmentId) -> bool:
         """Whether this shipper has finished with ``seg`` (nothing of it is needed again)."""

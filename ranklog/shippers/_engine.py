@@ -150,6 +150,8 @@ class Shipper:
         self._open_error: BaseException | None = None
         self._opened = False
         self._late_warned = False
+        self._said_names: set[str] = set()
+        self._collisions: dict[int, int] = {}  # step -> names renamed in it, until shipped
         #: the job ended and everything was shipped: the target was told (Target.end)
         self.ended: str | None = None
         #: one shipper per (spool, target): held while running (made once the run is read)
@@ -343,7 +345,19 @@ class Shipper:
                     self._late_warned = True
                     log.warning("%s does not take late values (no takes_late): they are left "
                                 "out, counted as late", self.target.spec)  # fmt: skip
+            if part.renamed:
+                self._renamed(step, part.renamed)
         return out, ready[-1]
+
+    def _renamed(self, step: int, renamed: list[tuple[str, str]]) -> None:
+        """Names that met in a step: counted once it ships; each said once."""
+        self._collisions[step] = len(renamed)
+        for name, shipped in renamed:
+            if name not in self._said_names:
+                self._said_names.add(name)
+                log.warning("step %d: %r is logged under that name and also derived (a timer, "
+                            "or a metric with several reduce ops): the derived value ships "
+                            "as %r (said once per name)", step, name, shipped)  # fmt: skip
 
     def _ship(self, steps: list[ShippedStep], *, final: bool = False, through: int = -1) -> None:
         """Hand steps (and the params due before them) to the target; flush; commit.
@@ -395,6 +409,8 @@ class Shipper:
             self.params_shipped[k] = v
         done = set(map(id, due[:sent]))
         self.params_due = [d for d in self.params_due if id(d) not in done]
+        for s in steps:
+            self.cursor.name_collisions += self._collisions.pop(s.step, 0)
         self.stats.steps_shipped += held  # the target holds them: shipped, as it counts
         self.held.said(held)
         self.cursor.skipped_below += self.held.skipped_below - skipped

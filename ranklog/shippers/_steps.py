@@ -67,6 +67,9 @@ _VALUES: Final = attrgetter("values")
 _EVENTS: Final = attrgetter("events")
 _LATE: Final = attrgetter("late")
 _METRICS_ONLY: Final = {Metrics}
+#: appended to a derived name (``m/max`` of ``m`` logged with mean and max, ``timing/t`` of
+#: a timer) that meets a name as logged, or an earlier derived one, in the same step
+DERIVED: Final = ".derived"
 #: specs whose partial is the count and the sum of the values alone, when they are finite
 _SUMMED_SPECS: Final = frozenset(op for (op,) in SUMMED_OPS)
 
@@ -157,6 +160,8 @@ class StepPartial:
     damaged: list[int] = field(default_factory=list)
     #: late values that travel with this step, by the earlier step they were logged for
     late: dict[int, StepPartial] = field(default_factory=dict)
+    #: (name, the name it shipped under) of derived names that met another (finish())
+    renamed: list[tuple[str, str]] = field(default_factory=list)
 
     @classmethod
     def build(
@@ -296,6 +301,7 @@ class StepPartial:
             shipped = part.finish(closed=world_size, world_size=world_size)
             shipped.ranks = part.ranks
             shipped.carrier = self.step
+            self.renamed += part.renamed
             out.append(shipped)
         return out
 
@@ -333,6 +339,33 @@ class StepPartial:
             out.late[step] = part if held is None else held.merge(part)
         return out
 
+    def _derive(self, out: dict[str, float], several: list[tuple[str, Named]]) -> None:
+        """Add the derived names: ``name/op`` of several ops, then ``timing/<timer>`` and
+        ``timing/<timer>/slowest_rank``, each in name order.
+
+        A derived name already taken (by a name as logged, or an earlier derived one) is
+        shipped with ``.derived`` appended, once more for each further clash: both values
+        are kept, whatever order ranks and calls came in (:attr:`renamed` lists them).
+        """
+        derived: list[tuple[str, float]] = []
+        for name, named in sorted(several, key=lambda item: item[0]):
+            ops = parse_ops(named.spec)
+            for out_name, op in zip(output_names(name, ops), ops, strict=True):
+                derived.append((out_name, named.part.result(op)))
+        for name in sorted(self.timers):
+            named = self.timers[name]
+            ops = parse_ops(named.spec)
+            for out_name, op in zip(output_names(f"timing/{name}", ops), ops, strict=True):
+                derived.append((out_name, named.part.result(op)))
+            derived.append((f"timing/{name}/slowest_rank", float(self.slowest[name][1])))
+        for name, value in derived:
+            shipped = name
+            while shipped in out:
+                shipped += DERIVED
+            if shipped != name:
+                self.renamed.append((name, shipped))
+            out[shipped] = value
+
     def finish(self, *, closed: int, world_size: int) -> ShippedStep:
         """Reduce: the values each name asked for, in rank order wherever order shows.
 
@@ -340,19 +373,15 @@ class StepPartial:
         below ``world_size``, and then ``ranklog/ranks_reporting`` is added.
         """
         out: dict[str, float] = {}
+        several: list[tuple[str, Named]] = []
         for name, named in self.metrics.items():
             spec = named.spec
             if spec in REDUCE_OPS:  # the common case: one op, shipped under its own name
                 out[name] = named.part.result(spec)
-                continue
-            ops = parse_ops(spec)
-            for out_name, op in zip(output_names(name, ops), ops, strict=True):
-                out[out_name] = named.part.result(op)
-        for name, named in self.timers.items():
-            ops = parse_ops(named.spec)
-            for out_name, op in zip(output_names(f"timing/{name}", ops), ops, strict=True):
-                out[out_name] = named.part.result(op)
-            out[f"timing/{name}/slowest_rank"] = float(self.slowest[name][1])
+            else:
+                several.append((name, named))
+        if several or self.timers:
+            self._derive(out, several)
         reporting = self.ranks
         complete = closed >= world_size
         if not complete:

@@ -90,6 +90,8 @@ class ShipperSummary:
     identity: str = ""
     #: steps left out because the target cannot write below its last (``--below-last skip``)
     skipped_below: int = 0
+    #: derived names that met a logged one and shipped renamed (``name.derived``)
+    name_collisions: int = 0
 
 
 @dataclass(slots=True)
@@ -264,6 +266,8 @@ def format_summary(s: SpoolSummary, *, now: float | None = None) -> str:
         lines += [f"  {p}" for p in s.strays]
     for sh in s.shippers:
         skipped = f", {sh.skipped_below} left out below W&B's last" if sh.skipped_below else ""
+        if sh.name_collisions:
+            skipped += f", {sh.name_collisions} derived names renamed .derived"
         lines.append(
             f"shipper {sh.name} -> {sh.target}: {sh.state}; step {sh.last_step} "
             f"({sh.steps_shipped} shipped{skipped}), lag {sh.lag_steps} steps / "
