@@ -75,7 +75,6 @@ def log_to_stderr() -> None:
         handler.setFormatter(logging.Formatter("ranklog: %(message)s"))
         ours.addHandler(handler)
     ours.setLevel(logging.INFO)
-    ours.propagate = False
     # a library's retry bookkeeping (urllib3's "Retrying (Retry(total=...))") never reaches
     # the terminal: the shipper says in one line what failed and what it does about it
     for name in ("urllib3", "requests", "mlflow", "wandb", "alembic", "sqlalchemy", "git"):

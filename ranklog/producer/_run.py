@@ -34,7 +34,6 @@ from ranklog.producer._values import (
     op_spec,
 )
 from ranklog.schemas import (
-    REDUCE_OPS,
     Gpu,
     Histogram,
     Image,
@@ -57,8 +56,6 @@ SPOOL_ENV: Final = "RANKLOG_SPOOL"
 MAX_TEXT_BYTES: Final = 8 * 1024 * 1024
 MAX_HISTOGRAM_VALUES: Final = 1_000_000
 _NAME_CACHE_MAX: Final = 100_000
-#: specs of one op: no derived names (a spec of several ops is checked for names meeting)
-_ONE_OP: Final = REDUCE_OPS
 _FORMAT: Final = re.compile(r"[A-Za-z0-9]{1,16}")
 _live_runs: weakref.WeakSet[Run] = weakref.WeakSet()
 
@@ -162,6 +159,7 @@ class Run:
         self._sync_step = durability != "buffered"
         self._fsync = durability == "fsync"
         self._closed_step = -1
+        self._next_step = 0  # _closed_step + 1: the step a call is usually for
         self._late_warned = False
         self._ahead_warned = False
         self._closed = False
@@ -169,6 +167,7 @@ class Run:
         self._timer_names: set[str] = set()
         self._book = NameBook(rank)
         self._ops: dict[object, str] = {}
+        self._several_ops: dict[str, str] = {}  # specs of several ops, kept out of _ops
         self._sink.append(
             RankStart(
                 time.time(),
@@ -269,11 +268,9 @@ class Run:
                 name = self._name(names, prefix, key)
             values[name] = value if type(value) is float else as_float(name, value)
         op = self._ops.get(reduce) if type(reduce) is str else None
-        if op is None:
-            op = self._reduce(reduce, prefix)
-        if type(op) is not str or op not in _ONE_OP:  # several ops derive name/op
-            self._several(values, op)
-        if step <= self._closed_step or step > self._closed_step + 1 >= 1:
+        if op is None:  # (a spec of several ops is never cached: its names are checked)
+            op = self._reduce(reduce, prefix, values)
+        if step != self._next_step:
             self._off_step(step, next(iter(values), ""))
         self._sink.append(Metrics(time.time(), step, values, op), step=step)
 
@@ -286,32 +283,32 @@ class Run:
             names[key] = name
         return name
 
-    def _several(self, values: dict[str, float], op: Any) -> None:
-        """Note the names a spec of several ops derives (a dict spec: per name)."""
-        if type(op) is str:
-            self._book.several(values, op)
-            return
-        for name, spec in op.items():
-            if "," in spec and name in values:
-                self._book.several({name: 0.0}, spec)
-
-    def _reduce(self, reduce: object, prefix: str | None) -> Any:
+    def _reduce(self, reduce: object, prefix: str | None, values: dict[str, float]) -> Any:
+        """The op spec of a call; names a spec of several ops derives are noted."""
         if isinstance(reduce, Mapping):
             out: dict[str, str] = {}
             for key, ops in reduce.items():
                 name = f"{prefix}/{key}" if prefix else str(key)
-                out[name] = op_spec(ops, what=f"reduce for {name!r}")
+                out[name] = spec = op_spec(ops, what=f"reduce for {name!r}")
+                if "," in spec and name in values:
+                    self._book.several({name: 0.0}, spec)
             return out
-        spec = op_spec(reduce)
-        if isinstance(reduce, str):
-            self._ops[reduce] = spec
-        return spec
+        known = self._several_ops.get(reduce) if isinstance(reduce, str) else None
+        several = known if known is not None else op_spec(reduce)
+        if "," in several:
+            self._book.several(values, several)
+            if isinstance(reduce, str):
+                self._several_ops[reduce] = several
+        elif isinstance(reduce, str):
+            self._ops[reduce] = several
+        return several
 
     def _off_step(self, step: int, name: str) -> None:
-        """A value for a step this rank closed (late), or past the one it is in (ahead)."""
+        """A value for a step other than the next this rank closes: late (it closed it),
+        ahead (past it, where this rank closes its steps with step_end), or neither."""
         if step <= self._closed_step:
             self._late(step)
-        elif not self._ahead_warned:
+        elif self._closed_step >= 0 and not self._ahead_warned:
             self._ahead_warned = True
             warnings.warn(
                 f"ranklog: rank {self.rank} logged {name!r} for step {step} ahead of step "
@@ -341,7 +338,7 @@ class Run:
             self._new_timer(name)
         if type(seconds) is not float:
             seconds = as_float(name, seconds)
-        if step <= self._closed_step or step > self._closed_step + 1 >= 1:
+        if step != self._next_step:
             self._off_step(step, name)
         self._sink.append(
             Timer(time.time(), step, name, seconds, self._timer_op(reduce)), step=step
@@ -449,6 +446,7 @@ class Run:
             step = check_step(step)
         if step > self._closed_step:
             self._closed_step = step
+            self._next_step = step + 1
         else:
             self._late(step)
         self._sink.append_step_end(time.time(), step)
