@@ -142,7 +142,7 @@ class Gpu(EventBase, tag="gpu", frozen=True):
 class Params(EventBase, tag="params", frozen=True):
     """Hyperparameters, flattened with ``.``; secrets redacted.
 
-    ``lists`` (added in 0.9) holds the values that are lists of scalars; an older reader
+    ``lists`` (schema 5) holds the values that are lists of scalars; an older reader
     skips it as an unknown field and keeps ``values``.
     """
 
