@@ -131,6 +131,22 @@ class TestListsInBackends:
         (params,) = [x["params"] for x in read_jsonl(tmp_path / "o.jsonl") if "params" in x]
         assert params == {"optim.betas": [0.9, 0.95], "optim.lr": 0.1, "tags": ["a", "b"]}
 
+    def test_parquet_and_replay(self, spool: Path, tmp_path: Path) -> None:
+        """Parquet: the list's JSON text in ``value``; a replay ships the list as live did."""
+        import pyarrow.parquet as pq
+
+        from ranklog.archive import compact, replay
+        from ranklog.shippers.targets.jsonl import JsonlTarget
+
+        self._spool(spool)
+        compact(spool, tmp_path / "pq")
+        table = pq.read_table(tmp_path / "pq" / "params")
+        got = dict(zip(table["name"].to_pylist(), table["value"].to_pylist(), strict=True))
+        assert json.loads(got["optim.betas"]) == [0.9, 0.95]
+        ship(spool, tmp_path / "live.jsonl")
+        replay(tmp_path / "pq", JsonlTarget(tmp_path / "again.jsonl"))
+        assert (tmp_path / "again.jsonl").read_bytes() == (tmp_path / "live.jsonl").read_bytes()
+
     def test_mlflow(self, spool: Path, tmp_path: Path) -> None:
         """MLflow: the param is the list's JSON text."""
         pytest.importorskip("mlflow")
