@@ -8,7 +8,8 @@ A key is split into components at ``.`` and ``/`` (``wandb.api_key``: ``wandb``,
   ``credential``, ``credentials`` or ``apikey``; or it holds ``api key`` or ``private
   key`` (``wandb.api_key``, ``db_password``, ``aws_secret_access_key``);
 - it is ``token``, or ends with ``token`` after a word that says whose
-  (``hf_token``, ``access_token``, ``auth_token``, ``refresh_token``, ``github_token``);
+  (``hf_token``, ``hub_token``, ``access_token``, ``auth_token``, ``refresh_token``,
+  ``github_token``);
 
 unless its last word says it names *where* a secret is (``env``, ``var``, ``file``,
 ``path``, ``dir``, ``name``: ``api_key_env_var``, ``password_file``). Words that merely
@@ -47,7 +48,7 @@ _SECRET_WORDS: Final = frozenset(
 _SECRET_PAIRS: Final = frozenset({("api", "key"), ("private", "key")})
 #: the words before "token" that make it a credential
 _TOKEN_OWNERS: Final = frozenset(
-    {"hf", "huggingface", "access", "auth", "refresh", "api", "bearer", "session", "id",
+    {"hf", "huggingface", "hub", "access", "auth", "refresh", "api", "bearer", "session", "id",
      "github", "gh", "gitlab", "wandb", "openai", "slack", "bot", "oauth", "personal",
      "private", "secret", "client", "service", "upload", "write", "read", "user"}
 )  # fmt: skip
