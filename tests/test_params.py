@@ -40,8 +40,8 @@ class TestRedaction:
     @pytest.mark.parametrize(
         "key",
         ["wandb.api_key", "apiKey", "hf_token", "hub_token", "access_token", "auth.token",
-         "refresh_token", "db.password", "passwd", "aws_secret_access_key", "client_secret", "credentials.user",
-         "github_token", "ssh.private_key", "secrets.anything"],
+         "refresh_token", "db.password", "passwd", "aws_secret_access_key", "client_secret",
+         "credentials.user", "github_token", "ssh.private_key", "secrets.anything"],
     )  # fmt: skip
     def test_secrets_by_name(self, key: str) -> None:
         """Whole components naming a secret are redacted."""
