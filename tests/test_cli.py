@@ -127,7 +127,7 @@ class TestShip:
         assert main([*argv, "--quiet"]) == 0
         assert a.read_text() == b.read_text()
         lines = [json.loads(x) for x in a.read_text().splitlines()]
-        assert lines[0]["ranklog"]["name"] == "spool"  # whose lines follow
+        assert lines[0]["ranklog"]["name"] == spool.parent.name  # whose lines follow
         assert lines[1] == {"params": {"lr": 0.5}}
         assert [x["step"] for x in lines[2:]] == [0, 1, 2, 3]
         assert sorted(p.name for p in (spool / "cursors").glob("*.json")) == sorted(
@@ -299,7 +299,7 @@ class TestDemo:
         assert main(["demo", "--out", str(tmp_path), "--ranks", "2", "--steps", "20"]) == 0
         out = capfd.readouterr().out
         lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-        assert lines.pop(0)["ranklog"]["name"] == "spool"  # the run line: whose lines follow
+        assert lines.pop(0)["ranklog"]["name"] == tmp_path.name  # the run line: whose lines follow
         assert "params" in lines[0] and lines[0]["params"]["wandb.api_key"] == "<redacted>"
         steps = lines[1:]
         assert [s["step"] for s in steps] == list(range(20))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -33,6 +34,7 @@ __all__ = [
     "RunInfo",
     "SegmentName",
     "SpoolLayout",
+    "default_run_name",
     "deleted_segments",
     "ensure_run",
     "read_run",
@@ -183,6 +185,30 @@ def write_run(root: str | os.PathLike[str], info: RunInfo) -> None:
         os.close(fd)
 
 
+#: spool folder names that say nothing of the run: it is named after the folder above
+_GENERIC_NAMES: Final = frozenset(
+    {"spool", "ranklog", "ranklog-spool", ".ranklog-spool", "logs", "log", "output", "outputs"}
+)
+#: SLURM job names that are no name (an interactive shell's)
+_NO_JOB_NAMES: Final = frozenset({"bash", "sh", "zsh", "interactive", "sys/dashboard"})
+
+
+def default_run_name(root: str | os.PathLike[str]) -> str:
+    """A run's name when ``init`` is given none: the launcher's name for the job
+    (``SLURM_JOB_NAME``; the script torchrun runs), else the spool's folder, or the one
+    above it when the spool's own says nothing (``/nfs/runs/exp1/spool``: ``exp1``)."""
+    job = os.environ.get("SLURM_JOB_NAME", "").strip()
+    if job and job not in _NO_JOB_NAMES:
+        return job
+    script = sys.argv[0] if sys.argv else ""
+    if os.environ.get("TORCHELASTIC_RUN_ID") and script not in ("", "-c", "-m"):
+        return Path(script).stem
+    here = Path(root).resolve()
+    if here.name.lower() in _GENERIC_NAMES and here.parent.name:
+        return here.parent.name
+    return here.name
+
+
 def ensure_run(
     root: str | os.PathLike[str], *, name: str | None = None, world_size: int | None = None
 ) -> RunInfo:
@@ -209,7 +235,7 @@ def ensure_run(
     info = RunInfo(
         run_id=uuid.uuid4().hex,
         created=time.time(),
-        name=name or layout.root.resolve().name,
+        name=name or default_run_name(layout.root),
         world_size=world_size,
     )
     create_once(layout.run_json, info.to_json())

@@ -162,7 +162,7 @@ TARGET = TargetKind(
     options=(
         Option("run_name", "the backend run's name (default: the spool's run name)", nemo="name"),
         Option("entity", "W&B entity", nemo="entity"),
-        Option("group", "W&B group (default: the run name)", nemo="group"),
+        Option("group", "W&B group (default: --run-name, else the run's name)", nemo="group"),
         Option("mode", "W&B mode", choices=("online", "offline"), nemo="mode"),
         Option("dir", "local directory for W&B's files (default: SPOOL)", metavar="DIR"),
         Option("run_id", "the backend's run id to write into (W&B id, MLflow run id)", nemo="id"),
@@ -403,7 +403,8 @@ class WandbTarget:
         rank = held.rank
         started = self._call(
             wandb.init, project=self.project, entity=self.entity, id=held.wid, dir=str(self.root),
-            mode=self.mode, resume=self.resume or "allow", group=self.group or run.name,
+            mode=self.mode, resume=self.resume or "allow",
+            group=self.group or self.run_name or run.name,
             tags=self.tags, notes=self.notes,
             name=(self.run_name or run.name) if rank is None else f"rank{rank:05d}",
             job_type=None if rank is None else "rank",
