@@ -116,25 +116,29 @@ def _archive(spool: Path, out: Path) -> bool:
     print()
     ok = _ranklog("compact", str(spool), "--out", str(out / "parquet")) == 0
     replay_to = f"tensorboard:{out / 'replayed-tensorboard'}"
+    if not _installed("tensorboard"):  # a base install: replay into JSONL instead
+        replay_to = f"jsonl:{out / 'replayed.jsonl'}"
     ok = ok and _ranklog("replay", str(out / "parquet"), "--to", replay_to) == 0
-    try:
-        import matplotlib  # noqa: F401  (the report extra)
-    except ImportError:
-        print("report: skipped (pip install 'ranklog[report]')")
+    if not _installed("matplotlib"):  # the report extra
+        print("report: not written (it needs matplotlib: pip install 'ranklog[report]')")
         return ok
     return ok and _ranklog("report", str(out / "parquet"), "--out", str(out / "report.html")) == 0
 
 
-def _backends(out: Path) -> list[str]:
-    """The backend targets whose packages are installed (the demo installs all three)."""
+def _installed(module: str) -> bool:
     import importlib.util
 
+    return importlib.util.find_spec(module) is not None
+
+
+def _backends(out: Path) -> list[str]:
+    """The backend targets whose packages are installed (the demo installs all three)."""
     specs = {
         "tensorboard": f"tensorboard:{out / 'tensorboard'}",
         "mlflow": f"mlflow:sqlite:///{out / 'mlflow.db'}",
         "wandb": "wandb:ranklog-demo",
     }
-    return [t for mod, t in specs.items() if importlib.util.find_spec(mod) is not None]
+    return [t for mod, t in specs.items() if _installed(mod)]
 
 
 def _how_to_open(out: Path) -> list[str]:
