@@ -42,7 +42,7 @@ from .compliance import (
     run_once,
 )
 from .conftest import run_python
-from .shiphelp import lines, rank, ship
+from .shiphelp import lines, log_steps, rank, ship
 
 PROJECT = "ranklog-test"
 DROPPED = ("less than the current step", "will be ignored", "Steps must be monotonically")
@@ -719,3 +719,28 @@ class TestGpu:
         ]
         assert defs[0].options() == {"hidden": True}
         assert defs[-1].options() == {"step_metric": GPU_STEP, "summary": "max"}
+
+
+class TestWhereItIs:
+    def test_offline_says_where_and_how_to_upload(
+        self, spool: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """An offline run says once where its files are and the ``wandb sync`` command; a
+        resumed one says its folders are one run."""
+        from ranklog.cli import main
+
+        run = rank(spool, 0, 1)
+        log_steps(run, range(3))
+        args = ["ship", str(spool), "--to", f"wandb:{PROJECT}", "--mode", "offline", "--dir",
+                str(tmp_path), "--once", "--quiet"]  # fmt: skip
+        wandb_target._SAID.clear()
+        assert main(args) == 0
+        err = capsys.readouterr().err
+        assert f"wandb sync {tmp_path / 'wandb'}/offline-run-*-" in err
+        log_steps(run, range(3, 5))
+        run.close()
+        wandb_target._SAID.clear()  # (a new shipper process says it again)
+        assert main(args) == 0
+        assert "in 2 folders (W&B starts one per session; they are one run)" in (
+            capsys.readouterr().err
+        )

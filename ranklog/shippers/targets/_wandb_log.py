@@ -25,6 +25,7 @@ followed cheaply.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import json
@@ -35,7 +36,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
 
-__all__ = ["HEADER", "LogReader", "history_rows", "iter_records", "last_step", "read_payloads"]
+__all__ = [
+    "HEADER",
+    "LogReader",
+    "fsync_log",
+    "history_rows",
+    "iter_records",
+    "last_step",
+    "read_payloads",
+    "writers",
+]
 
 #: the file header: ident, magic, version
 HEADER: Final = b":W&B" + struct.pack("<HB", 0xBEE1, 0)
@@ -190,3 +200,31 @@ def last_step(path: str | os.PathLike[str]) -> int | None:
     """The highest history step a ``.wandb`` file durably holds (None: none)."""
     steps = [r["_step"] for r in history_rows(path) if isinstance(r.get("_step"), int)]
     return max(steps, default=None)
+
+
+def fsync_log(path: Path | None) -> None:
+    """fsync a log file and its directory (a read-only descriptor suffices on Linux)."""
+    if path is None:
+        return
+    for p in (path, path.parent):
+        with contextlib.suppress(OSError):
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def writers(paths: set[str]) -> set[int]:
+    """Processes that hold one of ``paths`` open (only those /proc lets us see)."""
+    found = set()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            with contextlib.suppress(OSError):
+                for fd in os.scandir(f"/proc/{entry.name}/fd"):
+                    with contextlib.suppress(OSError):
+                        if os.readlink(fd.path) in paths:
+                            found.add(int(entry.name))
+    return found

@@ -83,7 +83,7 @@ from ranklog.shippers.targets._wandb_config import (
     nest,
     scan_offline,
 )
-from ranklog.shippers.targets._wandb_log import LogReader
+from ranklog.shippers.targets._wandb_log import LogReader, fsync_log, writers
 from ranklog.spool import RunInfo
 
 __all__ = [
@@ -115,6 +115,8 @@ GPU_SUMMARY: Final = {
 }  # fmt: skip
 #: W&B runs of this process, by (root, id): a target that died leaves its runs here
 _LIVE: dict[tuple[str, str], Any] = {}
+#: offline runs whose folder and ``wandb sync`` command this process said
+_SAID: set[str] = set()
 
 
 def _media(s: ShippedStep) -> dict[str, Any]:
@@ -276,7 +278,7 @@ class WandbTarget:
             main = self._held[None] = _Held(base, None, -1)
             self._start(main)
             return StepSet.upto(None if self.per_rank or main.durable < 0 else main.durable)
-        self._wait_for_writers(base)
+        self._wait_forwriters(base)
         mark: dict[str, Any] = {}
         steps, self._config = scan_offline(self.root, base, mark)
         theirs = Holding(str(mark.get("run_id", run.run_id)), "", str(mark.get("names", ALL_NAMES)))
@@ -299,7 +301,7 @@ class WandbTarget:
             return StepSet.upto(None if low < 0 else low)  # what every run holds
         return steps
 
-    def _wait_for_writers(self, base: str) -> None:
+    def _wait_forwriters(self, base: str) -> None:
         """Wait until no process writes a recently changed log of this run (Linux only)."""
         now = time.time()
         recent = set()
@@ -308,7 +310,7 @@ class WandbTarget:
                 if now - p.stat().st_mtime < WRITER_WAIT:
                     recent.add(os.path.realpath(p))
         deadline = time.monotonic() + WRITER_WAIT
-        while recent and (pids := _writers(recent)):
+        while recent and (pids := writers(recent)):
             if time.monotonic() > deadline:
                 raise TransientTargetError(
                     f"{self.spec}: the run's log is still being written by process {min(pids)}"
@@ -421,10 +423,27 @@ class WandbTarget:
         ):
             raise TargetError(f"wandb wrote to {path}, not under {self.root}: is it writable?")
         held.reader, held.seen, held.logged = LogReader(path), -1, -1
+        if self.mode == "offline" and rank is None:
+            self._say_where(path.parent, held.wid)
         if self.mode == "online" and held.durable < 0 and started.starting_step > 0:
             held.durable = held.sent = int(started.starting_step) - 1
         if rank is None:
             held.config_wait.update(flat_params(self._config))
+
+    def _say_where(self, folder: Path, wid: str) -> None:
+        """Once per process: where the offline run is, and the command that uploads it."""
+        if wid in _SAID:
+            return
+        _SAID.add(wid)
+        folders = sorted(self.root.glob(f"wandb/offline-run-*-{wid}"))
+        pattern = self.root / "wandb" / f"offline-run-*-{wid}"
+        if len(folders) > 1:
+            log.info("%s: W&B run %s is offline, in %d folders (W&B starts one per session; "
+                     "they are one run): upload them with `wandb sync %s`", self.spec, wid,
+                     len(folders), pattern)  # fmt: skip
+        else:
+            log.info("%s: W&B run %s is offline, in %s: upload it with `wandb sync %s`",
+                     self.spec, wid, folder, pattern)  # fmt: skip
 
     def _mark(self) -> dict[str, str]:
         """The ranklog run this W&B run holds (its config's ``_ranklog``)."""
@@ -458,7 +477,7 @@ class WandbTarget:
             if self.mode == "online" or not self._visible(held, deadline):
                 self._finish(held)  # online, or a wandb that does not write on its timer
             else:
-                _fsync(held.reader.path if held.reader else None)
+                fsync_log(held.reader.path if held.reader else None)
             held.durable = held.sent
             held.config_wait.clear()
 
@@ -491,7 +510,7 @@ class WandbTarget:
         code = self._exit_code
         self._call(run.finish, **({} if code is None else {"exit_code": code}))
         if self.mode == "offline":
-            _fsync(path)
+            fsync_log(path)
 
     def close(self) -> None:
         errors = []
@@ -571,31 +590,3 @@ def _own_service() -> None:
     if token and (m is None or int(m[1]) != os.getpid()):
         log.info("not using the wandb-core service of process %s", m[1] if m else "?")
         del os.environ["WANDB_SERVICE"]
-
-
-def _fsync(path: Path | None) -> None:
-    """fsync a log file and its directory (a read-only descriptor suffices on Linux)."""
-    if path is None:
-        return
-    for p in (path, path.parent):
-        with contextlib.suppress(OSError):
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-
-def _writers(paths: set[str]) -> set[int]:
-    """Processes that hold one of ``paths`` open (only those /proc lets us see)."""
-    found = set()
-    with contextlib.suppress(OSError):
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
-            with contextlib.suppress(OSError):
-                for fd in os.scandir(f"/proc/{entry.name}/fd"):
-                    with contextlib.suppress(OSError):
-                        if os.readlink(fd.path) in paths:
-                            found.add(int(entry.name))
-    return found
