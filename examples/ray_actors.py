@@ -64,14 +64,16 @@ def main(argv: list[str] | None = None) -> int:
     trainers = [actor.remote(spool, r, args.ranks) for r in range(args.ranks)]
     ray.get([t.train.remote(args.steps, args.step_seconds) for t in trainers])
     ray.get([t.close.remote() for t in trainers])
-    ray.shutdown()
     print(f"{args.ranks} ranks x {args.steps} steps logged to {spool}")
-    if args.ship:
-        out = os.path.join(spool, "metrics.jsonl")
-        cmd = [sys.executable, "-m", "ranklog.cli", "ship", spool, "--ray", address,
-               "--to", f"jsonl:{out}", "--quiet"]  # fmt: skip
-        subprocess.run(cmd, check=True)
-        print(f"shipped with --ray: {out}")
+    try:
+        if args.ship:  # while this driver holds the cluster: a local Ray ends with it
+            out = os.path.join(spool, "metrics.jsonl")
+            cmd = [sys.executable, "-m", "ranklog.cli", "ship", spool, "--ray", address,
+                   "--to", f"jsonl:{out}", "--quiet", "--once"]  # fmt: skip
+            subprocess.run(cmd, check=True, timeout=600)
+            print(f"shipped with --ray: {out}")
+    finally:
+        ray.shutdown()
     return 0
 
 

@@ -363,3 +363,16 @@ class TestExample:
         assert steps[0]["metrics"]["train/tokens_per_s"] == 4006.0
         assert steps[0]["metrics"]["train/loss"] == pytest.approx(1.0 + 0.015)
         assert "timing/step/slowest_rank" in steps[0]["metrics"]
+
+    @pytest.mark.slow
+    def test_ray_actors_example_without_an_address(self, tmp_path: Path) -> None:
+        """Without --address the example starts its own Ray and ships on it before it ends."""
+        spool = tmp_path / "spool"
+        cmd = [sys.executable, str(ROOT / "examples" / "ray_actors.py"), "--spool", str(spool),
+               "--ranks", "2", "--steps", "5", "--ship"]  # fmt: skip
+        env = {k: v for k, v in ray_env().items() if k != "RAY_ADDRESS"}
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300,
+                             check=False)  # fmt: skip
+        assert res.returncode == 0, res.stderr[-4000:]
+        steps = [x for x in read_jsonl(spool / "metrics.jsonl") if "step" in x]
+        assert [x["step"] for x in steps] == list(range(5))
