@@ -33,6 +33,7 @@ from tensorboard.util import tensor_util
 
 from ranklog.errors import ConfigError, TargetError
 from ranklog.shippers import ShippedStep, Shipper, TextItem
+from ranklog.shippers._held import StepSet
 from ranklog.shippers.targets import _tfrecord as tfr
 from ranklog.shippers.targets import tensorboard as tbt
 from ranklog.shippers.targets.tensorboard import HPARAMS_FILE, TensorBoardTarget, crc32c
@@ -446,6 +447,25 @@ class TestResume:
             assert _session(tmp_path, [_step(i) for i in range(3 * k, 3 * k + 3)]) == 3 * k - 1
         assert _session_files(tmp_path)[0].name.split(".")[4] == "zzzz"
         assert [s for s, _ in tb_back(tmp_path)] == list(range(18))
+
+    def test_late_values_stay_with_their_carrier_past_a_gap(self, tmp_path: Path) -> None:
+        """Filling a gap below held steps, a carrier past the gap takes its late values into
+        its own file: reopened, the late value is still there, each step once, in order."""
+        _session(tmp_path, [_step(i) for i in range(100, 200)])
+        late = _step(50, {"val": 5.0}, carrier=200)
+        _session(tmp_path, [_step(98), _step(99), _step(200), late])
+        assert TensorBoardTarget(tmp_path).open(RUN) == StepSet([98, 99, *range(100, 201)])
+        got = series(tmp_path, purge=False)
+        assert got["val"] == [(50, 5.0)]
+        assert [s for s, _ in tb_back(tmp_path)] == [50, 98, 99, *range(100, 201)]
+
+    def test_params_first_then_a_gap(self, tmp_path: Path) -> None:
+        """Sessions 200..299, then (params first) 0..99, then 100..199: read in step order,
+        nothing purged, every step once."""
+        _session(tmp_path, [_step(i) for i in range(200, 300)], {"lr": 1.0})
+        _session(tmp_path, [_step(i) for i in range(100)], {"lr": 2.0})
+        _session(tmp_path, [_step(i) for i in range(100, 200)])
+        assert [s for s, _ in tb_back(tmp_path)] == list(range(300))
 
     def test_another_run_is_refused(self, tmp_path: Path) -> None:
         """A directory holding another ranklog run's event files is refused, not mixed."""

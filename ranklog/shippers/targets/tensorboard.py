@@ -321,6 +321,8 @@ class _Run:
         stamps = [int(t) for p in names if (t := p.name.split(".")[3]).isdigit()]
         self.stamp = max(stamps, default=0)  # readers load files in name order: sort new ones last
         self._rotated: list[int] = []  # files this session closed, fsync'd by flush()
+        #: records without a step, written before the next step record (or by flush())
+        self._pending: list[bytes] = []
 
     def _name(self, first: int, now: float) -> str:
         """A new session file's name: after every file holding steps below ``first`` and
@@ -353,17 +355,35 @@ class _Run:
         return records([version, start])
 
     def append(self, recs: list[bytes], steps: list[int | None]) -> None:
-        """Append records; ``steps``: the step each holds (None: no step of its own)."""
+        """Append records; ``steps``: the step each holds (None: no step of its own).
+
+        A record without a step goes where the next step record goes (late values with
+        their carrier); records with no step after them and no file open yet (a
+        ``session_start_info``) wait for the next step record, or :meth:`flush`, so that
+        a session's file is always opened for the step it starts with.
+        """
+        none: list[int | None] = [None] * len(self._pending)
+        recs, steps = self._pending + recs, none + steps
+        self._pending = []
+        at: int | None = None
+        eff: list[int | None] = [None] * len(steps)  # each record's own step, or its carrier's
+        for k in range(len(steps) - 1, -1, -1):
+            at = steps[k] if steps[k] is not None else at
+            eff[k] = at
+        if self.fd is None and at is None:
+            self._pending = recs
+            return
         i, n = 0, len(recs)
         while i < n:
-            step = next((s for s in steps[i:] if s is not None), None)
-            head = b""
-            if self.fd is None or (step is not None and self.ceiling is not None
-                                   and step >= self.ceiling):  # fmt: skip
+            step, top = eff[i], self.ceiling
+            if self.fd is None or (step is not None and top is not None and step >= top):
                 last = self.held.last
                 head = self._start(step if step is not None else 0 if last is None else last + 1)
-            j, top = i + 1, self.ceiling
-            while j < n and (top is None or (at := steps[j]) is None or at < top):
+                top = self.ceiling
+            else:
+                head = b""
+            j = i + 1
+            while j < n and (top is None or (e := eff[j]) is None or e < top):
                 j += 1
             self._write(head + records(recs[i:j]))
             for s in steps[i:j]:
@@ -380,6 +400,10 @@ class _Run:
 
     def flush(self) -> None:
         """fsync what this session wrote (files it moved on from, then the open one)."""
+        if self._pending:  # records with no step: a file of their own, after every step
+            recs, self._pending = self._pending, []
+            last = self.held.last
+            self._write(self._start(0 if last is None else last + 1) + records(recs))
         for fd in self._rotated:
             os.fsync(fd)
             os.close(fd)
@@ -427,7 +451,7 @@ class TensorBoardTarget:
         self._mine = Holding(run.run_id, run.name, self.names)
         self._main = _Run(self.path, self._mine, str(self.path))
         self._params, self._metrics = self._load_hparams()
-        return self._main.held
+        return self._main.held.union(StepSet())  # a copy: the run's own set grows as it writes
 
     def write_params(self, params: dict[str, ParamValue]) -> None:
         main = self._require()
