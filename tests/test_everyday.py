@@ -231,6 +231,22 @@ class TestAnotherRun:
         assert read_run(a).run_id in line and "--append-run" in line
         assert out.read_bytes() == before
 
+    def test_a_run_that_opened_the_file_holds_it_before_its_first_step(
+        self, tmp_path: Path
+    ) -> None:
+        """Run A's shipper opened the file (its run line) but wrote no step yet: B is refused."""
+        from ranklog.errors import TargetHeldError
+        from ranklog.shippers.targets.jsonl import JsonlTarget
+        from ranklog.spool import RunInfo
+
+        out = tmp_path / "m.jsonl"
+        first = JsonlTarget(out)
+        first.open(RunInfo(run_id="a" * 32, created=1.0, name="a"))
+        first.close()
+        with pytest.raises(TargetHeldError, match="holds run a{32} \\(a, no step yet\\)"):
+            JsonlTarget(out).open(RunInfo(run_id="b" * 32, created=2.0, name="b"))
+        assert [x["ranklog"]["run_id"] for x in read_jsonl(out)] == ["a" * 32]
+
     def test_append_run_writes_the_second_run_whole(self, tmp_path: Path) -> None:
         """With --append-run, B's 15 steps follow A's 10, each once, after a line naming B."""
         a, b, out = tmp_path / "a", tmp_path / "b", tmp_path / "m.jsonl"

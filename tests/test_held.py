@@ -59,10 +59,16 @@ class TestRefusals:
             refuse_other("m.jsonl", theirs, self.MINE, StepSet(range(10)), remedy="do X")
 
     def test_append_or_nothing_held_lets_it_through(self) -> None:
-        """With --append-run, or when the other run holds no step, nothing is refused."""
+        """With --append-run, or when the place holds no run at all, nothing is refused."""
         theirs = Holding("run-a", "a")
         refuse_other("m", theirs, self.MINE, StepSet(range(3)), remedy="", append=True)
-        refuse_other("m", theirs, self.MINE, StepSet(), remedy="")
+        refuse_other("m", None, self.MINE, StepSet(), remedy="")
+
+    def test_another_run_without_steps_is_refused(self) -> None:
+        """Another run that opened the place but wrote no step yet still holds it."""
+        theirs = Holding("run-a", "a")
+        with pytest.raises(TargetHeldError, match=r"holds run run-a \(a, no step yet\)"):
+            refuse_other("m", theirs, self.MINE, StepSet(), remedy="use another file")
 
     def test_another_selection_is_refused_even_with_append(self) -> None:
         """This run's steps written with other --names: refused (values missing or doubled)."""

@@ -163,22 +163,23 @@ def refuse_other(
     remedy: str,
     append: bool = False,
 ) -> None:
-    """Raise :class:`TargetHeldError` when ``where`` holds another run, or this run's steps
-    written with another ``--names`` selection.
+    """Raise :class:`TargetHeldError` when ``where`` holds another run (even no step of
+    it yet), or this run's steps written with another ``--names`` selection.
 
     ``remedy``: what the user can do about another run (one clause); ``append``: the
     user asked for another run to follow (``--append-run``, where a target allows it).
     """
-    if held is None or not steps:
+    if held is None:
         return
     if held.run_id != mine.run_id:
         if append:
             return
+        held_steps = f"steps {steps.describe()}" if steps else "no step yet"
         raise TargetHeldError(
-            f"{where} holds run {held.run_id} ({held.name or 'unnamed'}, steps "
-            f"{steps.describe()}), not this run {mine.run_id} ({mine.name or 'unnamed'}): {remedy}"
+            f"{where} holds run {held.run_id} ({held.name or 'unnamed'}, {held_steps}), "
+            f"not this run {mine.run_id} ({mine.name or 'unnamed'}): {remedy}"
         )
-    if held.names != mine.names:
+    if held.names != mine.names and steps:
         what = "every name" if held.names == ALL_NAMES else f"only names {held.names!r}"
         now = "every name" if mine.names == ALL_NAMES else f"names {mine.names!r}"
         same = "no --names" if held.names == ALL_NAMES else f"--names {held.names!r}"

@@ -44,6 +44,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -163,7 +164,7 @@ class JsonlTarget:
             raise
         self._fd, self._params = fd, params
         self._mine = _line({"ranklog": _run_obj(mine)})
-        self._run_line = None if scan.last_run == mine else self._mine
+        self._run_line = None if scan.mine(mine) else self._mine
         return steps
 
     def write_params(self, params: dict[str, ParamValue]) -> None:
@@ -231,7 +232,7 @@ class JsonlTarget:
             try:
                 os.fsync(fd)
             finally:
-                os.close(fd)  # and the lock with it
+                os.close(fd)
 
     def _require(self) -> int:
         if self._fd is None:
@@ -308,7 +309,8 @@ _STEP = b'{"step": '
 _CARRIER = b'{"shipped_with": '
 _RUN = b'{"ranklog": '
 _PARAMS = b'{"params": '
-_LATE = b', "shipped_with": '
+#: a line of late values ends with its carrier (a per-rank value's dict would end "}}")
+_LATE = re.compile(rb', "shipped_with": -?\d+\}\Z')
 
 
 class JsonlScan:
@@ -321,6 +323,8 @@ class JsonlScan:
         #: the run of the file's last run line (None: no run line)
         self.last_run: Holding | None = None
         self.runs: set[str] = set()
+        #: each holding (run id, names) as its last run line named it (for messages)
+        self.named: dict[Holding, Holding] = {}
 
     @property
     def unnamed(self) -> bool:
@@ -331,21 +335,33 @@ class JsonlScan:
         """Whether unnamed lines count as ``mine``'s: the run lines name no other run."""
         return self.unnamed and self.runs <= {mine.run_id}
 
+    def mine(self, mine: Holding) -> bool:
+        """Whether the file's last run line is ``mine``'s (the next lines need no other)."""
+        return self.last_run is not None and _key(self.last_run) == _key(mine)
+
     def held_by(self, mine: Holding) -> tuple[StepSet, dict[str, ParamValue]]:
         """The steps and params of ``mine`` (and of unnamed lines it adopts)."""
-        keys: list[Holding | None] = [mine, *([None] if self.adopts(mine) else [])]
+        keys: list[Holding | None] = [_key(mine), *([None] if self.adopts(mine) else [])]
         steps, params = StepSet(), dict[str, ParamValue]()
         for key in keys:
             steps = steps.union(self.steps.get(key, StepSet()))
             params.update(self.params.get(key, {}))
         return steps, params
 
-    def others(self, mine: Holding) -> Iterator[tuple[Holding | None, StepSet]]:
-        """Every other holding with steps (another run, or this run with other names)."""
+    def others(self, mine: Holding) -> Iterator[tuple[Holding, StepSet]]:
+        """Every other holding: another run (a run line is enough: its shipper may not have
+        written a step yet), or this run's steps written with other names."""
         for key, steps in self.steps.items():
-            if key == mine or not steps or (key is None and self.adopts(mine)):
-                continue
-            yield (key or Holding("(unknown: lines before any run line)")), steps
+            if key is None:
+                if steps and not self.adopts(mine):
+                    yield Holding("(unknown: lines before any run line)"), steps
+            elif key != _key(mine) and (steps or key.run_id != mine.run_id):
+                yield self.named.get(key, key), steps
+
+
+def _key(h: Holding) -> Holding:
+    """What tells holdings apart: the run id and the names (not the run's display name)."""
+    return Holding(h.run_id, "", h.names)
 
 
 def scan_jsonl(source: int | str | os.PathLike[str]) -> JsonlScan:
@@ -356,16 +372,17 @@ def scan_jsonl(source: int | str | os.PathLike[str]) -> JsonlScan:
     for line in _lines(source):
         try:
             if line.startswith(_STEP):
-                if _LATE not in line[-40:]:  # late values: held with their carrier
+                if not _LATE.search(line, len(line) - 48):  # late: held with their carrier
                     steps.add(int(line[len(_STEP) : line.index(b",", len(_STEP))]))
             elif line.startswith(_CARRIER):
                 steps.add(int(line[len(_CARRIER) : line.index(b"}")]))
             elif line.startswith(_RUN):
                 raw = json.loads(line)["ranklog"]
-                current = Holding(str(raw["run_id"]), str(raw.get("name", "")),
-                                  str(raw.get("names", ALL_NAMES)))  # fmt: skip
+                named = Holding(str(raw["run_id"]), str(raw.get("name", "")),
+                                str(raw.get("names", ALL_NAMES)))  # fmt: skip
+                current = _key(named)
                 out.runs.add(current.run_id)
-                out.last_run = current
+                out.last_run = out.named[current] = named
                 steps = out.steps.setdefault(current, StepSet())
             elif line.startswith(_PARAMS):
                 out.params.setdefault(current, {}).update(json.loads(line)["params"])
