@@ -243,7 +243,7 @@ class TestAnotherRun:
         first = JsonlTarget(out)
         first.open(RunInfo(run_id="a" * 32, created=1.0, name="a"))
         first.close()
-        with pytest.raises(TargetHeldError, match="holds run a{32} \\(a, no step yet\\)"):
+        with pytest.raises(TargetHeldError, match=r"holds run a{32} \(a, no step yet\)"):
             JsonlTarget(out).open(RunInfo(run_id="b" * 32, created=2.0, name="b"))
         assert [x["ranklog"]["run_id"] for x in read_jsonl(out)] == ["a" * 32]
 
