@@ -204,3 +204,31 @@ class TestListsInBackends:
         content = acc.PluginTagToContent(metadata.PLUGIN_NAME)[metadata.SESSION_START_INFO_TAG]
         info = metadata.parse_session_start_info_plugin_data(content)
         assert info.hparams["optim.betas"].string_value == "[0.9, 0.95]"
+
+
+class TestParamsAfterARestart:
+    def test_a_new_incarnation_params_go_before_its_first_step(
+        self, spool: Path, tmp_path: Path
+    ) -> None:
+        """A rank back from a restart logs params: written before its next step, live and replay."""
+        from ranklog.archive import compact, replay
+        from ranklog.shippers.targets.jsonl import JsonlTarget
+
+        out = tmp_path / "live.jsonl"
+        first = rank(spool, 0, 1)
+        first.log_hyperparams({"lr": 0.1})
+        log_steps(first, range(5))
+        first.close()
+        ship(spool, out)  # steps 0-4 shipped by a shipper that then stops
+        again = rank(spool, 0, 1)  # the job resumed from its checkpoint after step 4
+        again.log_hyperparams({"lr": 0.5})
+        log_steps(again, range(5, 8))
+        again.close()
+        ship(spool, out)
+        order = [("params", x["params"]) if "params" in x else ("step", x["step"])
+                 for x in read_jsonl(out) if "ranklog" not in x]  # fmt: skip
+        assert order == [("params", {"lr": 0.1}), *[("step", s) for s in range(5)],
+                         ("params", {"lr": 0.5}), *[("step", s) for s in range(5, 8)]]  # fmt: skip
+        compact(spool, tmp_path / "pq")
+        replay(tmp_path / "pq", JsonlTarget(tmp_path / "again.jsonl"))
+        assert (tmp_path / "again.jsonl").read_bytes() == out.read_bytes()

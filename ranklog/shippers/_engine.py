@@ -257,13 +257,12 @@ class Shipper:
             self._params_read.add(read.where)
             if not read.fresh and effective <= self.shipped_upto:
                 continue  # handled by an earlier shipper process: shipped with its step
+            # fresh, for a step already shipped (its rank was released, or came back as a
+            # new incarnation): written before the next step shipped, never dropped
+            effective = max(effective, self.shipped_upto + 1)
             for k, v in read.values.items():
                 if k not in self.params or self.params[k] != v:
                     self.params[k] = v
-                    if effective <= self.shipped_upto:
-                        # shipped before step `effective`, which the target holds
-                        self.params_shipped[k] = v
-                        continue
                     self.params_due.append((effective, k, v))
         return res.progressed
 

@@ -593,12 +593,13 @@ class RankTail:
                 inc.ended = last.status
             elif kind is Params:
                 params: Params = event  # type: ignore[assignment]  # its exact type
-                effective = inc.max_step + 1 if inc.max_step >= 0 else 0
+                # the step after any this rank logged or closed (in any incarnation)
+                effective = max(inc.max_step, inc.watermark, state.closed_before(inc_no)) + 1
                 where = f"{seg.key}@{frame_end}#{nparams}"
                 nparams += 1
                 self._poll.params.append(ParamsRead(effective, rank, params.all(), fresh, where))
                 # the owner decides what is new; until it shipped them, keep the frame
-                holds = holds or effective > shipped_upto
+                holds = holds or fresh or effective > shipped_upto
         return max_step, holds
 
     def _carry(self, rank: int, inc_no: int, ev: StepEvent, own: int, prev_closed: int) -> int:
