@@ -51,8 +51,8 @@ def ship(args: argparse.Namespace) -> int:
         retry_for = ONCE_RETRY_FOR
     code = 0
     for spec in targets:
-        name = args.name if args.name and len(targets) == 1 else None
-        argv = _ship_argv(args, spec)
+        name = _cursor_name(args, spec, len(targets))
+        argv = _ship_argv(args, spec, name)
         if args.ray is not None:
             _ship_on_ray(args, spec, name, retry_for=retry_for, argv=argv)
             continue
@@ -112,11 +112,20 @@ def _ship_on_ray(args: argparse.Namespace, spec: str, name: str | None, **shippe
         lease_ttl=args.lease_ttl,
         late=args.late,
         below_last=args.below_last,
+        append_run=args.append_run,
         **shipper,
     )
 
 
-def _ship_argv(args: argparse.Namespace, spec: str) -> list[str]:
+def _cursor_name(args: argparse.Namespace, spec: str, targets: int) -> str | None:
+    """The shipper's name for ``spec``: ``--name``, or with several targets ``NAME-KIND``
+    (one cursor per target; the same in one process or one process per target)."""
+    if not args.name:
+        return None
+    return str(args.name) if targets == 1 else f"{args.name}-{spec.partition(':')[0]}"
+
+
+def _ship_argv(args: argparse.Namespace, spec: str, name: str | None) -> list[str]:
     """The ``ranklog ship SPOOL`` arguments that start this target's shipper again (kept in
     its cursor): the target and its options, never ``--once`` and the like."""
     from ranklog.shippers import all_options
@@ -130,8 +139,8 @@ def _ship_argv(args: argparse.Namespace, spec: str) -> list[str]:
     if args.ray is not None:
         flags += [f"--ray={args.ray}", "--readers", str(args.readers)]
         flags += ["--reader-cpus", str(args.reader_cpus)]
-    if args.name:
-        flags += ["--name", args.name]
+    if name:  # the shipper's own name (--name names the only target's, not several)
+        flags += ["--name", name]
     declared = all_options()
     for key, value in options(args).items():
         opt = declared[key][0]
@@ -165,9 +174,7 @@ def _ship_each(args: argparse.Namespace, targets: list[str]) -> int:
     base = [sys.executable, "-m", "ranklog.cli", "ship", args.spool]
     cmds: list[tuple[list[str], str | None]] = []
     for spec in targets:
-        argv = _ship_argv(args, spec)
-        if args.name:  # one cursor name per target
-            argv[argv.index("--name") + 1] = f"{args.name}-{spec.partition(':')[0]}"
+        argv = _ship_argv(args, spec, _cursor_name(args, spec, len(targets)))
         cmds.append(([*base, *argv, *_invocation(args)], None))
     return _children(cmds)
 

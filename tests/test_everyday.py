@@ -641,6 +641,23 @@ class TestWholeJobKill:
         assert steps_of(out) == list(range(9))
         assert [s for s, _ in tb_back(tb)] == list(range(9))
 
+    def test_several_targets_record_one_name_each(self, spool: Path, tmp_path: Path) -> None:
+        """``--name x`` with two targets: each cursor records its own name, in one process
+        or one per target, so the epilogue starts each shipper as it was."""
+        job(spool, range(3))
+        out, tb = tmp_path / "o.jsonl", tmp_path / "tb"
+        res = ranklog_cmd("ship", str(spool), "--to", f"jsonl:{out}", "--to", f"tensorboard:{tb}",
+                          "--name", "x", "--once", "--quiet", "--in-process")  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        cursors = [json.loads(p.read_text()) for p in (spool / "cursors").glob("*.json")]
+        names = sorted(c["argv"][c["argv"].index("--name") + 1] for c in cursors)
+        assert names == ["x-jsonl", "x-tensorboard"]
+        job(spool, range(3, 5))
+        res = ranklog_cmd("ship", str(spool), "--once", "--quiet")
+        assert res.returncode == 0, res.stderr
+        assert len(list((spool / "cursors").glob("*.json"))) == 2
+        assert steps_of(out) == list(range(5))
+
     def test_no_recorded_target_is_one_line(self, spool: Path) -> None:
         """``ranklog ship SPOOL --once`` with no shipper recorded: one line, exit 2."""
         job(spool, range(2))

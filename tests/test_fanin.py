@@ -305,6 +305,21 @@ class TestRayFanIn:
         assert b'{"step": 120, ' not in one  # GPU samples after the last step make no step
         assert (tmp_path / "ray.jsonl").read_bytes() == one
 
+    def test_append_run_reaches_the_root_actor(self, tmp_path: Path, head: RayHead) -> None:
+        """``--ray --append-run``: the second run follows the first in one file, as without Ray."""
+        from .shiphelp import log_steps, rank
+
+        out, spools = tmp_path / "o.jsonl", [tmp_path / "a", tmp_path / "b"]
+        for spool in spools:
+            run = rank(spool, 0, 1)
+            log_steps(run, range(3))
+            run.close()
+        ship(spools[0], out, "--once")
+        ship(spools[1], out, "--once", "--ray", head.address, "--append-run")
+        runs = [x["ranklog"]["run_id"] for x in read_jsonl(out) if "ranklog" in x]
+        assert runs == [read_run(s).run_id for s in spools]
+        assert [x["step"] for x in lines(out)] == [0, 1, 2, 0, 1, 2]
+
     def test_a_reader_killed_mid_run_changes_nothing(self, tmp_path: Path, head: RayHead) -> None:
         """A reader actor killed (and restarted by Ray) while a live job ships changes no byte."""
         import ray

@@ -364,7 +364,8 @@ class ShipRoot:
 
         kw = dict(shipper_kw)
         name, poll = kw.pop("name"), kw.pop("poll")
-        target = make_target(spec, spool, options, per_rank=kw["per_rank"])
+        append_run = bool(kw.pop("append_run", False))
+        target = make_target(spec, spool, options, per_rank=kw["per_rank"], append_run=append_run)
         name = name or default_name(target_identity(target, read_run(spool)))
         tails = RayTails(
             spool, name, layout, poll=poll, dead_after=kw["dead_after"], late=kw["late"]
@@ -406,7 +407,8 @@ def ship_on_ray(
 ) -> dict[str, int]:
     """Connect to Ray (``address``; None: ``RAY_ADDRESS`` or a local instance), ship, return.
 
-    ``shipper``: more :class:`~ranklog.shippers.Shipper` arguments (``retry_for``, ``argv``).
+    ``shipper``: more :class:`~ranklog.shippers.Shipper` arguments (``retry_for``, ``argv``),
+    and ``append_run`` for the target.
     """
     try:
         import ray
