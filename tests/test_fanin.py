@@ -386,6 +386,8 @@ class TestExample:
         cmd = [sys.executable, str(ROOT / "examples" / "ray_actors.py"), "--spool", str(spool),
                "--ranks", "2", "--steps", "5", "--ship"]  # fmt: skip
         env = {k: v for k, v in ray_env().items() if k != "RAY_ADDRESS"}
+        # a local ray.init() writes a token into ~/.ray (Ray's token auth by default): its own
+        env["HOME"] = str(tmp_path / "home")
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300,
                              check=False)  # fmt: skip
         assert res.returncode == 0, res.stderr[-4000:]
