@@ -10,6 +10,7 @@ directory is fsync'd.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
 import uuid
@@ -101,8 +102,33 @@ def create_once(path: str | os.PathLike[str], data: bytes, *, mode: int = FILE_M
         os.link(tmp, path)
     except FileExistsError:
         return False
+    except OSError as exc:
+        if exc.errno not in _NO_LINKS:
+            raise
+        return _create_excl(path, data, mode)  # a file system without hard links
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+    fsync_dir(path.parent)
+    return True
+
+
+#: what link() fails with where a file system has no hard links (some FUSE, SMB, object
+#: store mounts)
+_NO_LINKS: Final = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS})
+
+
+def _create_excl(path: Path, data: bytes, mode: int) -> bool:
+    """:func:`create_once` with ``O_CREAT | O_EXCL`` (a reader may see the file before its
+    bytes: the readers of such files treat a short or empty one as not written yet)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    except FileExistsError:
+        return False
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     fsync_dir(path.parent)
     return True

@@ -442,6 +442,15 @@ class TestOnceEnds:
             assert "not retried" in one_line(res.stderr)
             assert time.monotonic() - t0 < 30
 
+    def test_a_project_name_wandb_refuses_fails_at_once(self, spool: Path, tmp_path: Path) -> None:
+        """wandb's UsageError (a project name it refuses) is permanent: one line, exit 5."""
+        job(spool, range(2))
+        res = cli("ship", str(spool), "--to", "wandb:a?b", "--mode", "offline", "--dir",
+                  str(tmp_path), "--once", "--quiet", timeout=100)  # fmt: skip
+        assert res.returncode == 5, res.stderr
+        line = one_line(res.stderr)
+        assert "not retried" in line and "Invalid project name 'a?b'" in line
+
     def test_stopped_mlflow_server_gives_up_after_retry_for(
         self, spool: Path, tmp_path: Path
     ) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing
 import os
@@ -156,12 +157,31 @@ def _ensure(args: tuple[str, int]) -> str:
     return ensure_run(args[0], name=f"n{args[1]}").run_id
 
 
+def _ensure_without_links(args: tuple[str, int]) -> str:
+    """:func:`_ensure` on a file system whose link() fails with EPERM (some FUSE, SMB)."""
+
+    def no_link(*_: object, **__: object) -> None:
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    os.link = no_link
+    return _ensure(args)
+
+
 class TestRunJson:
     def test_created_once_and_agreed(self, spool: Path) -> None:
         """Many processes racing to create run.json all read the same run id."""
         ctx = multiprocessing.get_context("spawn")
         with ctx.Pool(8) as pool:
             ids = pool.map(_ensure, [(str(spool), i) for i in range(16)])
+        assert len(set(ids)) == 1
+        assert json.loads((spool / "run.json").read_text())["run_id"] == ids[0]
+        assert [p.name for p in spool.iterdir() if p.name.startswith(".run.json")] == []
+
+    def test_created_once_without_hard_links(self, spool: Path) -> None:
+        """Where link() is refused, an exclusive create still gives every rank one run id."""
+        ctx = multiprocessing.get_context("spawn")
+        with ctx.Pool(8) as pool:
+            ids = pool.map(_ensure_without_links, [(str(spool), i) for i in range(16)])
         assert len(set(ids)) == 1
         assert json.loads((spool / "run.json").read_text())["run_id"] == ids[0]
         assert [p.name for p in spool.iterdir() if p.name.startswith(".run.json")] == []

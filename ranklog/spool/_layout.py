@@ -218,7 +218,9 @@ def ensure_run(
     private temporary file and ``link()``s it to ``run.json``. ``link`` fails
     with EEXIST when the name exists, atomically, like ``O_CREAT|O_EXCL``, and
     unlike a plain exclusive create it never exposes a half-written file. The
-    winner's contents are what every rank reads back.
+    winner's contents are what every rank reads back. (Where the file system has no
+    hard links, an exclusive create is the fallback: a run.json read empty or cut short
+    is read again for a few seconds, the time its creator takes to write 200 bytes.)
     """
     layout = SpoolLayout(root)
     try:
@@ -229,7 +231,7 @@ def ensure_run(
     if not layout.root.is_dir():
         raise ConfigError(f"spool {layout.root} is not a directory")
     try:
-        return read_run(root)
+        return _read_written(root)
     except FileNotFoundError:
         pass
     info = RunInfo(
@@ -239,7 +241,20 @@ def ensure_run(
         world_size=world_size,
     )
     create_once(layout.run_json, info.to_json())
-    return read_run(root)
+    return _read_written(root)
+
+
+def _read_written(root: str | os.PathLike[str], wait: float = 5.0) -> RunInfo:
+    """:func:`read_run`, reading a run.json that is empty or cut short again for ``wait``
+    seconds (another rank's exclusive create, on a file system without ``link()``)."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            return read_run(root)
+        except SpoolFormatError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
 
 
 @dataclass(frozen=True, slots=True)

@@ -464,7 +464,14 @@ class WandbTarget:
             return fn(*args, **kwargs)
         except (TargetError, OSError):
             raise
-        except Exception as exc:  # wandb's own errors: the engine re-opens and retries
+        except Exception as exc:
+            from wandb.errors import AuthenticationError, UnsupportedError, UsageError
+
+            if isinstance(exc, UsageError | AuthenticationError | UnsupportedError):
+                # a bad project name, a refused key: the same answer on every try
+                why = f"{exc} (not retried: trying again cannot help)"
+                raise TargetError(f"{self.spec}: {why}") from exc
+            # wandb's other errors (its service, the network): the engine re-opens, retries
             raise TransientTargetError(f"{self.spec}: {exc}") from exc
 
     # -- flush, close -----------------------------------------------------------------
