@@ -506,6 +506,18 @@ class TestJobEnd:
         assert run.info.status == status
         assert run.info.end_time is not None
 
+    def test_a_rank_never_heard_of_fails_the_run(self, spool: Path, store: str) -> None:
+        """World size 2, rank 1 never wrote a byte: the job did not finish, the run FAILED."""
+        run = rank(spool, 0, 2)
+        log_steps(run, range(3))
+        run.close()
+        res = ranklog_cmd("ship", str(spool), "--to", f"mlflow:{store}", "--once",
+                          "--dead-after", "0", "--start-grace", "0")  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        client = MlflowClient(tracking_uri=store)
+        (got,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+        assert got.info.status == "FAILED"
+
     def test_an_uncaught_exception_fails_the_run(self, spool: Path, store: str) -> None:
         """A training script that dies of an exception (no close()): the MLflow run FAILED."""
         code = (

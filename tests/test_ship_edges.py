@@ -168,3 +168,26 @@ def test_a_rank_ended_by_sigterm_may_come_back(spool: Path, out: Path) -> None:
     ship(spool, out, dead_after=60)
     got = lines(out)
     assert [x["step"] for x in got] == list(range(6)) and all(x["complete"] for x in got)
+
+
+def test_a_target_that_fails_closing_lets_the_next_shipper_in(spool: Path, out: Path) -> None:
+    """close() raising still releases the lease (no renewing thread left holding it)."""
+    from ranklog.shippers import Shipper
+    from ranklog.shippers._lease import read_leases
+    from ranklog.shippers.targets.jsonl import JsonlTarget
+
+    class FailsClosing(JsonlTarget):
+        def close(self) -> None:
+            was_open = self._fd is not None
+            super().close()
+            if was_open:
+                raise Killed("close")
+
+    run = rank(spool, 0, 1)
+    log_steps(run, range(3))
+    run.close()
+    with pytest.raises(Killed):
+        Shipper(str(spool), FailsClosing(out), name="t", dead_after=3600).run_forever(once=True)
+    assert read_leases(spool) == []
+    ship(spool, out)
+    assert [x["step"] for x in lines(out)] == [0, 1, 2]

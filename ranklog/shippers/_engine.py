@@ -523,7 +523,9 @@ class Shipper:
         """Every rank ended and everything is shipped: tell the target how (``Target.end``)."""
         end = getattr(self.target, "end", None)
         if self.ended is None and callable(end) and self._opened:
-            status = job_status(v.status for v in self.views.values())
+            # a rank the job expected that never wrote a byte did not finish either
+            never = ["dead" for r in self._expected() if r not in self.views]
+            status = job_status([*(v.status for v in self.views.values()), *never])
             end(status)
             self.ended = status
 
@@ -601,10 +603,12 @@ class Shipper:
                 self.tails.wait(1.0)
             self._final_commit()
         finally:
-            self.tails.close()
-            if self._opened:
-                self.target.close()
-            self.lease.release()
+            try:
+                self.tails.close()
+                if self._opened:
+                    self.target.close()
+            finally:  # a target that fails closing still lets the next shipper in
+                self.lease.release()
         if self.progress is not None:  # (a failure says what happened in its own line)
             self.progress.done(self.status())
         return 0
