@@ -384,6 +384,35 @@ class TestCompactDelete:
         assert f"ranklog replay {ds.resolve()}" in one_line(res.stderr)
         assert ranklog_cmd("replay", str(ds), "--to", f"jsonl:{out}").returncode == 0
         assert steps_of(out) == list(range(50))
+        res = ranklog_cmd("ship", str(spool), "--to", f"jsonl:{out}", "--once", "--quiet")
+        assert res.returncode == 0, res.stderr  # the target holds what was deleted: go on
+        assert steps_of(out) == list(range(50))
+
+    def test_the_shipper_goes_on_after_the_replay(self, spool: Path, tmp_path: Path) -> None:
+        """Deleted, replayed, then the job goes on: the shipper ships the new steps once."""
+        run = rank(spool, 0, 1, max_segment_bytes=4096)
+        log_steps(run, range(60))
+        ds, out = tmp_path / "ds", tmp_path / "o.jsonl"
+        res = ranklog_cmd("compact", str(spool), "--out", str(ds), "--delete")
+        assert res.returncode == 0 and "deleted (verified)" in res.stdout, res.stdout
+        assert ranklog_cmd("replay", str(ds), "--to", f"jsonl:{out}").returncode == 0
+        log_steps(run, range(60, 70))
+        run.close()
+        res = ranklog_cmd("ship", str(spool), "--to", f"jsonl:{out}", "--once", "--quiet")
+        assert res.returncode == 0, res.stderr
+        assert steps_of(out) == list(range(70))
+
+    def test_an_older_deleted_json_still_says_replay(self, spool: Path, tmp_path: Path) -> None:
+        """deleted.json of the first format (no steps): the target cannot be checked, refused."""
+        job(spool, range(5))
+        ds, out = tmp_path / "ds", tmp_path / "o.jsonl"
+        assert ranklog_cmd("compact", str(spool), "--out", str(ds), "--delete").returncode == 0
+        body = json.loads((spool / "deleted.json").read_text())
+        old = {k: v["dataset"] for k, v in body["segments"].items()}
+        (spool / "deleted.json").write_text(json.dumps({"version": 1, "segments": old}))
+        assert ranklog_cmd("replay", str(ds), "--to", f"jsonl:{out}").returncode == 0
+        res = ranklog_cmd("ship", str(spool), "--to", f"jsonl:{out}", "--once", "--quiet")
+        assert res.returncode == 3 and "ranklog replay" in one_line(res.stderr)
 
     def test_a_shipper_with_no_cursor_yet_keeps_them(self, spool: Path, tmp_path: Path) -> None:
         """A shipper holding its lease but with no cursor yet: every segment is kept."""
@@ -448,7 +477,7 @@ class TestOnceEnds:
         res = cli("ship", str(spool), "--to", "wandb:a?b", "--mode", "offline", "--dir",
                   str(tmp_path), "--once", "--quiet", timeout=100)  # fmt: skip
         assert res.returncode == 5, res.stderr
-        line = one_line(res.stderr)
+        line = res.stderr.strip().splitlines()[-1]  # (after a line on wandb's service)
         assert "not retried" in line and "Invalid project name 'a?b'" in line
 
     def test_stopped_mlflow_server_gives_up_after_retry_for(

@@ -397,6 +397,7 @@ def _delete_verified(
     """
     unfinished, who = (set(), "") if force else _unfinished_by_shippers(layout)
     doomed: list[tuple[SegmentName, SegmentEntry]] = []
+    steps: dict[SegmentId, list[tuple[int, int]]] = {}
     for rank in layout.ranks():
         for seg in layout.segments(rank):
             key = seg.id.stem
@@ -404,14 +405,14 @@ def _delete_verified(
             why = _why_keep(entry, key, unfinished, who)
             if why is None:
                 assert entry is not None
-                why = _verify(run_id, seg, outdir, entry)
+                why, steps[seg.id] = _verify(run_id, seg, outdir, entry)
             if why is not None:
                 result.kept.append(f"{seg.path}: {why}")
                 continue
             assert entry is not None
             entry.verified = True
             doomed.append((seg, entry))
-    record_deleted(layout.root, outdir, [seg.id for seg, _ in doomed])
+    record_deleted(layout.root, outdir, [(seg.id, steps[seg.id]) for seg, _ in doomed])
     for seg, entry in doomed:
         seg.path.unlink()
         fsync_dir(seg.path.parent)
@@ -462,8 +463,11 @@ def _unfinished_by_shippers(layout: SpoolLayout) -> tuple[set[SegmentId], str]:
     return out, " and ".join(who[:2]) + (f" and {len(who) - 2} more" if len(who) > 2 else "")
 
 
-def _verify(run_id: str, seg: SegmentName, outdir: Path, entry: SegmentEntry) -> str | None:
-    """None when the Parquet rows of ``seg`` equal a fresh read of it, else why not."""
+def _verify(
+    run_id: str, seg: SegmentName, outdir: Path, entry: SegmentEntry
+) -> tuple[str | None, list[tuple[int, int]]]:
+    """(None when the Parquet rows of ``seg`` equal a fresh read of it, else why not; the
+    steps its values are for, as inclusive ranges)."""
     res = SegmentReader(seg.path).read(0, writer_gone=True)
     upto = load_manifest(outdir).relogged_upto(seg.rank, seg.incarnation)
     expected = segment_tables(run_id, seg, res.frames, upto)
@@ -472,12 +476,28 @@ def _verify(run_id: str, seg: SegmentName, outdir: Path, entry: SegmentEntry) ->
         want = expected.get(table)
         if not files:
             if want is not None and want.num_rows:
-                return f"{table}: no Parquet file for {want.num_rows} rows"
+                return f"{table}: no Parquet file for {want.num_rows} rows", []
             continue
         got = pa.concat_tables([pq.read_table(outdir / f) for f in files]).cast(SCHEMAS[table])
         if want is None or not _same(got, want):
-            return f"{table}: the Parquet rows differ from the segment"
-    return None
+            return f"{table}: the Parquet rows differ from the segment", []
+    return None, _step_ranges(expected)
+
+
+def _step_ranges(tables: dict[str, pa.Table]) -> list[tuple[int, int]]:
+    """The steps rows of ``tables`` hold values for (a step_end alone, or a GPU sample
+    without a step, is no value of a step), as inclusive ranges."""
+    cols = [t["step"] for name, t in tables.items() if name != "ranks" and "step" in t.schema.names]
+    if not cols:
+        return []
+    steps = pc.unique(pa.chunked_array([c.cast(pa.int64()) for c in cols], pa.int64()))
+    out: list[tuple[int, int]] = []
+    for s in sorted(x for x in steps.to_pylist() if x is not None):
+        if out and s == out[-1][1] + 1:
+            out[-1] = (out[-1][0], s)
+        else:
+            out.append((s, s))
+    return out
 
 
 def _same(a: pa.Table, b: pa.Table) -> bool:

@@ -23,6 +23,7 @@ import msgspec
 from ranklog._fs import DIR_MODE, atomic_write
 from ranklog.errors import CursorError
 from ranklog.schemas import ParamValue
+from ranklog.shippers._held import StepSet
 from ranklog.spool import NO_STEP, RunInfo, SegmentId, SpoolLayout, deleted_segments, watermark
 
 __all__ = [
@@ -171,15 +172,26 @@ def adopt_legacy_cursor(
     return True
 
 
-def check_not_deleted(spool: str | os.PathLike[str], cursor: Cursor, spec: str) -> None:
+def check_not_deleted(
+    spool: str | os.PathLike[str], cursor: Cursor, spec: str, held: StepSet
+) -> None:
     """:class:`CursorError` naming the dataset and the ``ranklog replay`` command when
-    ``compact --delete`` removed segments before this cursor's shipper shipped them."""
-    gone = [d for d in deleted_segments(spool) if not cursor.done(d.segment)]
+    ``compact --delete`` removed segments before this cursor's shipper shipped them, and
+    the target does not hold their steps (a replay of the dataset wrote them: then the
+    cursor marks them done and shipping goes on)."""
+    gone = []
+    for d in deleted_segments(spool):
+        if cursor.done(d.segment):
+            continue
+        if d.steps is not None and all(held.covers(lo, hi) for lo, hi in d.steps):
+            cursor.segments[d.segment.key] = SegmentCursor(done=True)
+            continue
+        gone.append(d)
     if gone:
         first = gone[0]
         raise CursorError(
             f"{len(gone)} segment(s) of this spool ({first.segment.key}, ...) were compacted "
             f"into {first.dataset} and deleted before this shipper shipped them: ship from "
             f"the dataset with `ranklog replay {first.dataset} --to {spec}` (it writes only "
-            f"the steps {spec} lacks)"
+            f"the steps {spec} lacks), then start this shipper again"
         )

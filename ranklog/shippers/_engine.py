@@ -206,7 +206,6 @@ class Shipper:
         self.cursor.target = self.target.spec
         if self.argv is not None:
             self.cursor.argv, self.cursor.cwd = self.argv, os.getcwd()
-        check_not_deleted(self.spool, self.cursor, self.target.spec)
         self.tails.open(self.run, self.cursor)  # the object _commit keeps current
         self._target_ok = False  # opened by the loop, with retries (a server may be down)
 
@@ -236,6 +235,9 @@ class Shipper:
         self._open_error = None
         self._target_ok = self._opened = True
         self.held.opened(held)
+        # segments compact --delete removed before they were shipped: the target must
+        # hold their steps (a replay of the dataset), else nothing more is shipped
+        check_not_deleted(self.spool, self.cursor, self.target.spec, self.held.steps)
 
     # -- reading --------------------------------------------------------------------------
 

@@ -71,6 +71,13 @@ class StepSet:
         i = bisect.bisect_right(self._los, step) - 1
         return i >= 0 and step <= self._his[i]
 
+    def covers(self, lo: int, hi: int) -> bool:
+        """Whether every step from ``lo`` to ``hi`` is held (an empty range: True)."""
+        if hi < lo:
+            return True
+        i = bisect.bisect_right(self._los, lo) - 1
+        return i >= 0 and hi <= self._his[i]
+
     def __len__(self) -> int:
         return sum(hi - lo + 1 for lo, hi in zip(self._los, self._his, strict=True))
 

@@ -263,6 +263,9 @@ class DeletedSegment:
 
     segment: SegmentId
     dataset: str
+    #: the steps it held values for, as inclusive ranges (None: unknown, an older
+    #: release's deleted.json)
+    steps: tuple[tuple[int, int], ...] | None = None
 
 
 def deleted_segments(root: str | os.PathLike[str]) -> list[DeletedSegment]:
@@ -273,7 +276,7 @@ def deleted_segments(root: str | os.PathLike[str]) -> list[DeletedSegment]:
     path = SpoolLayout(root).deleted_json
     try:
         raw = json.loads(path.read_bytes())
-        out = [DeletedSegment(SegmentId.parse(k), str(v)) for k, v in raw["segments"].items()]
+        out = [_deleted(k, v) for k, v in raw["segments"].items()]
     except FileNotFoundError:
         return []
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -281,20 +284,39 @@ def deleted_segments(root: str | os.PathLike[str]) -> list[DeletedSegment]:
     return sorted(out, key=lambda d: d.segment)
 
 
+def _deleted(key: str, value: object) -> DeletedSegment:
+    """One entry of deleted.json: ``"dataset"`` (version 1) or ``{"dataset", "steps"}``."""
+    if isinstance(value, str):
+        return DeletedSegment(SegmentId.parse(key), value)
+    if not isinstance(value, dict):
+        raise TypeError(f"segment {key}: {value!r}")
+    steps = tuple((int(lo), int(hi)) for lo, hi in value["steps"])
+    return DeletedSegment(SegmentId.parse(key), str(value["dataset"]), steps)
+
+
 def record_deleted(
-    root: str | os.PathLike[str], dataset: str | os.PathLike[str], segments: list[SegmentId]
+    root: str | os.PathLike[str],
+    dataset: str | os.PathLike[str],
+    segments: list[tuple[SegmentId, list[tuple[int, int]]]],
 ) -> None:
-    """Add ``segments`` (about to be deleted, their rows in ``dataset``) to ``deleted.json``.
+    """Add ``segments`` (about to be deleted, their rows in ``dataset``; each with the
+    steps it holds values for, as inclusive ranges) to ``deleted.json``.
 
     Written (tmp, fsync, rename) before the files go: a shipper that finds a segment
-    missing learns where its rows are instead of shipping nothing.
+    missing learns where its rows are instead of shipping nothing, and a shipper whose
+    target holds those steps (a replay of the dataset wrote them) goes on.
     """
     from ranklog._fs import atomic_write
 
     if not segments:
         return
     where = str(Path(dataset).resolve())
-    known = {d.segment.key: d.dataset for d in deleted_segments(root)}
-    known.update((s.key, where) for s in segments)
-    body = {"version": 1, "segments": dict(sorted(known.items()))}
+    known: dict[str, object] = {}
+    for d in deleted_segments(root):
+        known[d.segment.key] = (
+            d.dataset if d.steps is None else {"dataset": d.dataset, "steps": d.steps}
+        )
+    for seg, steps in segments:
+        known[seg.key] = {"dataset": where, "steps": [list(r) for r in steps]}
+    body = {"version": 2, "segments": dict(sorted(known.items()))}
     atomic_write(SpoolLayout(root).deleted_json, json.dumps(body, indent=1).encode() + b"\n")
