@@ -252,3 +252,16 @@ class TestSignedZero:
         acc = _acc({r: [Metrics(1.0, 0, {"z": -0.0})] for r in range(4)})  # the usual mean
         value = reduce_step(0, acc, closed=4, world_size=4).metrics["z"]
         assert math.copysign(1.0, value) < 0
+
+    @pytest.mark.parametrize("order", [(0.0, -0.0), (-0.0, 0.0)], ids=["plus-first", "minus-first"])
+    @pytest.mark.parametrize("exact", [False, True])
+    def test_min_and_max_of_both_zeros_ignore_order(
+        self, order: tuple[float, float], exact: bool
+    ) -> None:
+        """min of 0.0 and -0.0 is -0.0, max is 0.0, in one partial or merged, either order."""
+        one = Partial.of(list(order), last=(1.0, 0, order[-1]), ops=("min", "max"), exact=exact)
+        a, b = (Partial.of([v], last=(1.0, r, v), ops=("min", "max"), exact=exact)
+                for r, v in enumerate(order))  # fmt: skip
+        for p in (one, a.merge(b)):
+            lo, hi = p.result("min"), p.result("max")
+            assert math.copysign(1.0, lo) < 0 and math.copysign(1.0, hi) > 0, (lo, hi)

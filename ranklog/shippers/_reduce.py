@@ -107,8 +107,8 @@ class Partial:
                 total=total,
                 sumsq=math.fsum(v * v for v in values) if "std" in ops else 0.0,
                 # only the ops asked for: partials merged are built for the same ops
-                lo=min(values, default=math.inf) if "min" in ops else math.inf,
-                hi=max(values, default=-math.inf) if "max" in ops else -math.inf,
+                lo=_least(values) if "min" in ops else math.inf,
+                hi=_most(values) if "max" in ops else -math.inf,
                 last_ts=last[0],
                 last_rank=last[1],
                 last=last[2],
@@ -127,8 +127,8 @@ class Partial:
             count=len(values),
             total=total if len(real) == len(values) else math.nan,
             sumsq=math.fsum(v * v for v in fin) if "std" in ops else 0.0,
-            lo=min(real, default=math.inf),
-            hi=max(real, default=-math.inf),
+            lo=_least(real),
+            hi=_most(real),
             nans=len(values) - len(real),
             nonfinite=len(values) - len(fin),
             last_ts=last[0],
@@ -170,8 +170,8 @@ class Partial:
             count=self.count + other.count,
             total=total,
             sumsq=_add(self.sumsq, other.sumsq),
-            lo=min(self.lo, other.lo),
-            hi=max(self.hi, other.hi),
+            lo=_least((self.lo, other.lo)),
+            hi=_most((self.hi, other.hi)),
             nans=self.nans + other.nans,
             nonfinite=self.nonfinite + other.nonfinite,
             last_ts=last[0],
@@ -233,6 +233,23 @@ def fsums(values: list[float], starts: list[int], ends: list[int]) -> list[float
             if total == 0.0:
                 out[i] = zero_sign(total, values[starts[i] : ends[i]])
     return out
+
+
+def _least(values: Sequence[float]) -> float:
+    """``min(values)`` (inf if none), -0.0 below 0.0 whatever their order (IEEE 754's
+    minimum): live, fan-in and replay meet the ranks' values in different orders."""
+    lo = min(values, default=math.inf)
+    if lo == 0.0:
+        return -0.0 if any(v == 0.0 and math.copysign(1.0, v) < 0 for v in values) else 0.0
+    return lo
+
+
+def _most(values: Sequence[float]) -> float:
+    """``max(values)`` (-inf if none), 0.0 above -0.0 whatever their order."""
+    hi = max(values, default=-math.inf)
+    if hi == 0.0:
+        return 0.0 if any(v == 0.0 and math.copysign(1.0, v) > 0 for v in values) else -0.0
+    return hi
 
 
 def zero_sign(total: float, values: Sequence[float]) -> float:
