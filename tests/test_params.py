@@ -41,7 +41,9 @@ class TestRedaction:
         "key",
         ["wandb.api_key", "apiKey", "hf_token", "hub_token", "access_token", "auth.token",
          "refresh_token", "db.password", "passwd", "aws_secret_access_key", "client_secret",
-         "credentials.user", "github_token", "ssh.private_key", "secrets.anything"],
+         "credentials.user", "github_token", "ssh.private_key", "secrets.anything",
+         "MLFLOW_TRACKING_TOKEN", "DATABRICKS_TOKEN", "CI_JOB_TOKEN", "HFToken",
+         "slack.webhook_token"],
     )  # fmt: skip
     def test_secrets_by_name(self, key: str) -> None:
         """Whole components naming a secret are redacted."""
@@ -51,7 +53,8 @@ class TestRedaction:
         "key",
         ["max_new_tokens", "num_tokens", "tokenizer", "token_level_loss", "stop_token_ids",
          "pad_token", "eos_token", "api_key_env_var", "password_file", "train_mb_tokens",
-         "tokens_per_second", "keyword"],
+         "tokens_per_second", "keyword", "tokenizer.bos_token", "unkToken", "image_token",
+         "max_token", "MLFLOW_TRACKING_TOKEN_FILE"],
     )  # fmt: skip
     def test_words_that_merely_contain_token(self, key: str) -> None:
         """Settings about tokens, and names of where a secret is kept, are not secrets."""

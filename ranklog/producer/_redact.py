@@ -7,14 +7,15 @@ A key is split into components at ``.`` and ``/`` (``wandb.api_key``: ``wandb``,
 - one of its words is ``password``, ``passwd``, ``passphrase``, ``secret``, ``secrets``,
   ``credential``, ``credentials`` or ``apikey``; or it holds ``api key`` or ``private
   key`` (``wandb.api_key``, ``db_password``, ``aws_secret_access_key``);
-- it is ``token``, or ends with ``token`` after a word that says whose
-  (``hf_token``, ``hub_token``, ``access_token``, ``auth_token``, ``refresh_token``,
-  ``github_token``);
+- it is ``token``, or ends with ``token`` (``hf_token``, ``HFToken``, ``hub_token``,
+  ``MLFLOW_TRACKING_TOKEN``, ``DATABRICKS_TOKEN``, ``CI_JOB_TOKEN``), unless the word
+  before says it is one of a model's tokens (``pad_token``, ``eos_token``, ``bos_token``,
+  ``unk_token``, ``mask_token``, ``image_token``, ``max_token``, ``first_token``...);
 
 unless its last word says it names *where* a secret is (``env``, ``var``, ``file``,
 ``path``, ``dir``, ``name``: ``api_key_env_var``, ``password_file``). Words that merely
 contain "token" are never secrets: ``max_new_tokens``, ``num_tokens``, ``tokenizer``,
-``token_level_loss``, ``stop_token_ids``, ``pad_token``.
+``token_level_loss``, ``stop_token_ids``.
 
 A string value is a secret, whatever its key, when it looks like a credential: a W&B API
 key (40 hex digits, unless its key names a commit, sha, hash or revision: a git SHA), a
@@ -40,17 +41,21 @@ __all__ = ["REDACT_ENV", "Redactor"]
 #: the environment variable with more globs of keys to redact (comma-separated)
 REDACT_ENV: Final = "RANKLOG_REDACT"
 
-_SPLIT: Final = re.compile(r"[._/\-\s]+|(?<=[a-z0-9])(?=[A-Z])")
+_SPLIT: Final = re.compile(r"[._/\-\s]+|(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
 _SECRET_WORDS: Final = frozenset(
     {"password", "passwd", "passphrase", "secret", "secrets", "credential", "credentials",
      "apikey"}
 )  # fmt: skip
 _SECRET_PAIRS: Final = frozenset({("api", "key"), ("private", "key")})
-#: the words before "token" that make it a credential
-_TOKEN_OWNERS: Final = frozenset(
-    {"hf", "huggingface", "hub", "access", "auth", "refresh", "api", "bearer", "session", "id",
-     "github", "gh", "gitlab", "wandb", "openai", "slack", "bot", "oauth", "personal",
-     "private", "secret", "client", "service", "upload", "write", "read", "user"}
+#: the words before "token" that make it one of a model's tokens, not a credential
+_MODEL_TOKENS: Final = frozenset(
+    {"pad", "eos", "bos", "unk", "mask", "sep", "cls", "start", "end", "stop", "begin",
+     "image", "img", "video", "audio", "vision", "special", "additional", "think", "tool",
+     "eot", "eom", "placeholder", "fim", "prefix", "suffix", "middle", "boi", "eoi",
+     "max", "min", "num", "n", "per", "total", "first", "last", "next", "new", "prompt",
+     "response", "input", "output", "generation", "gen", "sample", "target", "reasoning",
+     "answer", "query", "label", "ignore", "class", "decoder", "encoder", "system",
+     "assistant", "chat", "turn", "default", "extra", "vocab", "split", "boundary"}
 )  # fmt: skip
 #: a component whose last word is one of these names where a secret is, not the secret
 _PLACES: Final = frozenset({"env", "var", "file", "path", "dir", "name"})
@@ -76,7 +81,7 @@ def secret_component(component: str) -> bool:
         return True
     if any(pair in _SECRET_PAIRS for pair in itertools.pairwise(words)):
         return True
-    return words[-1] == "token" and (len(words) == 1 or words[-2] in _TOKEN_OWNERS)
+    return words[-1] == "token" and (len(words) == 1 or words[-2] not in _MODEL_TOKENS)
 
 
 class Redactor:
