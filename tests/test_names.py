@@ -32,6 +32,18 @@ class TestNamesMeet:
         (step,) = lines(out)
         assert step["metrics"] == {"m/max": 5.0, "m/max.derived": 1.0, "m/mean": 1.0}
 
+    def test_a_spec_of_several_ops_checks_each_name_it_meets(self, spool: Path) -> None:
+        """``"mean,max"`` used before (its check cached): a name new to it is still checked,
+        also one logged before with another spec."""
+        run = rank(spool, 0, 1)
+        run.log_metrics({"a": 1.0, "m/max": 5.0, "k/max": 2.0}, step=0, reduce="mean,max")
+        run.log_metrics({"k": 1.0}, step=0)  # "k" with the usual mean: nothing derived
+        with pytest.warns(RanklogWarning, match=r"'m/max' and also derives it"):
+            run.log_metrics({"a": 2.0, "m": 1.0}, step=1, reduce="mean,max")
+        with pytest.warns(RanklogWarning, match=r"'k/max' and also derives it"):
+            run.log_metrics({"k": 1.0}, step=1, reduce="mean,max")
+        run.close()
+
     def test_a_timer_and_a_metric_of_its_name(self, spool: Path, tmp_path: Path) -> None:
         """A timer ``t`` and a metric ``timing/t``: the metric keeps its name, the timer's
         value ships as ``timing/t.derived``."""

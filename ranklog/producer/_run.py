@@ -167,7 +167,8 @@ class Run:
         self._timer_names: set[str] = set()
         self._book = NameBook(rank)
         self._ops: dict[object, str] = {}
-        self._several_ops: dict[str, str] = {}  # specs of several ops, kept out of _ops
+        #: string specs of several ops (kept out of _ops): (the spec, names checked with it)
+        self._several_ops: dict[str, tuple[str, set[str]]] = {}
         self._sink.append(
             RankStart(
                 time.time(),
@@ -268,9 +269,9 @@ class Run:
                 name = self._name(names, prefix, key)
             values[name] = value if type(value) is float else as_float(name, value)
         op = self._ops.get(reduce) if type(reduce) is str else None
-        if op is None:  # (a spec of several ops is never cached: its names are checked)
+        if op is None:  # (a spec of several ops: its new names are checked for derived ones)
             op = self._reduce(reduce, prefix, values)
-        if step != self._next_step:
+        if step != self._next_step and self._next_step:  # (0: no step closed yet)
             self._off_step(step, next(iter(values), ""))
         self._sink.append(Metrics(time.time(), step, values, op), step=step)
 
@@ -293,15 +294,24 @@ class Run:
                 if "," in spec and name in values:
                     self._book.several({name: 0.0}, spec)
             return out
-        known = self._several_ops.get(reduce) if isinstance(reduce, str) else None
-        several = known if known is not None else op_spec(reduce)
-        if "," in several:
-            self._book.several(values, several)
-            if isinstance(reduce, str):
-                self._several_ops[reduce] = several
-        elif isinstance(reduce, str):
-            self._ops[reduce] = several
-        return several
+        if not isinstance(reduce, str):
+            several = op_spec(reduce)
+            if "," in several:
+                self._book.several(values, several)
+            return several
+        known = self._several_ops.get(reduce)
+        if known is None:
+            spec = op_spec(reduce)
+            if "," not in spec:
+                self._ops[reduce] = spec
+                return spec
+            known = self._several_ops[reduce] = (spec, set())
+        spec, checked = known
+        if not checked.issuperset(values):  # a name not yet checked with this spec
+            self._book.several(values, spec)
+            if len(checked) < _NAME_CACHE_MAX:
+                checked.update(values)
+        return spec
 
     def _off_step(self, step: int, name: str) -> None:
         """A value for a step other than the next this rank closes: late (it closed it),
@@ -338,7 +348,7 @@ class Run:
             self._new_timer(name)
         if type(seconds) is not float:
             seconds = as_float(name, seconds)
-        if step != self._next_step:
+        if step != self._next_step and self._next_step:
             self._off_step(step, name)
         self._sink.append(
             Timer(time.time(), step, name, seconds, self._timer_op(reduce)), step=step
