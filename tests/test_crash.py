@@ -138,6 +138,37 @@ print("survived")
         assert isinstance(end, RankEnd) and end.status == "exit"
 
 
+class TestHowTheProgramEnded:
+    """The status rank_end records at exit: what the program died of, if it did."""
+
+    @pytest.mark.parametrize(
+        ("tail", "status"),
+        [("raise ValueError('boom')", "error"), ("raise KeyboardInterrupt", "interrupted"),
+         ("sys.excepthook = lambda *a: print('own hook')\nraise ValueError('boom')", "error")],
+        ids=["exception", "ctrl-c", "a-hook-of-its-own"],
+    )  # fmt: skip
+    def test_an_uncaught_exception(self, spool: Path, tail: str, status: str) -> None:
+        """Dying of an exception (a hook of its own installed later too): error; of Ctrl-C:
+        interrupted."""
+        code = f"import sys, ranklog\nranklog.init(sys.argv[1], rank=0).step_end(0)\n{tail}\n"
+        proc = run_python(code, str(spool))
+        assert proc.returncode != 0
+        end = read_events(spool)[-1]
+        assert isinstance(end, RankEnd) and end.status == status, proc.stderr
+
+    def test_an_error_in_a_repl_session_that_went_on(self, spool: Path) -> None:
+        """In a REPL an error is printed and the session goes on: its exit is no failure."""
+        code = "import sys, ranklog; ranklog.init(sys.argv[1], rank=0).step_end(0)"
+        proc = subprocess.run(
+            [sys.executable, "-i", "-c", code, str(spool)], input="1/0\nprint('went on')\n",
+            env=python_env(), capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert proc.returncode == 0 and "ZeroDivisionError" in proc.stderr, proc.stderr
+        assert "went on" in proc.stdout
+        end = read_events(spool)[-1]
+        assert isinstance(end, RankEnd) and end.status == "exit"
+
+
 # The training loop keeps going while writes fail, then the disk recovers.
 FSIZE_RANK = """
 import resource, signal, sys, warnings, ranklog

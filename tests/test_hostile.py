@@ -222,6 +222,23 @@ time.sleep(float(sys.argv[3]))
 run.close()
 """
 
+    def test_an_init_that_fails_gives_the_rank_back(
+        self, spool: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """init failing after its claim (no thread could start) leaves no claim behind."""
+        import ranklog
+        from ranklog.producer import _run
+
+        def no_thread(*_: object, **__: object) -> None:
+            raise RuntimeError("can't start new thread")
+
+        with monkeypatch.context() as m:
+            m.setattr(_run, "SpoolSink", no_thread)
+            with pytest.raises(RuntimeError, match="new thread"):
+                ranklog.init(spool, rank=0, world_size=1, handle_signals=False)
+        run = ranklog.init(spool, rank=0, world_size=1, handle_signals=False)  # not refused
+        run.close()
+
     def test_a_second_live_process_on_this_host_is_refused(self, spool: Path) -> None:
         """While a process of this host writes rank 0, init(rank=0) elsewhere is a ConfigError."""
         import socket

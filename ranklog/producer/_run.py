@@ -136,6 +136,7 @@ class Run:
         self._gpu_lock = False
         self._claim: tuple[str, int] = (os.path.realpath(self.spool), rank)
         self._claim_fd = self._claim_rank(rank)
+        writer: IncarnationWriter | None = None
         try:
             if gpu != "off":
                 self._gpu = self._gpu_sampler(gpu, gpu_interval, local_rank)
@@ -146,16 +147,20 @@ class Run:
                 world_size=world_size,
                 max_segment_bytes=max_segment_bytes,
             )
-        except BaseException:
+            self._sink: SpoolSink | DeadSink = SpoolSink(
+                writer,
+                flush_interval=flush_interval,
+                max_buffer_bytes=max_buffer_bytes,
+                heartbeat_interval=heartbeat_interval,
+            )
+        except BaseException:  # (no thread could start, a full disk): give everything back
+            if writer is not None:
+                with contextlib.suppress(Exception):
+                    writer.abandon()
+            self._stop_gpu()
             self._release_claim()
             raise
         self.incarnation = writer.incarnation
-        self._sink: SpoolSink | DeadSink = SpoolSink(
-            writer,
-            flush_interval=flush_interval,
-            max_buffer_bytes=max_buffer_bytes,
-            heartbeat_interval=heartbeat_interval,
-        )
         self._sync_step = durability != "buffered"
         self._fsync = durability == "fsync"
         self._closed_step = -1
@@ -187,6 +192,7 @@ class Run:
         if self._gpu is not None:
             self._gpu.start()
         atexit.register(self._atexit)
+        _watch_uncaught()
         self._prev_handler: Any = None
         if handle_signals and threading.current_thread() is threading.main_thread():
             with contextlib.suppress(ValueError, OSError):
@@ -514,11 +520,13 @@ class Run:
             self.close("error", 1)
 
     def _atexit(self) -> None:
-        # the interpreter printed an uncaught exception (sys.last_value): the job failed
-        if getattr(sys, "last_value", None) is not None:
-            self.close("error", 1)
-        else:
+        died = _died_of()
+        if died is None:
             self.close("exit", None)
+        elif issubclass(died, KeyboardInterrupt):
+            self.close("interrupted", 130)
+        else:
+            self.close("error", 1)
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         self.close("signal", 128 + signum)
@@ -571,6 +579,42 @@ class Run:
         self._sink = DeadSink("from a forked child of a rank")
         with contextlib.suppress(Exception):
             atexit.unregister(self._atexit)
+
+
+#: the type of the exception the program is dying of (set by :func:`_excepthook`)
+_uncaught: type[BaseException] | None = None
+
+
+def _excepthook(tp: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+    """Note the exception that ends the program, then print it as before."""
+    global _uncaught
+    _uncaught = tp
+    _previous_hook(tp, value, tb)
+
+
+_previous_hook = sys.excepthook
+
+
+def _watch_uncaught() -> None:
+    """Chain :func:`_excepthook` in front of ``sys.excepthook`` (once)."""
+    global _previous_hook
+    if sys.excepthook is not _excepthook:
+        _previous_hook, sys.excepthook = sys.excepthook, _excepthook
+
+
+def _died_of() -> type[BaseException] | None:
+    """The exception the program ends with, if any.
+
+    None in a REPL or IPython: an error there is printed and the session goes on. Else
+    ``sys.excepthook`` tells; a hook installed after ours (rich's, say) hides it, and then
+    ``sys.last_value``, which the interpreter sets when it prints an uncaught exception.
+    """
+    if hasattr(sys, "ps1") or "IPython" in sys.modules:
+        return None
+    if _uncaught is not None:
+        return _uncaught
+    last = getattr(sys, "last_value", None)
+    return None if last is None else type(last)
 
 
 def _flatten(values: Any) -> Iterator[Any]:
