@@ -20,10 +20,12 @@ new, before the steps holding them: the latest session_start_info and the experi
 config (params as hparams, every reduced metric so far). It needs params.
 
 Resume: ``open()`` reads this run's session files (another ranklog run's are an error,
-other writers' ignored), cuts a torn last record off and reports the highest complete
-step. The next write starts a new file with ``SessionLog.START`` at that step + 1, so a
-reader's purge drops nothing and shows each step once; rank sub-runs resume alike from
-their own last step. Writes are unbuffered (one per batch and run); ``flush()`` fsyncs.
+other writers' ignored), cuts a torn last record off and reports the steps they hold (a
+:class:`~ranklog.shippers.StepSet`: a windowed replay may leave gaps). A session's file
+starts with ``SessionLog.START`` at its first step, and is named so that files sort in
+step order (see :class:`_Run`): a reader's purge drops nothing and shows each step once;
+rank sub-runs resume alike from their own files. Writes are unbuffered (one per batch and
+run); ``flush()`` fsyncs.
 """
 
 from __future__ import annotations

@@ -46,9 +46,10 @@ runs, which returns once the server has the data; they are resumed
 Offline resume rule: wandb ignores ``resume=`` offline and starts a new
 ``offline-run-*-<id>`` directory at every ``init``, so :meth:`WandbTarget.open`
 reads every ``.wandb`` file of the run's id under ``<dir>/wandb`` and returns
-the highest step they hold (with ``--per-rank``, the lowest over the runs).
-Each run then logs only steps above what its own files hold, so W&B never sees
-a step at or below its current one (it would drop it with a warning). Before
+the steps they hold (with ``--per-rank``, those every rank's run holds). Each
+run then logs only steps above the highest its own files hold, so W&B never
+sees a step at or below its current one (it would drop it with a warning):
+steps below it are left out or refused (``--below-last``). Before
 reading, runs left open in this process by a dead target are finished and
 processes still writing those files are waited for, so nothing lands after
 the read; the target runs its own wandb-core (a ``WANDB_SERVICE`` inherited
