@@ -1,7 +1,8 @@
 """``ranklog report DIR --out report.html``: one self-contained HTML page about a compacted run.
 
 Metric curves, a rank x step heatmap of step time, GPU use, a timeline of every rank's
-incarnations and the params, as base64 PNGs drawn by matplotlib (the ``report`` extra, imported
+incarnations, the latest text samples (validation generations, say) and the params; the
+plots are base64 PNGs drawn by matplotlib (the ``report`` extra, imported
 only to draw, without pyplot). The data behind each plot comes from a public function that
 aggregates with pyarrow compute, never row by row.
 """
@@ -35,12 +36,14 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["Bar", "Curve", "GpuSeries", "gpu_series", "metric_curves", "metric_names",
-           "step_time_matrix", "step_timer", "timeline_bars", "write_report"]  # fmt: skip
+__all__ = ["Bar", "Curve", "GpuSeries", "Sample", "gpu_series", "metric_curves", "metric_names",
+           "step_time_matrix", "step_timer", "text_samples", "timeline_bars",
+           "write_report"]  # fmt: skip
 
 F64 = npt.NDArray[np.float64]
 MAX_COLUMNS: Final = 600  # heatmap columns: more steps than this are binned
 MAX_LINES: Final = 16  # GPUs drawn as lines; more are drawn as GPU x time heatmaps
+MAX_SAMPLE_CHARS: Final = 4000  # a text sample longer than this is cut in the report
 STATUS_COLORS: Final = {"ok": "#3a9d5d", "error": "#d1453b", "signal": "#f28e2b",
                         "exit": "#8e6bbf", None: "#b8bcc4"}  # fmt: skip
 _PREFIXES: Final = ("train/", "val/", "eval/", "test/")
@@ -188,6 +191,54 @@ def timeline_bars(dataset: Path) -> list[Bar]:
                         (end.get("ts") or s["ts_max_max"]).timestamp(), end.get("status"),
                         end.get("exit_code")))  # fmt: skip
     return bars
+
+
+class Sample(NamedTuple):
+    """A text logged for one step: by every rank alike (``rank`` None), or by ``rank``."""
+
+    name: str
+    step: int
+    rank: int | None
+    text: str
+
+
+def text_samples(dataset: Path, latest: int = 3) -> list[Sample]:
+    """The texts of each name's ``latest`` steps, newest first; one sample per step where
+    every rank that logged it logged the same text, else one per rank. Names in order."""
+    live = pc.invert(pc.field("relogged"))  # a relaunch's re-logged value never shipped
+    pairs = _read(dataset, "text", ["name", "step"], live).group_by(["name", "step"]).aggregate([])
+    steps: dict[str, list[int]] = {}
+    for name, step in zip(pairs["name"].to_pylist(), pairs["step"].to_pylist(), strict=True):
+        steps.setdefault(name, []).append(step)
+    out: list[Sample] = []
+    for name in sorted(steps):
+        keep = sorted(steps[name], reverse=True)[:latest]
+        where = live & (pc.field("name") == name) & pc.field("step").isin(keep)
+        rows = _read(dataset, "text", ["step", "rank", "text"], where).sort_by(
+            [("step", "descending"), ("rank", "ascending")]
+        )
+        by_step: dict[int, list[tuple[int, str]]] = {}
+        for step, r, text in zip(*(rows[c].to_pylist() for c in ("step", "rank", "text")),
+                                 strict=True):  # fmt: skip
+            by_step.setdefault(step, []).append((r, text))
+        for step, texts in by_step.items():
+            if len({t for _, t in texts}) == 1:
+                out.append(Sample(name, step, None, texts[0][1]))
+            else:
+                out.extend(Sample(name, step, r, t) for r, t in texts)
+    return out
+
+
+def _samples_html(samples: list[Sample]) -> str:
+    parts, name = [], None
+    for s in samples:
+        if s.name != name:
+            name = s.name
+            parts.append(f"<h3>{html.escape(s.name)}</h3>")
+        who = "every rank" if s.rank is None else f"rank {s.rank}"
+        text = s.text if len(s.text) <= MAX_SAMPLE_CHARS else s.text[:MAX_SAMPLE_CHARS] + " [...]"
+        parts.append(f"<p class=who>step {s.step}, {who}</p><pre>{html.escape(text)}</pre>")
+    return "<div class=samples>" + "".join(parts) + "</div>"
 
 
 def _figure(height: float) -> Figure:
@@ -344,7 +395,10 @@ main{max-width:1180px;margin:0 auto;padding:24px 28px}h1{margin:0;font-size:26px
 section{margin:0 0 16px}figcaption,.none{color:#4b5563;font-size:13px}.none{font-style:italic}
 figure img{width:100%;display:block}table{border-collapse:collapse;font-size:13px}td.v{font:13px
 monospace}td,th{padding:3px 18px 3px 0;text-align:left;border-bottom:1px solid #eceef2}
-.params{max-height:340px;overflow:auto}
+.params{max-height:340px;overflow:auto}.samples{max-height:520px;overflow:auto}
+h3{font-size:14px;margin:10px 0 2px}.who{color:#4b5563;font-size:12px;margin:6px 0 2px}
+pre{white-space:pre-wrap;background:#f6f7f9;border-radius:4px;padding:6px 8px;margin:0;
+font-size:12px}
 """
 
 
@@ -375,6 +429,7 @@ def write_report(dataset: Path, out: Path) -> Path:
                                 "axes.titlelocation": "left", "axes.spines.top": False,
                                 "axes.spines.right": False, "text.parse_math": False}):  # fmt: skip
         curves, gpus, timer = metric_curves(dataset), gpu_series(dataset), step_timer(dataset)
+        samples = text_samples(dataset)
         ranks, firsts, m = step_time_matrix(dataset, timer)
         params = _read(dataset, "params", ["name", "value"]).group_by(["name", "value"])
         pairs = params.aggregate([]).sort_by("name").to_pylist()
@@ -384,6 +439,7 @@ def write_report(dataset: Path, out: Path) -> Path:
             "Step time": _heatmap_html(timer, ranks, firsts, m) if ranks else none("timers"),
             "GPUs": _gpu_html(gpus, t0, t1, div, unit) if gpus else none("GPU samples"),
             "Timeline": _timeline_html(bars, t0, t1, div, unit) if bars else none("rank events"),
+            "Samples": _samples_html(samples) if samples else none("text samples"),
             "Params": _params_html(pairs) if pairs else none("params"),
         }
     title, run_id = (html.escape(x or "unknown") for x in (manifest.name, manifest.run_id))

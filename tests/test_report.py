@@ -23,6 +23,7 @@ from ranklog.report import (
     metric_names,
     step_time_matrix,
     step_timer,
+    text_samples,
     timeline_bars,
     write_report,
 )
@@ -188,6 +189,33 @@ class TestPage:
         assert not any(x in page for x in ("<script", "<hr>", "<marquee>", "<blink>"))
         assert "&lt;script&gt;x&lt;/script&gt;" in page and "&lt;blink&gt;" in page
         assert page.count("data-plot=") == 3
+
+    def test_samples_section(self, spool: Path, tmp_path: Path) -> None:
+        """The latest three steps of each text name, once where ranks agree, else per rank."""
+        runs = [rank(spool, r, 2, name="exp") for r in range(2)]
+        for s in range(6):
+            for run in runs:
+                same = s % 2 == 0
+                run.log_text("val/sample", f"<b>{s}</b>" if same else f"r{run.rank} {s}", step=s)
+                if run.rank == 0:
+                    run.log_text("val/prompt", f"prompt {s}", step=s)
+                run.log_metrics({"x": 1.0}, step=s)
+                run.step_end(s)
+        for run in runs:
+            run.close()
+        compact(spool, tmp_path / "pq")
+        got = [(x.name, x.step, x.rank, x.text) for x in text_samples(tmp_path / "pq")]
+        assert got == [
+            ("val/prompt", 5, None, "prompt 5"), ("val/prompt", 4, None, "prompt 4"),
+            ("val/prompt", 3, None, "prompt 3"),
+            ("val/sample", 5, 0, "r0 5"), ("val/sample", 5, 1, "r1 5"),
+            ("val/sample", 4, None, "<b>4</b>"),
+            ("val/sample", 3, 0, "r0 3"), ("val/sample", 3, 1, "r1 3"),
+        ]  # fmt: skip
+        page = write_report(tmp_path / "pq", tmp_path / "r.html").read_text()
+        assert "<h2>Samples</h2>" in page and "<title>exp - ranklog</title>" in page
+        assert "step 5, rank 1" in page and "step 4, every rank" in page and "step 2," not in page
+        assert "&lt;b&gt;4&lt;/b&gt;" in page and "<b>4</b>" not in page
 
     def test_not_a_dataset(self, tmp_path: Path) -> None:
         """A directory that is not a compacted dataset is refused with a ConfigError."""
