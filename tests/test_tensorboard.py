@@ -74,9 +74,15 @@ def accumulator(path: Path, *, purge: bool = True) -> ea.EventAccumulator:
 
 
 def series(path: Path, *, purge: bool = True) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar tag's (step, value) list, as the reader loaded them."""
+    """Every scalar tag's (step, value) list, as the reader loaded them; the slowest rank
+    (a text, ``rank R (S s)``) as R."""
     acc = accumulator(path, purge=purge)
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    out = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    for tag in acc.Tags()["tensors"]:
+        if tag.rsplit("/", 1)[-1].startswith("slowest_rank"):
+            texts = [(e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors(tag)]
+            out[tag] = [(step, float(text.split()[1])) for step, text in texts]
+    return out
 
 
 def tb_back(path: Path) -> list[tuple[int, dict[str, float]]]:
@@ -247,7 +253,10 @@ class TestText:
         """Three ranks' sample of one name is one text tag with a markdown block per rank."""
         _rich_spool(spool)
         acc = _shipped(spool, tmp_path / "tb")
-        assert set(acc.PluginTagToContent("text")) == {"val/sample_0"}
+        assert set(acc.PluginTagToContent("text")) == {
+            "val/sample_0",
+            "timing/step_time/slowest_rank",
+        }
         events = acc.Tensors("val/sample_0")
         assert [ev.step for ev in events] == [0, 10, 20]
         for ev in events:
@@ -333,8 +342,8 @@ class TestHparams:
         assert ssi.start_time_secs == read_run(made).created
         assert sorted(h.name for h in exp.hparam_infos) == ["lr", "nested.depth"]
         assert [(m.name.tag, m.name.group) for m in exp.metric_infos] == [
-            (name, "") for name in sorted(expected(0))
-        ]
+            (name, "") for name in sorted(expected(0)) if not name.endswith("/slowest_rank")
+        ]  # (the slowest rank is a text: no hparams metric)
 
     def test_types_and_domains(self, tmp_path: Path) -> None:
         """Strings, bools, numbers and None become typed hparams with their one value."""

@@ -186,7 +186,7 @@ class TestTensorBoardUI:
         assert sorted(get(f"{ui['tb']}/data/runs")) == [".", "rank00000", "rank00001"]
         tags = {run: set(t) for run, t in get(f"{ui['tb']}/data/plugin/scalars/tags").items()}
         assert tags["."] == {
-            "train/loss", "train/tokens", "timing/step_time", "timing/step_time/slowest_rank",
+            "train/loss", "train/tokens", "timing/step_time",
             f"gpu/{HOST}/0/utilization", f"gpu/{HOST}/0/memory_used_bytes",
             "gpu/all/utilization", "gpu/all/memory_used_bytes_max",
         }  # fmt: skip
@@ -199,7 +199,6 @@ class TestTensorBoardUI:
         assert tb_points(ui, ".", "train/loss") == [(s, (loss(0, s) + loss(1, s)) / 2)
                                                     for s in steps]  # fmt: skip
         assert tb_points(ui, ".", "train/tokens") == [(s, 300.0) for s in steps]
-        assert tb_points(ui, ".", "timing/step_time/slowest_rank") == [(s, 1.0) for s in steps]
         for r in range(2):
             run = f"rank{r:05d}"
             assert tb_points(ui, run, "train/loss") == [(s, loss(r, s)) for s in steps]
@@ -210,10 +209,19 @@ class TestTensorBoardUI:
 
     def test_text_sample(self, ui: dict[str, Any]) -> None:
         """The Text dashboard shows the sample at its step, rendered from markdown."""
-        assert get(f"{ui['tb']}/data/plugin/text/tags") == {".": ["val/sample"]}
+        tags = get(f"{ui['tb']}/data/plugin/text/tags")
+        assert tags == {".": ["timing/step_time/slowest_rank", "val/sample"]}
         rows = get(f"{ui['tb']}/data/plugin/text/text", run=".", tag="val/sample")
         html = "<p>hello <strong>world</strong></p>"
         assert [(r["step"], r["text"]) for r in rows] == [(2, html)]
+
+    def test_slowest_rank_is_a_text_smoothing_cannot_bend(self, ui: dict[str, Any]) -> None:
+        """Which rank was slowest is a text per step (``rank 1 (0.x s)``), not a scalar that
+        smoothing would draw as rank 0.6."""
+        rows = get(f"{ui['tb']}/data/plugin/text/text", run=".",
+                   tag="timing/step_time/slowest_rank")  # fmt: skip
+        want = [(s, f"<p>rank 1 ({step_time(1, s):.4g} s)</p>") for s in range(STEPS)]
+        assert [(r["step"], r["text"]) for r in rows] == want
 
     def test_hparams(self, ui: dict[str, Any]) -> None:
         """The HParams dashboard lists the flattened params (the key redacted) and the metrics;

@@ -11,7 +11,9 @@ with ``file_version`` and a ``SessionLog.START`` (message ``ranklog run <run_id>
 is ONE record, ``Event(wall_time=ts, step=step)``: each reduced scalar a float32
 ``simple_value`` (NaN/inf kept; out of range: inf), each text a text-plugin string tensor
 (markdown; several ranks' texts of one name share the tag, a block per rank: **rank R**),
-each table a text-plugin Markdown table (``name/rankNNNNN`` where ranks share a name).
+each table a text-plugin Markdown table (``name/rankNNNNN`` where ranks share a name),
+each ``timing/<timer>/slowest_rank`` a text (``rank 3 (1.25 s)``: smoothing would turn a
+rank index into fractions).
 
 Hyperparameters: ``write_params`` appends a ``session_start_info`` (group ``--run-name``
 or the run's name). Readers keep a tag's first metadata in a run, so the hparams file,
@@ -159,6 +161,29 @@ def _texts(texts: list[TextItem]) -> bytes:
         body = "\n\n---\n\n".join(f"**rank {t.rank}**\n\n{t.text}" for t in items)
         out.append(_text_value(name, items[0].text if len(items) == 1 else body))
     return b"".join(out)
+
+
+#: what a derived name of "which rank was slowest" holds (``timing/<timer>/slowest_rank``)
+_SLOWEST: Final = "/slowest_rank"
+
+
+def _split_slowest(metrics: dict[str, float]) -> tuple[dict[str, float], bytes]:
+    """(the scalars of a step, its slowest ranks as text values).
+
+    A rank index is no quantity: TensorBoard's smoothing would draw rank 2.6 between
+    ranks 2 and 3. So ``timing/<timer>/slowest_rank`` is a text, ``rank 3 (1.25 s)``, one
+    per step, in the Text dashboard under the same tag.
+    """
+    names = [n for n in metrics if _SLOWEST in n]
+    if not names:
+        return metrics, b""
+    out = []
+    for n in names:
+        rank, secs = metrics[n], metrics.get(n[: n.rindex(_SLOWEST)])
+        who = f"rank {int(rank)}" if math.isfinite(rank) else f"rank {rank}"
+        out.append(_text_value(n, who if secs is None else f"{who} ({secs:.4g} s)"))
+    slow = set(names)
+    return {k: v for k, v in metrics.items() if k not in slow}, b"".join(out)
 
 
 def _tables(tables: list[TableItem]) -> bytes:
@@ -482,7 +507,7 @@ class TensorBoardTarget:
                     at.append(s.step)
             held = s.step if s.carrier is None else s.carrier  # late values: with their carrier
             if held not in main.held:  # else held already (never sent)
-                values = s.metrics
+                values, slowest = _split_slowest(s.metrics)
                 if s.gpu:
                     from ranklog.shippers.targets._media import gpu_metrics
 
@@ -490,6 +515,8 @@ class TensorBoardTarget:
                     started = self._run.created if self._run is not None else None
                     values = {**values, **gpu_metrics(s, style, started=started)}
                 summary = self._pack(values, main=True) + (_texts(s.texts) if s.texts else b"")
+                if slowest:
+                    summary += slowest
                 if s.tables:
                     summary += _tables(s.tables)
                 if s.histograms or s.images:
