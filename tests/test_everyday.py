@@ -414,6 +414,17 @@ class TestCompactDelete:
         res = ranklog_cmd("ship", str(spool), "--to", f"jsonl:{out}", "--once", "--quiet")
         assert res.returncode == 3 and "ranklog replay" in one_line(res.stderr)
 
+    @pytest.mark.parametrize("entry", [7, ["ds"], {"dataset": "ds"}, {"steps": [[0, 1]]}])
+    def test_a_damaged_deleted_json_is_named(self, tmp_path: Path, entry: object) -> None:
+        """An entry of deleted.json that is no dataset is a SpoolFormatError naming the file."""
+        from ranklog.errors import SpoolFormatError
+        from ranklog.spool import deleted_segments
+
+        body = {"version": 2, "segments": {"00000/0000-000000": entry}}
+        (tmp_path / "deleted.json").write_text(json.dumps(body))
+        with pytest.raises(SpoolFormatError, match="deleted.json"):
+            deleted_segments(tmp_path)
+
     def test_a_shipper_with_no_cursor_yet_keeps_them(self, spool: Path, tmp_path: Path) -> None:
         """A shipper holding its lease but with no cursor yet: every segment is kept."""
         from ranklog.shippers._lease import Lease

@@ -276,7 +276,7 @@ def deleted_segments(root: str | os.PathLike[str]) -> list[DeletedSegment]:
     path = SpoolLayout(root).deleted_json
     try:
         raw = json.loads(path.read_bytes())
-        out = [_deleted(k, v) for k, v in raw["segments"].items()]
+        out = [_deleted(path, k, v) for k, v in raw["segments"].items()]
     except FileNotFoundError:
         return []
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -284,12 +284,12 @@ def deleted_segments(root: str | os.PathLike[str]) -> list[DeletedSegment]:
     return sorted(out, key=lambda d: d.segment)
 
 
-def _deleted(key: str, value: object) -> DeletedSegment:
+def _deleted(path: Path, key: str, value: object) -> DeletedSegment:
     """One entry of deleted.json: ``"dataset"`` (version 1) or ``{"dataset", "steps"}``."""
     if isinstance(value, str):
         return DeletedSegment(SegmentId.parse(key), value)
     if not isinstance(value, dict):
-        raise TypeError(f"segment {key}: {value!r}")
+        raise SpoolFormatError(f"{path}: not a valid deleted.json (segment {key}: {value!r})")
     steps = tuple((int(lo), int(hi)) for lo, hi in value["steps"])
     return DeletedSegment(SegmentId.parse(key), str(value["dataset"]), steps)
 
