@@ -422,7 +422,7 @@ class TestCompactDelete:
 
         body = {"version": 2, "segments": {"00000/0000-000000": entry}}
         (tmp_path / "deleted.json").write_text(json.dumps(body))
-        with pytest.raises(SpoolFormatError, match="deleted.json"):
+        with pytest.raises(SpoolFormatError, match=r"deleted\.json"):
             deleted_segments(tmp_path)
 
     def test_a_shipper_with_no_cursor_yet_keeps_them(self, spool: Path, tmp_path: Path) -> None:
