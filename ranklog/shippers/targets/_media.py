@@ -19,8 +19,10 @@ from ranklog.shippers._registry import Option
 from ranklog.shippers._target import ImageItem, ShippedStep, TableItem
 
 __all__ = [
+    "DIR_HELP",
     "GPU_NAMES",
     "GPU_NAMES_OPTION",
+    "GROUP_HELP",
     "Buckets",
     "buckets",
     "gpu_metrics",
@@ -123,6 +125,12 @@ GPU_NAMES_OPTION: Final = Option(
     "gpu_names", "GPU series named as ranklog names them, or as NeMo RL's Ray monitor does "
     "(ray/node.N.gpu.M.util, ...)", choices=GPU_NAMES,
 )  # fmt: skip
+#: ``--group`` and ``--dir``, shared by the targets that take them (W&B, trackio)
+GROUP_HELP: Final = "the group of runs (W&B, trackio; default: --run-name, else the run's name)"
+DIR_HELP: Final = (
+    "local directory for the backend's files (W&B: default SPOOL; trackio: default "
+    "TRACKIO_DIR, where `trackio show` looks)"
+)
 _GIB: Final = 1024.0**3
 
 

@@ -76,7 +76,7 @@ from ranklog.schemas import ParamValue
 from ranklog.shippers._held import ALL_NAMES, Holding, StepSet, refuse_other
 from ranklog.shippers._registry import Option, TargetContext, TargetKind
 from ranklog.shippers._target import ShippedStep
-from ranklog.shippers.targets._media import GPU_NAMES_OPTION
+from ranklog.shippers.targets._media import DIR_HELP, GPU_NAMES_OPTION, GROUP_HELP
 from ranklog.shippers.targets._wandb_config import (
     RUN_KEY,
     config_set,
@@ -165,9 +165,9 @@ TARGET = TargetKind(
     options=(
         Option("run_name", "the backend run's name (default: the spool's run name)", nemo="name"),
         Option("entity", "W&B entity", nemo="entity"),
-        Option("group", "W&B group (default: --run-name, else the run's name)", nemo="group"),
+        Option("group", GROUP_HELP, nemo="group"),
         Option("mode", "W&B mode", choices=("online", "offline"), nemo="mode"),
-        Option("dir", "local directory for W&B's files (default: SPOOL)", metavar="DIR"),
+        Option("dir", DIR_HELP, metavar="DIR"),
         Option("run_id", "the backend's run id to write into (W&B id, MLflow run id)", nemo="id"),
         Option(
             "resume", "W&B resume mode", choices=("allow", "must", "never", "auto"), nemo="resume"
