@@ -1,9 +1,10 @@
 """The framework adapters under the real frameworks, 2 CPU processes (gloo) x 20 steps each.
 
 Lightning's "ddp" launcher, and torchrun for the Hugging Face Trainer and Accelerate, run
-the jobs in ``tests/frameworks/``; ``ranklog ship --once`` sends the spool to TensorBoard
-and JSONL, and TensorBoard's own reader must show, at exactly the expected steps, the
-cross-rank reduction of what each rank wrote into the spool. A SIGKILLed rank loses no
+the jobs of ``examples/`` (lightning_train.py, hf_train.py, accelerate_train.py);
+``ranklog ship --once`` sends the spool to TensorBoard and JSONL, and TensorBoard's own
+reader must show, at exactly the expected steps, the cross-rank reduction of what each
+rank wrote into the spool. A SIGKILLed rank loses no
 step it closed; a Lightning job restarted from its checkpoint continues the same run.
 """
 
@@ -30,7 +31,7 @@ from .test_torchrun import free_port, jsonl_steps, run_cmd, ship
 
 pytestmark = pytest.mark.slow
 
-JOBS = ROOT / "tests" / "frameworks"
+JOBS = ROOT / "examples"
 WORLD = 2
 STEPS = 20
 EXTRA = "installed by ./tools/test (extra ranklog[{}])"
@@ -58,7 +59,7 @@ def job_env(tmp: Path, **extra: str) -> dict[str, str]:
 
 
 def torchrun(tmp: Path, script: str, *args: str, **env: str) -> tuple[int, str]:
-    """``torchrun --nproc_per_node 2 tests/frameworks/SCRIPT ARGS`` on a free loopback port."""
+    """``torchrun --nproc_per_node 2 examples/SCRIPT ARGS`` on a free loopback port."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
         "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(JOBS / script), *args,
@@ -68,7 +69,7 @@ def torchrun(tmp: Path, script: str, *args: str, **env: str) -> tuple[int, str]:
 
 
 def lightning(tmp: Path, *args: str) -> tuple[int, str]:
-    """``python tests/frameworks/lightning_train.py ARGS``: Lightning starts rank 1 itself."""
+    """``python examples/lightning_train.py ARGS``: Lightning starts rank 1 itself."""
     res = run_cmd([sys.executable, str(JOBS / "lightning_train.py"), *args], job_env(tmp))
     return res.returncode, res.stdout
 

@@ -1,6 +1,6 @@
 """A 2-process Accelerate job on CPU (gloo) logging through ``RanklogTracker``.
 
-``torchrun --nproc_per_node 2 tests/frameworks/accelerate_train.py --spool S`` trains a
+``torchrun --nproc_per_node 2 examples/accelerate_train.py --spool S`` trains a
 linear model for 20 steps, each process on its own batches, and logs every step from
 every process with ``ranklog.accelerate.log``. ``--crash-at K --crash-rank R``: process
 R SIGKILLs itself when step K begins.

@@ -1,6 +1,6 @@
 """A 2-process Hugging Face ``Trainer`` job on CPU (gloo) logging through ``RanklogCallback``.
 
-``torchrun --nproc_per_node 2 tests/frameworks/hf_train.py --spool S --out O`` trains a
+``torchrun --nproc_per_node 2 examples/hf_train.py --spool S --out O`` trains a
 linear model for 20 optimizer steps (2 epochs of 10 per process), evaluating after each
 epoch. ``--report-to``: the callback comes from ``report_to=["ranklog"]`` (spool from
 ``$RANKLOG_SPOOL``) instead of ``callbacks=[...]``. ``--crash-at K --crash-rank R``:

@@ -1,6 +1,6 @@
 """A 2-process Lightning DDP job on CPU (gloo) logging through ``RanklogLogger``.
 
-``python tests/frameworks/lightning_train.py --spool S --root R`` trains a linear model
+``python examples/lightning_train.py --spool S --root R`` trains a linear model
 for 20 steps (2 epochs of 10 batches per rank); Lightning's "ddp" launcher starts the
 second process by running this script again. ``--crash-at K --crash-rank R``: rank R
 SIGKILLs itself when training step K begins; ``--resume``: continue from the last
