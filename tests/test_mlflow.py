@@ -46,8 +46,10 @@ from mlflow.tracking import MlflowClient
 from ranklog.shippers.targets.mlflow import (
     KEY_MAP,
     MARKER,
+    STEPS_TAG,
     MlflowTarget,
     _text_files,
+    held_steps,
     sanitize_key,
 )
 
@@ -106,15 +108,24 @@ def history(client: Any, run_id: str, keys: list[str]) -> dict[str, dict[int, fl
     return out
 
 
+def held(client: Any, run: Any) -> set[int]:
+    """The steps a run says it holds: its ``ranklog.steps`` tags (and an older release's
+    ``ranklog/step`` marker metric, if it has one)."""
+    found = client.get_run(run.info.run_id)
+    old = {p.step for p in client.get_metric_history(run.info.run_id, MARKER)}
+    return {s for lo, hi in held_steps(found.data.tags).ranges() for s in range(lo, hi + 1)} | old
+
+
 def read_back(uri: str) -> list[tuple[int, dict[str, float]]]:
-    """(step, metrics) of every step the run holds, each step's metrics and marker once."""
+    """(step, metrics) of every step the run holds, each step's metrics once; every step
+    with values is one the run says it holds; no bookkeeping metric among them."""
     client = MlflowClient(tracking_uri=uri)
     run = main_run(client)
+    assert MARKER not in run.data.metrics
     hist = history(client, run.info.run_id, sorted(run.data.metrics))
-    marked = hist.pop(MARKER, {})
     steps = sorted({s for h in hist.values() for s in h})
-    # a marker without values: a step that only carried late values (``--late ship``)
-    assert set(steps) <= set(marked), "a step without its marker"
+    # a step held without values: one that only carried late values (``--late ship``)
+    assert set(steps) <= held(client, run), "a step with values the run does not say it holds"
     return [(s, {k: h[s] for k, h in hist.items() if s in h}) for s in steps]
 
 
@@ -156,10 +167,11 @@ class TestCompliance(tc.TestCompliance):
     """tests/test_compliance.py's exactly-once tests, run against MLflow on sqlite."""
 
     def test_texts_are_artifacts(self, backend: Backend, made: Path, work: Path) -> None:
-        """Each rank's text of a step is an artifact of its own."""
+        """A text name's ranks of a step are one artifact, ``text/<name>/step_N.md``."""
         run_once(made, backend.make(work))
-        texts = sorted(p.name for p in (work / "mlflow-artifacts").rglob("*.md"))
-        assert texts == [f"sample_0.rank{r}.md" for r in range(3)]
+        (text,) = (work / "mlflow-artifacts").rglob("*.md")
+        assert text.relative_to(text.parents[3]).as_posix() == "text/val/sample_0/step_00000059.md"
+        assert text.read_text().count("### rank ") == 3
 
 
 class _DyingClient:
@@ -195,10 +207,10 @@ class TestTornWrites:
     """A write is several requests; dying between any two loses nothing and doubles nothing."""
 
     #: (per_rank, n) where the n-th request falls inside the main run's metrics of a write,
-    #: with requests of 4 metrics: a step's metrics and its marker 6 apart, cut across
-    #: requests (main: the tag, then 11 requests a write; per rank: 18 child requests first)
-    TORN = frozenset({(False, 3), (False, 4), (False, 6), (False, 9), (False, 21), (True, 21),
-                      (True, 24)})  # fmt: skip
+    #: before the tag that names its steps, with requests of 4 metrics (main: 9 metric
+    #: requests and the tag a write; per rank: 18 child requests first)
+    TORN = frozenset({(False, 3), (False, 4), (False, 6), (False, 9), (False, 21), (False, 24),
+                      (True, 21), (True, 24)})  # fmt: skip
 
     @pytest.mark.parametrize("per_rank", [False, True], ids=["main", "per-rank"])
     @pytest.mark.parametrize("n", [1, 2, 3, 4, 6, 9, 21, 24])
@@ -214,7 +226,7 @@ class TestTornWrites:
         """Killed before the n-th request of a write, then restarted: each step exactly once.
 
         Requests hold 4 metrics here (1,000 in use), so that one write is many requests and
-        a step's metrics and marker are split across them, as a large write's are.
+        a step's metrics are split across them, as a large write's are.
         """
         import ranklog.shippers._engine as engine
         import ranklog.shippers.targets.mlflow as target_module
@@ -232,18 +244,18 @@ class TestTornWrites:
             ship(DiesMidWrite(uri, [n], per_rank=per_rank))
         client = MlflowClient(tracking_uri=uri)
         main = main_run(client)
-        marked = set(history(client, main.info.run_id, [MARKER])[MARKER])
+        marked = held(client, main)
         stored = history(client, main.info.run_id, list(expected(0)))
         for key, points in stored.items():  # a marked step has every metric stored
             assert marked <= set(points), key
         torn = {s for points in stored.values() for s in points} - marked
         assert bool(torn) == ((per_rank, n) in self.TORN), f"stored, not marked: {torn}"
-        held = make(uri, made, dict()).open(read_run(made))
-        assert held == StepSet(marked)  # exactly the steps whose marker is stored
+        reopened = make(uri, made, dict()).open(read_run(made))
+        assert reopened == StepSet(marked)  # exactly the steps its tags name
         ship(make(uri, made, dict(per_rank=per_rank)))
-        held = read_back(uri)
-        assert [s for s, _ in held] == list(range(60))
-        for s, metrics in held:
+        back = read_back(uri)
+        assert [s for s, _ in back] == list(range(60))
+        for s, metrics in back:
             assert metrics["loss"] == pytest.approx((0 + 1 + 2) / 3 + s / 1000)
         if per_rank:
             client = MlflowClient(tracking_uri=uri)
@@ -304,13 +316,13 @@ def compare_with_jsonl(client: Any, spool: Path, out: Path) -> Any:
     got = lines(out)
     run = main_run(client)
     keys = sorted({k for x in got for k in x["metrics"]})
-    assert sorted(k for k in run.data.metrics if k != MARKER) == keys
-    hist = history(client, run.info.run_id, [*keys, MARKER])
-    assert sorted(hist[MARKER]) == [x["step"] for x in got]
+    assert sorted(run.data.metrics) == keys  # the run's own values, nothing else
+    hist = history(client, run.info.run_id, keys)
+    assert sorted(held(client, run)) == [x["step"] for x in got]
     for x in got:
         for k, v in x["metrics"].items():
             assert same(hist[k][x["step"]], v), (k, x["step"], hist[k][x["step"]], v)
-    points = sum(len(h) for k, h in hist.items() if k != MARKER)
+    points = sum(len(h) for h in hist.values())
     assert points == sum(len(x["metrics"]) for x in got)
     return run
 
@@ -348,14 +360,12 @@ class TestServer:
         assert tags["ranklog.run_id"] == read_run(spool).run_id
         assert tags["ranklog.world_size"] == "3"
         assert tags["ranklog.version"]
-        texts = [f.path for f in client.list_artifacts(run.info.run_id, "text/step_00000005/val")]
-        assert texts == [
-            "text/step_00000005/val/sample_0.rank0.md",
-            "text/step_00000005/val/sample_0.rank1.md",
-        ]
-        got = artifact_text(client, run.info.run_id, texts[1], tmp_path)
-        assert got == "rank 1 says 5"
-        path = "text/step_00000007/val/sample_1.md"
+        texts = [f.path for f in client.list_artifacts(run.info.run_id, "text/val/sample_0")]
+        assert "text/val/sample_0/step_00000005.md" in texts
+        got = artifact_text(client, run.info.run_id, "text/val/sample_0/step_00000005.md",
+                            tmp_path)  # fmt: skip
+        assert got == "### rank 0\n\nrank 0 says 5\n\n### rank 1\n\nrank 1 says 5"
+        path = "text/val/sample_1/step_00000007.md"
         assert artifact_text(client, run.info.run_id, path, tmp_path) == "only rank 2"
 
     def test_exact_repeats_are_ignored(self, server: MlflowServer, spool: Path) -> None:
@@ -366,8 +376,8 @@ class TestServer:
         exps = [e.experiment_id for e in client.search_experiments()]
         query = f"tags.\"ranklog.run_id\" = '{read_run(spool).run_id}'"
         (run,) = client.search_runs(exps, query)
-        hist = history(client, run.info.run_id, ["loss", MARKER])
-        assert sorted(hist["loss"]) == sorted(hist[MARKER]) == list(range(60))
+        hist = history(client, run.info.run_id, ["loss"])
+        assert sorted(hist["loss"]) == sorted(held(client, run)) == list(range(60))
 
     def test_run_finishes_and_runs_again(self, server: MlflowServer, spool: Path) -> None:
         """The run ends FINISHED with its ranks, RUNNING once a requeued rank logs again."""
@@ -428,7 +438,7 @@ run.close()
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:  # shipping has begun
                 runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
-                if runs and runs[0].data.metrics.get(MARKER, -1) >= 5:
+                if runs and (held_steps(runs[0].data.tags).last or -1) >= 5:
                     break
                 time.sleep(0.5)
             else:
@@ -492,17 +502,16 @@ class TestNames:
         assert len({sanitize_key(n) for n in names}) == len(names)
 
     def test_text_paths(self) -> None:
-        """Text artifacts name the rank only when several share a name; no file name is too long."""
+        """One text artifact per name and step, the ranks in it; no file name is too long."""
         texts = [TextItem(0, "val/a", "x"), TextItem(1, "val/a", "y"), TextItem(1, "val/a", "z")]
         texts += [TextItem(2, "b b!", "w"), TextItem(0, "é" * 300, "v")]
         step = ShippedStep(3, {}, 3, 3, True, 1.0, texts=texts)
         paths = [p for p, _ in _text_files(step)]
-        assert paths[:4] == [
-            "text/step_00000003/val/a.rank0.md",
-            "text/step_00000003/val/a.rank1.md",
-            "text/step_00000003/val/a.rank1.2.md",
-            f"text/step_00000003/{sanitize_key('b b!')}.md",
+        assert paths[:2] == [
+            "text/val/a/step_00000003.md",
+            f"text/{sanitize_key('b b!')}/step_00000003.md",
         ]
+        assert _text_files(step)[0][1] == "### rank 0\n\nx\n\n### rank 1\n\ny\n\n### rank 1\n\nz"
         assert all(len(part.encode()) < 255 for p in paths for part in p.split("/"))
         assert len(set(paths)) == len(paths)
 
@@ -515,10 +524,10 @@ class TestNames:
         first = ShippedStep(3, {}, 1, 1, True, 1.0, texts=texts, tables=tables)
         late = ShippedStep(3, {}, 1, 1, True, 1.0, texts=texts, tables=tables, carrier=12)
         assert [p for p, _ in _text_files(first) + _table_files(first)] == [
-            "text/step_00000003/val/a.md", "tables/step_00000003/t.json"
+            "text/val/a/step_00000003.md", "tables/step_00000003/t.json"
         ]  # fmt: skip
         assert [p for p, _ in _text_files(late) + _table_files(late)] == [
-            "text/step_00000003/val/a.late00000012.md", "tables/step_00000003/t.late00000012.json"
+            "text/val/a/step_00000003.late00000012.md", "tables/step_00000003/t.late00000012.json"
         ]  # fmt: skip
 
     def test_bad_key_ships_under_a_valid_key(
@@ -542,7 +551,7 @@ class TestNames:
         main = main_run(client)
         key, new = sanitize_key("bad key!/with..dots"), sanitize_key("new one?")
         assert self.valid(key) and key.startswith("bad key_/with_.dots_")
-        assert sorted(main.data.metrics) == sorted([key, new, "fine", MARKER])
+        assert sorted(main.data.metrics) == sorted([key, new, "fine"])
         hist = history(client, main.info.run_id, [key])
         assert hist[key] == {s: s + 0.5 for s in range(5)}
         assert main.data.params == {sanitize_key("bad param!"): "1"}
@@ -557,7 +566,8 @@ class TestNames:
         self, template_db: Path, spool: Path, work: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """A metric called ``ranklog/step`` (an older ranklog let it be logged; this one
-        refuses ``ranklog/`` names) is renamed instead of clobbering the marker."""
+        refuses ``ranklog/`` names) is renamed: an older release's marker had that name,
+        and its history is still read as steps held."""
         import ranklog.producer._names as names
 
         monkeypatch.setattr(names, "RESERVED", "\0")  # as an older producer wrote it
@@ -570,8 +580,8 @@ class TestNames:
         run_once(spool, make(uri, work, dict()))
         client = MlflowClient(tracking_uri=uri)
         main = main_run(client)
-        assert main.data.metrics[MARKER] == 2.0
-        (other,) = [k for k in main.data.metrics if k != MARKER]
+        assert MARKER not in main.data.metrics
+        (other,) = main.data.metrics
         assert history(client, main.info.run_id, [other])[other] == {0: 100.0, 1: 101.0, 2: 102.0}
 
 
@@ -672,8 +682,9 @@ class TestWiring:
         assert client.get_experiment(main.info.experiment_id).name == "exp-x"
         assert main.info.run_name == "run-y"
         assert [s for s, _ in read_back(uri)] == list(range(12))
-        texts = sorted(p.name for p in (spool / "mlflow-artifacts").rglob("*.md"))
-        assert texts == ["sample_0.rank0.md", "sample_0.rank1.md", "sample_1.md"]
+        texts = sorted(p.relative_to(p.parents[3]).as_posix()
+                       for p in (spool / "mlflow-artifacts").rglob("*.md"))  # fmt: skip
+        assert texts == ["text/val/sample_0/step_00000005.md", "text/val/sample_1/step_00000007.md"]
 
     def test_down_server_is_transient_and_quick(self, spool: Path) -> None:
         """Nothing listening: open() raises TransientTargetError within seconds."""
@@ -797,3 +808,106 @@ class TestMedia:
             "images/step_00000000/plot/rank00000.png",
             "images/step_00000000/plot/rank00001.png",
         ]
+
+
+class TestWhatTheUIShows:
+    """MLflow's UI shows the run's own values, among training runs, and readable samples."""
+
+    def test_no_bookkeeping_metric(self, template_db: Path, made: Path, work: Path) -> None:
+        """The run's metrics are the run's values only; the steps it holds are a tag."""
+        run_once(made, make(sqlite_uri(work), work, dict()))
+        run = main_run(MlflowClient(tracking_uri=sqlite_uri(work)))
+        assert sorted(run.data.metrics) == sorted(expected(0))
+        assert run.data.tags[STEPS_TAG] == "0-59"
+
+    def test_experiment_shows_as_model_training(
+        self, template_db: Path, made: Path, work: Path
+    ) -> None:
+        """A new experiment is tagged as MLflow 3's UI tells training from GenAI; a kind the
+        user set is kept."""
+        uri = sqlite_uri(work)
+        client = MlflowClient(tracking_uri=uri)
+        client.create_experiment("theirs", artifact_location=(work / "theirs").as_uri(),
+                                 tags={"mlflow.experimentKind": "genai_development"})  # fmt: skip
+        run_once(made, make(uri, work, dict()))
+        theirs = make(uri, work, dict(experiment="theirs"))
+        Shipper(str(made), theirs, name="theirs").run_forever(once=True)
+        kinds = {e.name: e.tags.get("mlflow.experimentKind") for e in client.search_experiments()}
+        assert kinds[read_run(made).name] == "custom_model_development"
+        assert kinds["theirs"] == "genai_development"
+
+    @pytest.mark.parametrize(
+        "steps",
+        [[], [0], list(range(100)), [*range(10, 510, 10)], [0, 1, 5, 9, 10, 11, 30, 33, 36, 39],
+         [3, 7], [2**63 - 1], [*range(5), *range(100, 2000, 7), 5000]],
+        ids=["none", "one", "range", "every-10th", "mixed", "two", "largest", "long"],
+    )  # fmt: skip
+    def test_steps_text_round_trip(self, steps: list[int]) -> None:
+        """Held steps as tag text come back the same, however they are spread."""
+        from ranklog.shippers.targets._mlflow_rows import chunk_text, decode_steps, encode_steps
+
+        text = encode_steps(StepSet(steps).ranges())
+        assert StepSet.of_ranges(decode_steps(text)) == StepSet(steps)
+        if steps == [*range(10, 510, 10)]:
+            assert text == "10-500/10"
+        for size in (12, 40, 7900):
+            chunks = chunk_text(text, size)
+            assert ",".join(chunks) == text
+            assert all(len(c) <= size for c in chunks if "," in c)
+
+    @pytest.mark.filterwarnings("ignore:ranklog. rank 0 logged")  # steps 0, 1, 4, 9, ...
+    def test_a_long_list_of_steps_spans_tags(
+        self, template_db: Path, spool: Path, work: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Steps too many for one tag go on in ``ranklog.steps.1``...; a restart reads them all
+        and sends nothing twice."""
+        import ranklog.shippers.targets.mlflow as target_module
+
+        monkeypatch.setattr(target_module, "_STEPS_CHUNK", 24)
+        steps = [s * s for s in range(40)]  # no stride: one text part per step
+        run = rank(spool, 0, 1)
+        for s in steps:
+            run.log_metrics({"loss": float(s)}, step=s)
+            run.step_end(s)
+        run.flush()
+        uri = sqlite_uri(work)
+        run_once(spool, make(uri, work, dict()))
+        for s in range(1601, 1610):
+            run.log_metrics({"loss": float(s)}, step=s)
+            run.step_end(s)
+        run.close()
+        assert make(uri, work, dict()).open(read_run(spool)) == StepSet(steps)
+        run_once(spool, make(uri, work, dict()))
+        client = MlflowClient(tracking_uri=uri)
+        main = main_run(client)
+        assert len([k for k in main.data.tags if k.startswith(STEPS_TAG)]) > 3
+        assert held(client, main) == {*steps, *range(1601, 1610)}
+        assert sorted(history(client, main.info.run_id, ["loss"])["loss"]) == sorted(
+            held(client, main)
+        )
+
+    def test_a_run_an_earlier_release_wrote(
+        self, template_db: Path, spool: Path, work: Path
+    ) -> None:
+        """A run holding its steps as the ``ranklog/step`` marker history (an earlier release):
+        those steps are held, the next ones are written once."""
+        from mlflow.entities import Metric
+
+        run = rank(spool, 0, 1)
+        log_steps(run, range(10), close=False)
+        run.flush()
+        uri = sqlite_uri(work)
+        run_once(spool, make(uri, work, dict()))
+        client = MlflowClient(tracking_uri=uri)
+        main = main_run(client)
+        shipped = held(client, main)
+        assert len(shipped) >= 9
+        client.delete_tag(main.info.run_id, STEPS_TAG)  # as the earlier release left it:
+        marks = [Metric(MARKER, float(s), 0, s) for s in shipped]  # the marker, no tag
+        client.log_batch(main.info.run_id, metrics=marks, synchronous=True)
+        assert make(uri, work, dict()).open(read_run(spool)) == StepSet(shipped)
+        log_steps(run, range(10, 20))
+        run_once(spool, make(uri, work, dict()))
+        hist = history(client, main.info.run_id, ["loss"])
+        assert sorted(hist["loss"]) == list(range(20))
+        assert client.get_run(main.info.run_id).data.tags[STEPS_TAG] == "0-19"

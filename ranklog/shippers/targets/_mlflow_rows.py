@@ -1,9 +1,9 @@
 """What an MLflow run receives, as plain data: keys, metric rows, artifact paths and files.
 
 Pure functions of shipped steps, used by :mod:`ranklog.shippers.targets.mlflow`: keys
-sanitised as MLflow accepts them, each step's ``Metric`` rows followed by the
-``ranklog/step`` marker that vouches for them, and the paths and contents of text and
-table artifacts.
+sanitised as MLflow accepts them, each step's ``Metric`` rows, the held steps as the
+text of the ``ranklog.steps`` tags, and the paths and contents of text and table
+artifacts.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from typing import Any, Final
 
 from ranklog.shippers._target import ShippedStep, TextItem
 
-__all__ = ["MARKER", "sanitize_key"]
+__all__ = ["MARKER", "chunk_text", "decode_steps", "encode_steps", "held_by", "sanitize_key"]
 
-#: the bookkeeping metric logged last for each step: ``open()`` reads it back
+#: the bookkeeping metric earlier releases logged after each step's metrics: ``open()``
+#: still reads its history (runs they wrote), and a metric of that name is renamed
 MARKER: Final = "ranklog/step"
 _MAX_KEY: Final = 250
 _BAD_CHAR = re.compile(r"[^/\w.\- :]")
@@ -48,24 +49,66 @@ def _chunks(items: list[Any], n: int) -> Iterator[list[Any]]:
 def _rows(
     metric: Any, steps: list[ShippedStep], values_of: list[dict[str, float]], keys: dict[str, str]
 ) -> Iterator[Any]:
-    """The run's ``Metric`` rows of ``steps``: each step's values, then its marker.
-
-    Late values (``carrier`` set) go at their own step, before the marker of the step
-    they came with: the marker vouches for them too.
-    """
-    marker: tuple[int, int] | None = None  # (step, ts) of the marker due
+    """The run's ``Metric`` rows of ``steps``, each step's values (late values, ``carrier``
+    set, at their own step)."""
     for s, values in zip(steps, values_of, strict=True):
         ts, step = _ms(s.ts), s.step
-        held = step if s.carrier is None else s.carrier
-        if marker is not None and marker[0] != held:
-            yield metric(MARKER, float(marker[0]), marker[1], marker[0])
-            marker = None
         for name, value in values.items():
             yield metric(keys[name], value, ts, step)
-        if marker is None:
-            marker = (held, ts)
-    if marker is not None:
-        yield metric(MARKER, float(marker[0]), marker[1], marker[0])
+
+
+def held_by(steps: list[ShippedStep]) -> list[int]:
+    """The steps a write of ``steps`` makes held: each step, a late one's carrier."""
+    return [s.step if s.carrier is None else s.carrier for s in steps]
+
+
+def encode_steps(ranges: list[tuple[int, int]]) -> str:
+    """Held steps as text: ``lo-hi`` ranges and single steps, comma-separated; three or
+    more single steps an equal stride apart as ``lo-hi/stride`` (steps logged every 10)."""
+    parts: list[str] = []
+    i = 0
+    while i < len(ranges):
+        lo, hi = ranges[i]
+        j = i + 1
+        if lo == hi and j < len(ranges) and ranges[j][0] == ranges[j][1]:
+            stride = ranges[j][0] - lo
+            while (j < len(ranges) and ranges[j][0] == ranges[j][1]
+                   and ranges[j][0] - ranges[j - 1][0] == stride):  # fmt: skip
+                j += 1
+            if j - i >= 3:
+                parts.append(f"{lo}-{ranges[j - 1][0]}/{stride}")
+                i = j
+                continue
+        parts.append(str(lo) if lo == hi else f"{lo}-{hi}")
+        i += 1
+    return ",".join(parts)
+
+
+def decode_steps(text: str) -> list[tuple[int, int]]:
+    """The ranges of :func:`encode_steps`' text (a stride expanded into single steps)."""
+    out: list[tuple[int, int]] = []
+    for part in filter(None, text.split(",")):
+        span, _, stride = part.partition("/")
+        lo, _, hi = span.partition("-")
+        first, last = int(lo), int(hi or lo)
+        if stride:
+            out.extend((s, s) for s in range(first, last + 1, int(stride)))
+        else:
+            out.append((first, last))
+    return out
+
+
+def chunk_text(text: str, size: int) -> list[str]:
+    """``text`` cut at commas into pieces of at most ``size`` characters."""
+    out: list[str] = []
+    cur = ""
+    for part in text.split(","):
+        if cur and len(cur) + 1 + len(part) > size:
+            out.append(cur)
+            cur = part
+        else:
+            cur = f"{cur},{part}" if cur else part
+    return [*out, cur] if cur or not out else out
 
 
 def _rank_rows(
@@ -96,18 +139,19 @@ def _with_histograms(
 
 
 def _text_files(step: ShippedStep) -> list[tuple[str, str]]:
-    """(artifact path, text) of each text event of a step."""
+    """(artifact path, text) of each text name of a step: ``text/<name>/step_<step>.md``,
+    one file per name and step (MLflow's artifact view shows it as it is); where several
+    ranks (or one rank several times) logged the name, each text under ``### rank R``."""
     by_name: dict[str, list[TextItem]] = {}
     for t in step.texts:
         by_name.setdefault(t.name, []).append(t)
     out = []
     for name, items in by_name.items():
-        base = _step_path("text", step.step, name)
-        seen: dict[int, int] = {}
-        for t in items:
-            n = seen[t.rank] = seen.get(t.rank, 0) + 1
-            suffix = "" if len(items) == 1 else f".rank{t.rank}" + (f".{n}" if n > 1 else "")
-            out.append((f"{base}{suffix}{_late(step)}.md", t.text))
+        path = f"text/{_name_path(name)}/step_{step.step:08d}{_late(step)}.md"
+        if len(items) == 1:
+            out.append((path, items[0].text))
+        else:
+            out.append((path, "\n\n".join(f"### rank {t.rank}\n\n{t.text}" for t in items)))
     return out
 
 
@@ -136,10 +180,15 @@ def _late(step: ShippedStep) -> str:
 
 
 def _step_path(top: str, step: int, name: str) -> str:
-    """``top/step_<step:08d>/<name>``: the name's parts sanitised, each under 121 bytes."""
+    """``top/step_<step:08d>/<name>``, the name as :func:`_name_path` makes it."""
+    return f"{top}/step_{step:08d}/{_name_path(name)}"
+
+
+def _name_path(name: str) -> str:
+    """``name`` as artifact folders: its parts sanitised, each under 121 bytes."""
     parts = sanitize_key(name).split("/")
     if any(len(p.encode()) > 120 for p in parts):  # file names: 255 bytes at most
         digest = hashlib.sha1(name.encode(), usedforsecurity=False).hexdigest()[:8]
         parts = [p.encode()[:120].decode(errors="ignore") for p in parts]
         parts[-1] += f"_{digest}"
-    return f"{top}/step_{step:08d}/{'/'.join(parts)}"
+    return "/".join(parts)

@@ -18,8 +18,9 @@
   chars, not a path that normalises to something else, no ``..``) get invalid characters
   replaced by ``_`` and ``_<sha1 of the name, 8 hex>`` appended; the artifact
   ``ranklog/key_map.json`` maps each renamed original to its MLflow key.
-- Texts: each text event is the artifact ``text/step_<step:08d>/<name>.md``
-  (``<name>.rank<r>.md`` when several ranks logged that name in the step).
+- Texts: one artifact per name and step, ``text/<name>/step_<step:08d>.md`` (the text as
+  logged; where several ranks logged the name in the step, each under ``### rank R``):
+  MLflow's artifact view lists a name's steps in one folder and shows each as Markdown.
 - Tables: each is the artifact ``tables/step_<step:08d>/<name>.json`` in the JSON form
   of MLflow's ``log_table`` (``<name>/rankNNNNN.json`` where ranks share the name).
 - Late values (``--late ship``): points at their own step; their texts, tables and images
@@ -29,14 +30,21 @@
   ``<run name>-rank<r>``) holding that rank's own values; found again by tag.
 
 Exactly once: for each batch of steps the texts and the child runs' metrics are sent
-first; then the run's metrics, each step's followed by the marker metric ``ranklog/step``
-(value = step) in the same list, cut into requests of 1,000 in order. A store commits
-one request's metrics in one transaction (the SQL store) or in order (the file store),
-and a request is sent only once the one before it returned, so a marker is never stored
-before the metrics it vouches for. ``open()`` reads the marker's history: the steps
-held (a set: a replay that fills a gap left by a windowed one writes only the missing
-steps), so a step whose requests were only partly stored is never reported: it is sent
-again, and what was stored is repeated exactly.
+first; then the run's metrics, cut into requests of 1,000 in order; then the steps the
+run now holds, as the text of its tags ``ranklog.steps`` (``0-99,120-130``; ``10-500/10``
+for every 10th step; a long text goes on in ``ranklog.steps.1``, ...). A request is sent
+only once the one before it returned, so the tags never name a step before all of its
+metrics are stored. ``open()`` reads them back: the steps held (a set: a replay that
+fills a gap left by a windowed one writes only the missing steps); a step whose
+requests were only partly stored is not among them: it is sent again, and what was
+stored is repeated exactly, which the store ignores (a metric row's key is key, step,
+timestamp and value). Nothing of this bookkeeping is a metric: the run's charts are the
+run's own values. (Runs written by earlier releases hold their steps as the history of
+a ``ranklog/step`` metric, read as well.)
+
+The experiment is tagged ``mlflow.experimentKind = custom_model_development`` (unless it
+has a kind already), which MLflow 3's UI reads to show it as model training, with the
+runs table and charts, rather than as GenAI evaluation runs.
 
 Run status: once every rank ended and everything was shipped, the run (and each rank's
 child run) ends ``FINISHED`` when every rank ended ok, ``FAILED`` when one failed or went
@@ -87,11 +95,15 @@ from ranklog.shippers.targets._mlflow_rows import (
     _table_files,
     _text_files,
     _with_histograms,
+    chunk_text,
+    decode_steps,
+    encode_steps,
+    held_by,
     sanitize_key,
 )
 from ranklog.spool import RunInfo
 
-__all__ = ["MARKER", "TARGET", "MlflowTarget", "sanitize_key"]
+__all__ = ["MARKER", "STEPS_TAG", "TARGET", "MlflowTarget", "held_steps", "sanitize_key"]
 
 log = logging.getLogger("ranklog.ship")
 
@@ -101,6 +113,14 @@ _MAX_METRICS: Final = 1000
 _MAX_PARAMS_TAGS: Final = 100
 _MAX_PARAM_VALUE: Final = 6000
 _MAX_TAG_VALUE: Final = 8000
+#: the run's tag holding the steps it holds (``0-99,120-130``; ``10-500/10``: every 10th);
+#: a long list goes on in ``ranklog.steps.1``, ``ranklog.steps.2``, ...
+STEPS_TAG: Final = "ranklog.steps"
+_STEPS_CHUNK: Final = 7900
+#: what MLflow 3's UI reads to show an experiment's runs as model training (its runs
+#: table and charts), not as GenAI evaluation runs
+_KIND_TAG: Final = "mlflow.experimentKind"
+_KIND: Final = "custom_model_development"
 #: MLflow's own HTTP retries (default 7 with backoff: minutes) shortened, so that a down
 #: server reaches the engine's backoff in seconds; the environment can still override
 _HTTP_DEFAULTS: Final = {
@@ -187,6 +207,8 @@ class MlflowTarget:
         self._renamed: dict[str, str] = {}  # the key map artifact: renamed originals only
         self._status = "RUNNING"  # the main run's status when opened
         self._last_ts: float | None = None  # the latest step written: the run's end time
+        self._held = StepSet()  # the steps the run holds
+        self._step_tags: dict[str, str] = {}  # the ranklog.steps tags as stored
 
     # -- the Target protocol ------------------------------------------------------------
 
@@ -243,8 +265,14 @@ class MlflowTarget:
             self._renamed = self._load_key_map()
             self._keys = dict(self._renamed)
             self._status = str(main.info.status)
-            held = StepSet(int(m.step) for m in self._client.get_metric_history(
-                self.run_id, MARKER))  # fmt: skip
+            self._step_tags = {
+                k: v for k, v in main.data.tags.items()
+                if k == STEPS_TAG or k.startswith(STEPS_TAG + ".")
+            }  # fmt: skip
+            held = held_steps(main.data.tags).union(
+                StepSet(int(m.step) for m in self._client.get_metric_history(self.run_id, MARKER))
+            )  # fmt: skip (the marker metric of runs an earlier release wrote)
+            self._held = StepSet.of_ranges(held.ranges())  # the engine's copy is its own
             mine = Holding(run.run_id, run.name, self.names)
             theirs = Holding(
                 main.data.tags.get("ranklog.run_id", run.run_id), run.name,
@@ -333,13 +361,28 @@ class MlflowTarget:
                 tag = RunTag("ranklog.world_size", world)
                 client.log_batch(self.run_id, tags=[tag], synchronous=True)
                 self._world = world
-            # each step's metrics, then its marker, in the same stream: a request is one
-            # transaction and requests go in order, so a marker is stored with, or after,
-            # every metric it vouches for (and one request per 1,000 metrics, markers too)
+            # every metric first; then the steps held, in tags: a tag is stored only after
+            # every metric it vouches for (a request sent again after a crash is an exact
+            # repeat, which the store ignores)
             self._send(self.run_id, _rows(Metric, steps, values_of, keys))
+            for step in held_by(steps):
+                self._held.add(step)
+            self._tag_held()
 
     def flush(self) -> None:
         """Nothing to do: every request was committed by the store before it returned."""
+
+    def _tag_held(self) -> None:
+        """The ``ranklog.steps`` tags that changed, from the steps now held."""
+        from mlflow.entities import RunTag
+
+        chunks = chunk_text(encode_steps(self._held.ranges()), _STEPS_CHUNK)
+        names = [STEPS_TAG, *(f"{STEPS_TAG}.{i}" for i in range(1, len(chunks)))]
+        tags = [RunTag(k, v) for k, v in zip(names, chunks, strict=True)
+                if self._step_tags.get(k) != v]  # fmt: skip
+        for chunk in _chunks(tags, _MAX_PARAMS_TAGS):
+            self._client.log_batch(self.run_id, tags=chunk, synchronous=True)
+        self._step_tags.update((t.key, t.value) for t in tags)
 
     def end(self, status: str) -> None:
         """The job ended: the run (and each rank's child run) ends FINISHED, FAILED or KILLED,
@@ -388,7 +431,9 @@ class MlflowTarget:
         exp = client.get_experiment_by_name(name)
         if exp is None:
             try:
-                return str(client.create_experiment(name, artifact_location=self.artifact_root))
+                return str(client.create_experiment(
+                    name, artifact_location=self.artifact_root, tags={_KIND_TAG: _KIND}
+                ))  # fmt: skip
             except MlflowException as exc:  # created meanwhile by another shipper
                 exp = client.get_experiment_by_name(name)
                 if exp is None:
@@ -396,6 +441,8 @@ class MlflowTarget:
         if exp.lifecycle_stage != "active":
             raise TargetError(f"MLflow experiment {name!r} is deleted: restore it or choose "
                                "another --experiment")  # fmt: skip
+        if exp.tags.get(_KIND_TAG) is None:  # the UI's training view, not GenAI's
+            client.set_experiment_tag(exp.experiment_id, _KIND_TAG, _KIND)
         return str(exp.experiment_id)
 
     def _adopt(self, run_id: str, tags: dict[str, str]) -> Any:
@@ -475,6 +522,16 @@ class MlflowTarget:
             path = self._client.download_artifacts(self.run_id, KEY_MAP, tmp)
             loaded = json.loads(Path(path).read_text())
         return {str(k): str(v) for k, v in loaded.items()}
+
+
+def held_steps(tags: Mapping[str, str]) -> StepSet:
+    """The steps a run holds, from its ``ranklog.steps`` tags (every chunk; a chunk left
+    from an earlier, longer text holds steps held still: held steps only grow)."""
+    ranges = [
+        r for k, v in tags.items() if k == STEPS_TAG or k.startswith(STEPS_TAG + ".")
+        for r in decode_steps(v)
+    ]  # fmt: skip
+    return StepSet.of_ranges(ranges)
 
 
 def _build(arg: str, context: TargetContext, options: Mapping[str, Any]) -> MlflowTarget:
