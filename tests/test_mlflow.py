@@ -820,6 +820,17 @@ class TestWhatTheUIShows:
         assert sorted(run.data.metrics) == sorted(expected(0))
         assert run.data.tags[STEPS_TAG] == "0-59"
 
+    def test_the_run_lasts_from_its_start_to_its_last_step(
+        self, template_db: Path, made: Path, work: Path
+    ) -> None:
+        """The run starts when the ranklog run was created and ends at its last step: the UI's
+        duration is the job's (not negative: the shipper made the run after the steps)."""
+        run_once(made, make(sqlite_uri(work), work, dict()))
+        run = main_run(MlflowClient(tracking_uri=sqlite_uri(work)))
+        assert run.info.status == "FINISHED"
+        assert run.info.start_time == int(read_run(made).created * 1000)
+        assert run.info.end_time >= run.info.start_time
+
     def test_experiment_shows_as_model_training(
         self, template_db: Path, made: Path, work: Path
     ) -> None:

@@ -77,7 +77,6 @@ from ranklog._version import __version__
 from ranklog.errors import (
     ExtraMissingError,
     TargetError,
-    TargetHeldError,
     TransientTargetError,
 )
 from ranklog.schemas import ParamValue
@@ -101,6 +100,7 @@ from ranklog.shippers.targets._mlflow_rows import (
     held_by,
     sanitize_key,
 )
+from ranklog.shippers.targets._mlflow_runs import adopt, create, experiment, oldest, search
 from ranklog.spool import RunInfo
 
 __all__ = ["MARKER", "STEPS_TAG", "TARGET", "MlflowTarget", "held_steps", "sanitize_key"]
@@ -117,10 +117,8 @@ _MAX_TAG_VALUE: Final = 8000
 #: a long list goes on in ``ranklog.steps.1``, ``ranklog.steps.2``, ...
 STEPS_TAG: Final = "ranklog.steps"
 _STEPS_CHUNK: Final = 7900
-#: what MLflow 3's UI reads to show an experiment's runs as model training (its runs
-#: table and charts), not as GenAI evaluation runs
-_KIND_TAG: Final = "mlflow.experimentKind"
-_KIND: Final = "custom_model_development"
+#: runs whose place in the UI this process said
+_SAID: set[str] = set()
 #: MLflow's own HTTP retries (default 7 with backoff: minutes) shortened, so that a down
 #: server reaches the engine's backoff in seconds; the environment can still override
 _HTTP_DEFAULTS: Final = {
@@ -247,13 +245,15 @@ class MlflowTarget:
             if run.world_size is not None:
                 tags["ranklog.world_size"] = str(run.world_size)
             if self.given_run_id:
-                main = self._adopt(self.given_run_id, tags)
-                runs = self._search()
+                main = adopt(self._client, self.given_run_id, self._ranklog_id, tags)
+                self._exp_id = str(main.info.experiment_id)
+                runs = search(self._client, self._exp_id, self._ranklog_id)
             else:
-                self._exp_id = self._experiment(self.experiment or run.name)
-                runs = self._search()
+                name = self.experiment or run.name
+                self._exp_id = experiment(self._client, name, self.artifact_root)
+                runs = search(self._client, self._exp_id, self._ranklog_id)
                 mains = [r for r in runs if r.data.tags.get("ranklog.role") == "main"]
-                main = self._oldest(mains) if mains else self._create(self._name, tags)
+                main = oldest(mains) if mains else self._create(self._name, tags)
             self.run_id = main.info.run_id
             self._params = dict(main.data.params)
             self._world = main.data.tags.get("ranklog.world_size", "")
@@ -282,12 +282,28 @@ class MlflowTarget:
                 f"MLflow run {self.run_id}", theirs, mine, held,
                 remedy="use another --run-id (without one, each ranklog run gets its own)",
             )  # fmt: skip
+            self._say_where()
             if theirs.names != mine.names:  # it holds no step yet: it takes this selection
                 from mlflow.entities import RunTag
 
                 tag = RunTag("ranklog.names", mine.names)
                 self._client.log_batch(self.run_id, tags=[tag], synchronous=True)
             return held
+
+    def _say_where(self) -> None:
+        """Once per process and run: where to see the run in MLflow's UI (its training view:
+        MLflow 3 opens in its GenAI view unless the link says ``workflowType``)."""
+        if self.run_id in _SAID:
+            return
+        _SAID.add(self.run_id)
+        page = f"#/experiments/{self._exp_id}/runs/{self.run_id}?workflowType=machine_learning"
+        if self._db is not None:
+            where = (f"`mlflow ui --backend-store-uri {self.uri}`, then "
+                     f"http://127.0.0.1:5000/{page}")  # fmt: skip
+        else:
+            where = f"{self.uri.rstrip('/')}/{page}"
+        log.info("%s: MLflow run %r (id %s): see it with %s", self.spec, self._name,
+                 self.run_id, where)  # fmt: skip
 
     def _running(self) -> None:
         """A run that had ended (an earlier job, a replay) runs again once written to."""
@@ -424,73 +440,9 @@ class MlflowTarget:
         while chunk := list(itertools.islice(rows, _MAX_METRICS)):
             self._client.log_batch(run_id, metrics=chunk, synchronous=True)
 
-    def _experiment(self, name: str) -> str:
-        from mlflow.exceptions import MlflowException
-
-        client = self._client
-        exp = client.get_experiment_by_name(name)
-        if exp is None:
-            try:
-                return str(client.create_experiment(
-                    name, artifact_location=self.artifact_root, tags={_KIND_TAG: _KIND}
-                ))  # fmt: skip
-            except MlflowException as exc:  # created meanwhile by another shipper
-                exp = client.get_experiment_by_name(name)
-                if exp is None:
-                    raise exc from None
-        if exp.lifecycle_stage != "active":
-            raise TargetError(f"MLflow experiment {name!r} is deleted: restore it or choose "
-                               "another --experiment")  # fmt: skip
-        if exp.tags.get(_KIND_TAG) is None:  # the UI's training view, not GenAI's
-            client.set_experiment_tag(exp.experiment_id, _KIND_TAG, _KIND)
-        return str(exp.experiment_id)
-
-    def _adopt(self, run_id: str, tags: dict[str, str]) -> Any:
-        """The existing run ``run_id``, tagged as this ranklog run's main run."""
-        from mlflow.entities import RunTag
-
-        found = self._client.get_run(run_id)
-        owner = found.data.tags.get("ranklog.run_id")
-        if owner not in (None, self._ranklog_id):
-            raise TargetHeldError(
-                f"MLflow run {run_id} holds run {owner}, not this run {self._ranklog_id}: use "
-                "another --run-id (without one, each ranklog run gets its own MLflow run)"
-            )
-        self._exp_id = str(found.info.experiment_id)
-        if owner is None:
-            new = [RunTag(k, v) for k, v in {"ranklog.run_id": self._ranklog_id, **tags}.items()]
-            self._client.log_batch(run_id, tags=new, synchronous=True)
-            found = self._client.get_run(run_id)
-        return found
-
-    def _search(self, extra: str = "") -> list[Any]:
-        """Every active run of this ranklog run in the experiment (main and per-rank)."""
-        query = f"tags.\"ranklog.run_id\" = '{self._ranklog_id}'{extra}"
-        runs: list[Any] = []
-        token = None
-        while True:
-            page = self._client.search_runs(
-                [self._exp_id], query, max_results=1000, page_token=token
-            )
-            runs.extend(page)
-            token = page.token
-            if not token:
-                return runs
-
-    @staticmethod
-    def _oldest(runs: list[Any]) -> Any:
-        """The run every shipper process agrees on, should a retried create have made two."""
-        return min(runs, key=lambda r: (r.info.start_time or 0, r.info.run_id))
-
     def _create(self, name: str, tags: dict[str, str], extra: str = "") -> Any:
-        """Create a run, then find it again by tags (a retried request may have made two)."""
-        tags = {"ranklog.run_id": self._ranklog_id, **tags}
-        self._client.create_run(self._exp_id, run_name=name, tags=tags)
-        role = tags["ranklog.role"]
-        found = [r for r in self._search(extra) if r.data.tags.get("ranklog.role") == role]
-        if not found:
-            raise TransientTargetError(f"the MLflow run just created for {name!r} is not found yet")
-        return self._oldest(found)
+        return create(self._client, self._exp_id, self._ranklog_id, name, tags,
+                      started=self._started, extra=extra)  # fmt: skip
 
     def _child(self, rank: int) -> str:
         run_id = self._children.get(rank)
