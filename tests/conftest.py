@@ -75,3 +75,24 @@ def run_python(
         timeout=timeout,
         check=False,
     )
+
+
+def headless_dom(url: str, profile: Path, *, height: int = 6000, wait_ms: int = 20000) -> str:
+    """The page at ``url`` as headless Chromium renders it (scripts run for ``wait_ms`` of
+    virtual time), as HTML. Skipped without Chromium; in CI, where ``./tools/test``
+    installs it, a failure."""
+    import shutil
+
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        why = "chromium is not installed (apt-get install chromium)"
+        if os.environ.get("CI"):
+            pytest.fail(why)
+        pytest.skip(why)
+    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           f"--user-data-dir={profile}", f"--virtual-time-budget={wait_ms}",
+           f"--window-size=1400,{height}", "--dump-dom", url]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stdout

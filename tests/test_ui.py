@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,7 +29,7 @@ import ranklog
 from ranklog.schemas import Gpu
 from ranklog.spool import read_run
 
-from .conftest import python_env
+from .conftest import headless_dom, python_env
 from .mlflow_server import MlflowServer, free_port, running_server
 
 pytestmark = pytest.mark.slow
@@ -315,3 +316,37 @@ class TestMlflowUI:
         query = urllib.parse.urlencode({"run_id": run_id, "path": listed["files"][0]["path"]})
         with urllib.request.urlopen(f"{server.uri}/get-artifact?{query}", timeout=20) as resp:
             assert resp.read().decode() == SAMPLE
+
+
+class TestMlflowInABrowser:
+    """MLflow's own web UI, rendered by headless Chromium: what a user sees of the run."""
+
+    def page(self, ui: dict[str, Any], route: str, profile: Path) -> str:
+        exp = mlflow_api(ui["mlflow"], "experiments/get-by-name", experiment_name=EXPERIMENT)
+        url = f"{ui['mlflow'].uri}/#/experiments/{exp['experiment']['experiment_id']}{route}"
+        return headless_dom(url + "?workflowType=machine_learning", profile)
+
+    def test_the_run_is_in_the_training_view(self, ui: dict[str, Any], tmp_path: Path) -> None:
+        """The experiment is tagged as model training; its runs table lists the run."""
+        exp = mlflow_api(ui["mlflow"], "experiments/get-by-name", experiment_name=EXPERIMENT)
+        kinds = {t["key"]: t["value"] for t in exp["experiment"]["tags"]}
+        assert kinds["mlflow.experimentKind"] == "custom_model_development"
+        dom = self.page(ui, "/runs", tmp_path / "profile")
+        assert "Model training" in dom and NAME in dom, dom[-3000:]
+
+    def test_the_charts_are_the_runs_values(self, ui: dict[str, Any], tmp_path: Path) -> None:
+        """The run's chart page has a section per group of its metrics (``train``, ``timing``)
+        and nothing of ranklog's bookkeeping (an earlier release drew ``ranklog/step``)."""
+        run_id = mlflow_runs(ui)[NAME]["info"]["run_id"]
+        dom = self.page(ui, f"/runs/{run_id}/model-metrics", tmp_path / "profile")
+        texts = [t.strip() for t in re.findall(r">([^<>]+)<", dom)]
+        sections = {t for t in texts if t in ("timing", "timing/step_time", "train", "ranklog")}
+        assert sections == {"timing", "timing/step_time", "train"}, texts[:80]
+        assert not [t for t in texts if "ranklog" in t]
+
+    def test_a_sample_reads_as_markdown(self, ui: dict[str, Any], tmp_path: Path) -> None:
+        """A validation sample opens in the artifact view, rendered as the Markdown it is."""
+        run_id = mlflow_runs(ui)[NAME]["info"]["run_id"]
+        route = f"/runs/{run_id}/artifacts/text/val/sample/step_00000002.md"
+        dom = self.page(ui, route, tmp_path / "profile")
+        assert "<strong>world</strong>" in dom, dom[-3000:]
