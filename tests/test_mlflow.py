@@ -922,3 +922,16 @@ class TestWhatTheUIShows:
         hist = history(client, main.info.run_id, ["loss"])
         assert sorted(hist["loss"]) == list(range(20))
         assert client.get_run(main.info.run_id).data.tags[STEPS_TAG] == "0-19"
+
+    def test_the_shipper_says_where_to_look(self, template_db: Path, made: Path) -> None:
+        """``ranklog ship`` says once where the run is in MLflow's UI: the command that serves
+        a sqlite store and the link to the run in the training view."""
+        from .test_everyday import ranklog_cmd
+
+        res = ranklog_cmd("ship", str(made), "--to", "mlflow:", "--once")
+        assert res.returncode == 0, res.stderr
+        (line,) = [x for x in res.stderr.splitlines() if "see it with" in x]
+        run = main_run(MlflowClient(tracking_uri=f"sqlite:///{(made / 'mlflow.db').resolve()}"))
+        assert f"`mlflow ui --backend-store-uri sqlite:///{(made / 'mlflow.db').resolve()}`" in line
+        page = f"#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+        assert f"http://127.0.0.1:5000/{page}?workflowType=machine_learning" in line
