@@ -744,3 +744,16 @@ class TestWhereItIs:
         assert "in 2 folders (W&B starts one per session; they are one run)" in (
             capsys.readouterr().err
         )
+
+    def test_a_folder_not_made_yet_is_counted(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """The session's own folder counts even before wandb-core has created it (a fast
+        restart said "in 1 folder" for a run split across two)."""
+        (tmp_path / "wandb" / "offline-run-20261206_090000-abc").mkdir(parents=True)
+        target = _target(tmp_path)
+        wandb_target._SAID.discard("abc")
+        with caplog.at_level("INFO", logger="ranklog.ship"):
+            target._say_where(tmp_path / "wandb" / "offline-run-20261206_090001-abc", "abc")
+        (line,) = [r.getMessage() for r in caplog.records if "offline" in r.getMessage()]
+        assert "in 2 folders" in line

@@ -436,7 +436,9 @@ class WandbTarget:
         if wid in _SAID:
             return
         _SAID.add(wid)
-        folders = sorted(self.root.glob(f"wandb/offline-run-*-{wid}"))
+        # this session's folder counted even before wandb-core has made it (it may not yet)
+        found = {p.resolve() for p in self.root.glob(f"wandb/offline-run-*-{wid}")}
+        folders = sorted(found | {folder.resolve()})
         pattern = self.root / "wandb" / f"offline-run-*-{wid}"
         if len(folders) > 1:
             log.info("%s: W&B run %s is offline, in %d folders (W&B starts one per session; "
