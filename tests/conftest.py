@@ -77,10 +77,9 @@ def run_python(
     )
 
 
-def headless_dom(url: str, profile: Path, *, height: int = 6000, wait_ms: int = 20000) -> str:
-    """The page at ``url`` as headless Chromium renders it (scripts run for ``wait_ms`` of
-    virtual time), as HTML. Skipped without Chromium; in CI, where ``./tools/test``
-    installs it, a failure."""
+def chromium() -> str:
+    """Chromium's path. A test that needs it is skipped without it; in CI, where
+    ``./tools/test`` installs it, it fails."""
     import shutil
 
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -89,7 +88,13 @@ def headless_dom(url: str, profile: Path, *, height: int = 6000, wait_ms: int = 
         if os.environ.get("CI"):
             pytest.fail(why)
         pytest.skip(why)
-    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+    return browser
+
+
+def headless_dom(url: str, profile: Path, *, height: int = 6000, wait_ms: int = 20000) -> str:
+    """The page at ``url`` as headless Chromium renders it (scripts run for ``wait_ms`` of
+    virtual time), as HTML."""
+    cmd = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
            "--disable-background-networking", "--disable-component-update", "--disable-sync",
            f"--user-data-dir={profile}", f"--virtual-time-budget={wait_ms}",
            f"--window-size=1400,{height}", "--dump-dom", url]  # fmt: skip

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import math
-import os
 import random
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +29,7 @@ from ranklog.schemas import Event, Gpu, Metrics, Params, RankEnd, RankStart, Ste
 from ranklog.spool import IncarnationWriter, SpoolLayout, ensure_run
 from ranklog.testing import crash
 
-from .conftest import run_python
+from .conftest import chromium, run_python
 from .shiphelp import log_steps, rank
 from .spoolgen import write_frame
 
@@ -305,12 +303,7 @@ class TestData:
 class TestScreenshot:
     def test_browser_screenshot(self, report: Path, tmp_path: Path) -> None:
         """Headless Chromium renders the report into a large screenshot that is not one color."""
-        browser = shutil.which("chromium") or shutil.which("chromium-browser")
-        if browser is None:
-            why = "chromium is not installed (apt-get install chromium)"
-            if os.environ.get("CI"):
-                pytest.fail(why)
-            pytest.skip(why)
+        browser = chromium()
         png = tmp_path / "report.png"
         cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                "--no-first-run", "--disable-background-networking", "--disable-component-update",
