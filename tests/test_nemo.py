@@ -11,6 +11,8 @@ import inspect
 import json
 import logging
 import math
+import re
+import socket
 import sys
 import threading
 import time
@@ -25,6 +27,7 @@ from ranklog.nemo import timer as nemo_timer
 from ranklog.schemas import Histogram, Image, Metrics, Params, StepEnd, Text
 from ranklog.testing import read_events
 
+from .conftest import run_python
 from .test_gpu import metrics_server  # noqa: F401 (a fixture: the recorded Ray export)
 
 #: NeMo RL's public callables and their parameters (name, or name=default), at 7ea279ab
@@ -250,6 +253,32 @@ class TestHelpers:
 
 
 class TestTimer:
+    @pytest.mark.parametrize("level", ["DEBUG", "INFO", None])
+    def test_debug_records_as_nemos(self, level: str | None) -> None:
+        """``NRL_LOG_LEVEL=DEBUG`` shows the Timer's records as NeMo's do: logger
+        ``nemo_rl.utils.timer``, DEBUG, ``[context] label event ts=...``; INFO (NeMo's
+        default) and no variable show none."""
+        code = ("import logging\n"
+                "logging.basicConfig(format='%(name)s %(levelname)s %(message)s')\n"
+                "from ranklog.nemo.timer import Timer\n"
+                "t = Timer({'rank': 3})\n"
+                "t.start('gen'); t.stop('gen'); t.record('load', 0.5)\n"
+                "t.mark('crash', {'w': 1})\n")  # fmt: skip
+        env = {"NRL_LOG_LEVEL": level} if level else {}
+        out = run_python(code, **env)
+        assert out.returncode == 0, out.stderr
+        lines = out.stderr.splitlines()
+        if level != "DEBUG":
+            assert lines == []
+            return
+        host = socket.gethostname()
+        want = ["gen start", "gen end elapsed=", "load record elapsed=0.5000s",
+                "crash mark meta={'w': 1}"]  # fmt: skip
+        assert len(lines) == 4, lines
+        for line, event in zip(lines, want, strict=True):
+            assert line.startswith(f"nemo_rl.utils.timer DEBUG [rank=3 hostname={host}] {event}")
+            assert re.search(r" ts=\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z$", line), line
+
     def test_start_stop_and_reductions(self) -> None:
         """Durations per label; reduce and get_timing_metrics as NeMo's (sum per label)."""
         t = nemo_timer.Timer(context={"worker": "driver"})

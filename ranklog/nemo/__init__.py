@@ -15,6 +15,9 @@ what differs from NeMo RL, one line each.
 
 from __future__ import annotations
 
+import logging as _logging
+import os as _os
+
 from ranklog.nemo._backends import (
     LoggerInterface,
     MLflowLogger,
@@ -73,3 +76,9 @@ __all__ = [
     "should_log_nemo_gym_full_result_tables",
     "uninstall",
 ]
+
+# NeMo RL's package sets its logger's level from NRL_LOG_LEVEL (INFO by default) when it
+# is imported; ranklog.nemo's records go to NeMo's logger names, so the same variable
+# turns them on where NeMo RL itself is not imported (a level already set is kept)
+if _logging.getLogger("nemo_rl").level == _logging.NOTSET:
+    _logging.getLogger("nemo_rl").setLevel(_os.environ.get("NRL_LOG_LEVEL", "INFO").upper())

@@ -4,6 +4,8 @@ A NeMo program keeps its timing metrics: ``timer.get_timing_metrics(reduction_op
 gives the flat ``{label: seconds}`` dict NeMo logs under ``timing/train``, and
 :func:`ranklog.nemo.install` makes ``nemo_rl.utils.timer`` resolve to this module.
 Reductions are computed without numpy (``std`` is the population deviation, as numpy's).
+Its DEBUG records (``start``, ``end elapsed=``, ``record elapsed=``, ``mark``) are NeMo's,
+on NeMo's logger ``nemo_rl.utils.timer``, so ``NRL_LOG_LEVEL=DEBUG`` shows them.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from typing import Any
 
 __all__ = ["ThreadSafeTimer", "TimeoutChecker", "Timer", "convert_to_seconds"]
 
-logger = logging.getLogger(__name__)
+#: NeMo RL's own name for these records (``nemo_rl/utils/timer.py``): the ``nemo_rl``
+#: logger's level (``NRL_LOG_LEVEL``) and its users' handlers apply to them as to NeMo's
+logger = logging.getLogger("nemo_rl.utils.timer")
 
 
 def _std(values: Sequence[float]) -> float:
