@@ -166,6 +166,25 @@ class TestRows:
         assert row["grad"]["_type"] == "trackio.histogram"
         assert sum(row["grad"]["values"]) == 3  # the infinite value is left out of the bins
 
+    def test_tables_and_images(self, spool: Path, work: Path) -> None:
+        """A table is a ``trackio.Table`` under its name (``name/rankNNNNN`` where ranks share
+        it); an image a ``trackio.Image`` file under trackio's media folder."""
+        runs_ = [rank(spool, r, 2) for r in range(2)]
+        for r, run in enumerate(runs_):
+            run.log_table("scores", ["a", "b"], [[r, "x"]], step=0)
+            if r == 0:
+                run.log_image("plot", b"\x89PNG-rank0", step=0)
+            run.log_metrics({"loss": 1.0}, step=0)
+            run.step_end(0)
+            run.close()
+        run_once(spool, TRACKIO.make(work))
+        (row,) = logs(work)
+        assert {k for k in row if k.startswith("scores")} == {"scores/rank00000",
+                                                               "scores/rank00001"}  # fmt: skip
+        assert row["scores/rank00001"]["_value"] == [{"a": 1, "b": "x"}]
+        assert row["plot"]["_type"] == "trackio.image"
+        assert (work / "media" / row["plot"]["file_path"]).read_bytes() == b"\x89PNG-rank0"
+
     def test_reserved_names_renamed_as_trackio_does(
         self, spool: Path, work: Path, caplog: pytest.LogCaptureFixture
     ) -> None:

@@ -263,10 +263,9 @@ class TrackioTarget:
             row["samples" + suffix] = table._to_dict(self.project, self._name, s.step)
         for t, tag in zip(s.tables, rank_tags(s.tables), strict=True):
             table = trackio.Table(columns=list(t.columns), data=[list(r) for r in t.rows])
-            row[self._key(t.name + tag + suffix)] = table._to_dict(self.project, self._name, s.step)
+            row[self._key(tag + suffix)] = table._to_dict(self.project, self._name, s.step)
         for im, tag in zip(s.images, rank_tags(s.images), strict=True):
-            row[self._key(im.name + tag + suffix)] = self._image(s.step, im.name + tag + suffix,
-                                                                 im.data, im.format)  # fmt: skip
+            row[self._key(tag + suffix)] = self._image(s.step, tag + suffix, im.data, im.format)
         return row
 
     def _image(self, step: int, name: str, data: bytes, fmt: str) -> dict[str, Any]:
