@@ -152,10 +152,13 @@ class TestShip:
         assert proc.returncode == 0
         text = " ".join(proc.stdout.split())
         for usage in ("jsonl:PATH", "console[:N]", "tensorboard:DIR", "mlflow[:URI]",
-                      "wandb:PROJECT", "trackio:PROJECT"):  # fmt: skip
+                      "wandb:PROJECT", "trackio:PROJECT", "swanlab:PROJECT"):  # fmt: skip
             assert usage in text
         assert "--experiment EXPERIMENT MLflow experiment (default: the run name) [mlflow]" in text
-        assert "--run-name RUN_NAME" in text and "[mlflow, tensorboard, trackio, wandb]" in text
+        assert (
+            "--run-name RUN_NAME" in text
+            and "[mlflow, swanlab, tensorboard, trackio, wandb]" in text
+        )
 
 
 def _hashes(*paths: Path) -> list[str]:

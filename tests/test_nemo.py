@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 import ranklog.nemo as nemo
-from ranklog.errors import ConfigError, InvalidValueError
+from ranklog.errors import InvalidValueError
 from ranklog.nemo import timer as nemo_timer
 from ranklog.schemas import Histogram, Image, Metrics, Params, StepEnd, Text
 from ranklog.testing import read_events
@@ -555,10 +555,14 @@ class TestLoggerSpool:
         ]
         assert any(isinstance(e, Metrics) and e.values == {"train/empty": 0.0} for e in events)
 
-    def test_swanlab_fails_at_construction(self, tmp_path: Path) -> None:
-        """swanlab_enabled is never silently ignored: a clear ConfigError."""
-        with pytest.raises(ConfigError, match="swanlab_enabled"):
-            nemo.Logger(no_backends(tmp_path, swanlab_enabled=True))  # type: ignore[arg-type]
+    def test_swanlab_ships_to_log_dir_swanlab(self, tmp_path: Path) -> None:
+        """swanlab_enabled: a shipper to ``swanlab:<project>`` writing under
+        ``<log_dir>/swanlab``, named as the config says; ``logger.swanlab_logger`` is set."""
+        cfg = no_backends(tmp_path, swanlab_enabled=True,
+                          swanlab={"project": "p1", "name": "exp-9"})  # fmt: skip
+        (cmd,) = [c for c in nemo.Logger.shipper_commands(cfg) if "swanlab:p1" in c]
+        assert cmd[cmd.index("--dir") + 1] == str(tmp_path / "swanlab")
+        assert cmd[cmd.index("--run-name") + 1] == "exp-9"
 
     def test_del_of_a_bare_logger_is_quiet(self) -> None:
         """A Logger made with __new__ (as NeMo's tests do) is collected without error."""

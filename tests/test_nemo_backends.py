@@ -25,6 +25,7 @@ pytest.importorskip("torch", reason="the stub GRPO loop passes torch tensors, as
 pytest.importorskip("tensorboard")
 pytest.importorskip("mlflow")
 pytest.importorskip("wandb")
+pytest.importorskip("swanlab")
 
 STUB = Path(__file__).parent / "nemo_rl_stub"
 STEPS = range(1, 21)
@@ -229,6 +230,62 @@ class TestWandb:
         from ranklog.shippers.targets._wandb_log import history_rows
 
         assert not [r for r in history_rows(wandb_file) if "validation/final_accuracy" in r]
+
+
+class TestSwanlab:
+    """NeMo's SwanlabLogger: ``swanlab.init(project, name, logdir=<log_dir>/swanlab)``."""
+
+    @staticmethod
+    def sessions(grpo: Run) -> list[Path]:
+        return sorted((grpo.exp / "swanlab").glob("run-*-*/run-*.swanlab"))
+
+    def test_project_and_name_under_log_dir_swanlab(self, grpo: Run) -> None:
+        """Finished offline sessions under ``<log_dir>/swanlab``, the configured project and
+        name (SwanLab's own reader)."""
+        from swanlab.proto.swanlab.record.v1.record_pb2 import Record
+        from swanlab.sdk.internal.core_python.store import DataStoreReader
+
+        from ranklog.shippers.targets.swanlab import read_session
+
+        files = self.sessions(grpo)
+        assert files and all(read_session(f)[1] for f in files)
+        reader = DataStoreReader()
+        reader.open(str(files[0]))
+        for raw in reader:
+            rec = Record()
+            rec.ParseFromString(raw)
+            if rec.HasField("start"):
+                assert (rec.start.project, rec.start.name) == ("grpo-dev", "grpo-dev-swanlab")
+                break
+        else:
+            pytest.fail("no start record")
+
+    def test_every_step_once_with_its_value(self, grpo: Run) -> None:
+        """train/loss at steps 1..20, validation at its steps, each once across sessions."""
+        from ranklog.shippers.targets.swanlab import read_session
+
+        seen: dict[str, list[int]] = {}
+        losses = {}
+        for f in self.sessions(grpo):
+            for step, values in read_session(f)[0].items():
+                for key, value in values.items():
+                    seen.setdefault(key, []).append(step)
+                    if key == "train/loss":
+                        losses[step] = value
+        assert losses == pytest.approx({s: loss(s) for s in STEPS})
+        assert sorted(seen["train/loss"]) == list(STEPS)
+        assert sorted(seen["validation/accuracy"]) == VAL_STEPS
+        plot = "train/token_mult_prob_error_plot_sample"
+        assert sorted(seen[plot]) == [7, 14]  # plots are swanlab.Image, as NeMo logs them
+
+    def test_config_nested_as_nemo_gives_it(self, grpo: Run) -> None:
+        """The hyperparameters are the run's config, nested as NeMo's dict."""
+        import yaml
+
+        last = self.sessions(grpo)[-1].parent / "files" / "config.yaml"
+        config = {k: v["value"] for k, v in yaml.safe_load(last.read_text()).items()}
+        assert config["policy"]["layers"] == [4, 8]
+        assert config["grpo"] == {"max_num_steps": 20, "num_prompts_per_step": 8}
 
 
 class TestFilesAndConsole:

@@ -50,13 +50,13 @@ class TestRegistry:
     def test_builtin_targets_declare_themselves(self) -> None:
         """Every public module of ranklog/shippers/targets/ is a target kind, named as its file."""
         files = {p.stem for p in (ROOT / "ranklog/shippers/targets").glob("[!_]*.py")}
-        assert files == {"jsonl", "console", "tensorboard", "mlflow", "wandb", "trackio"}
+        assert files == {"jsonl", "console", "tensorboard", "mlflow", "wandb", "trackio", "swanlab"}
         assert {k for k in target_kinds() if k in files} == files
 
     def test_options_are_shared_by_name(self) -> None:
         """An option several targets declare is one flag, listing the targets that take it."""
         opts = all_options()
-        assert opts["run_name"][1] == ["mlflow", "tensorboard", "trackio", "wandb"]
+        assert opts["run_name"][1] == ["mlflow", "swanlab", "tensorboard", "trackio", "wandb"]
         assert opts["samples"][1] == ["console"] and opts["samples"][0].type is int
 
     def test_a_target_gets_only_its_own_options(self, tmp_path: Path) -> None:

@@ -20,7 +20,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
-from ranklog.errors import ConfigError
 from ranklog.nemo._config import (
     GpuMetricSnapshot,
     MLflowConfig,
@@ -235,33 +234,28 @@ class MLflowLogger(_BackendLogger):
                 log.debug("ranklog.nemo: finishing the MLflow logger: %s", exc)
 
 
-class SwanlabLogger(LoggerInterface):
-    """SwanLab: ranklog has no SwanLab target, so construction fails with a clear error."""
+class SwanlabLogger(_BackendLogger):
+    """A SwanLab run (``project``, ``name``), written offline under ``log_dir`` (NeMo's
+    Logger: ``<log_dir>/swanlab``) for ``swanlab sync``."""
+
+    SECTION = "swanlab"
 
     def __init__(self, cfg: SwanlabConfig, log_dir: str | None = None) -> None:
-        raise ConfigError(
-            "logger.swanlab_enabled is true, but ranklog has no SwanLab target: set "
-            "logger.swanlab_enabled=false, or keep NeMo RL's own logger for SwanLab"
-        )
+        super().__init__(cfg, log_dir)
+        self.run: _RunInfo | None = self._info(log_dir)
 
-    def log_metrics(
-        self,
-        metrics: dict[str, Any],
-        step: int,
-        prefix: str | None = "",
-        step_metric: str | None = None,
-        step_finished: bool = False,
-    ) -> None:
-        raise ConfigError("SwanlabLogger cannot be built")
+    @classmethod
+    def _attached(cls, session: Session, cfg: Mapping[str, Any], log_dir: str | None = None) -> Any:
+        self = super()._attached(session, cfg)
+        self.run = self._info(log_dir)
+        return self
 
-    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
-        raise ConfigError("SwanlabLogger cannot be built")
+    def _info(self, log_dir: str | None) -> _RunInfo:
+        return _RunInfo(None, self.cfg.get("project"), self.cfg.get("name"), log_dir)
 
-    def log_histogram(self, histogram: list[Any], step: int, name: str) -> None:
-        raise ConfigError("SwanlabLogger cannot be built")
-
-    def log_plot(self, figure: Any, step: int, name: str) -> None:
-        raise ConfigError("SwanlabLogger cannot be built")
+    def finish(self) -> None:
+        super().finish()
+        self.run = None
 
 
 class GpuSamplerMonitor:

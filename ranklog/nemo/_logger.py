@@ -30,7 +30,7 @@ from ranklog.nemo._backends import (
     TensorboardLogger,
     WandbLogger,
 )
-from ranklog.nemo._config import LoggerConfig, SwanlabConfig
+from ranklog.nemo._config import LoggerConfig
 from ranklog.nemo._plots import plot_per_worker_timeline, plot_token_mult_prob_error
 from ranklog.nemo._session import Session, ship_command, write_batched_jsonl, write_string_lines
 
@@ -49,9 +49,6 @@ class Logger(OnSession):
         self.swanlab_logger: SwanlabLogger | None = None
         self.gpu_monitor: GpuSamplerMonitor | None = None
         self.base_log_dir: str = c["log_dir"]
-        if c.get("swanlab_enabled"):
-            swanlab_dir = str(Path(self.base_log_dir, "swanlab"))
-            SwanlabLogger(c.get("swanlab") or SwanlabConfig(), log_dir=swanlab_dir)
         os.makedirs(self.base_log_dir, exist_ok=True)
         self.log_dir = Path(self.base_log_dir)
         gpu_cfg: Mapping[str, Any] = c.get("gpu_monitoring") or {}
@@ -69,7 +66,7 @@ class Logger(OnSession):
         )
         #: this rank's ranklog run (``logger.run.log_metrics(...)`` for ranklog's own API)
         self.run = self._session.run
-        for section in ("wandb", "tensorboard", "mlflow"):  # NeMo's order
+        for section in ("wandb", "swanlab", "tensorboard", "mlflow"):  # NeMo's order
             if not c.get(f"{section}_enabled"):
                 continue
             backend_dir = self.log_dir / section
@@ -80,6 +77,11 @@ class Logger(OnSession):
                     self._session, section_cfg, str(backend_dir)
                 )
                 self.loggers.append(self.wandb_logger)
+            elif section == "swanlab":
+                self.swanlab_logger = SwanlabLogger._attached(
+                    self._session, section_cfg, str(backend_dir)
+                )
+                self.loggers.append(self.swanlab_logger)
             else:
                 cls = TensorboardLogger if section == "tensorboard" else MLflowLogger
                 self.loggers.append(cls._attached(self._session, section_cfg))

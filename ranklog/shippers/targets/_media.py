@@ -23,6 +23,8 @@ __all__ = [
     "GPU_NAMES",
     "GPU_NAMES_OPTION",
     "GROUP_HELP",
+    "NOTES_HELP",
+    "TAGS_HELP",
     "Buckets",
     "buckets",
     "gpu_metrics",
@@ -126,11 +128,15 @@ GPU_NAMES_OPTION: Final = Option(
     "(ray/node.N.gpu.M.util, ...)", choices=GPU_NAMES,
 )  # fmt: skip
 #: ``--group`` and ``--dir``, shared by the targets that take them (W&B, trackio)
-GROUP_HELP: Final = "the group of runs (W&B, trackio; default: --run-name, else the run's name)"
-DIR_HELP: Final = (
-    "local directory for the backend's files (W&B: default SPOOL; trackio: default "
-    "TRACKIO_DIR, where `trackio show` looks)"
+GROUP_HELP: Final = (
+    "the group of runs (W&B, trackio, SwanLab; default: --run-name, else the run's name)"
 )
+DIR_HELP: Final = (
+    "local directory for the backend's files (W&B: default SPOOL; SwanLab: SPOOL/swanlog; "
+    "trackio: TRACKIO_DIR, where `trackio show` looks)"
+)
+TAGS_HELP: Final = "the run's tags, comma-separated (W&B, SwanLab)"
+NOTES_HELP: Final = "the run's notes (W&B; SwanLab's description)"
 _GIB: Final = 1024.0**3
 
 

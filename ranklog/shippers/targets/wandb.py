@@ -76,7 +76,13 @@ from ranklog.schemas import ParamValue
 from ranklog.shippers._held import ALL_NAMES, Holding, StepSet, refuse_other
 from ranklog.shippers._registry import Option, TargetContext, TargetKind
 from ranklog.shippers._target import ShippedStep
-from ranklog.shippers.targets._media import DIR_HELP, GPU_NAMES_OPTION, GROUP_HELP
+from ranklog.shippers.targets._media import (
+    DIR_HELP,
+    GPU_NAMES_OPTION,
+    GROUP_HELP,
+    NOTES_HELP,
+    TAGS_HELP,
+)
 from ranklog.shippers.targets._wandb_config import (
     RUN_KEY,
     config_set,
@@ -172,8 +178,8 @@ TARGET = TargetKind(
         Option(
             "resume", "W&B resume mode", choices=("allow", "must", "never", "auto"), nemo="resume"
         ),
-        Option("tags", "W&B tags, comma-separated", nemo="tags"),
-        Option("notes", "W&B notes", nemo="notes"),
+        Option("tags", TAGS_HELP, nemo="tags"),
+        Option("notes", NOTES_HELP, nemo="notes"),
         GPU_NAMES_OPTION,
     ),
     extra="wandb",

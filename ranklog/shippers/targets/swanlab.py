@@ -1,0 +1,376 @@
+"""``swanlab:PROJECT``: reduced steps into a SwanLab run, written offline for ``swanlab sync``.
+
+SwanLab (``pip install ranklog[swanlab]``, the fourth backend of NeMo RL's logger) is
+written in its ``offline`` mode, the one that needs no account and no network: each
+session of a run is a folder ``<dir>/run-<time>-<id>`` holding a ``run-<id>.swanlab``
+record file (and ``files/config.yaml``), which ``swanlab sync <dir>/run-*-<id>`` uploads
+as one run (it resumes the run by its id). ``--dir`` is SwanLab's log directory (default
+``SPOOL/swanlog``; NeMo RL: ``log_dir/swanlab``).
+
+Mapping: one SwanLab run per ranklog run, its id the ranklog run id (``--run-id`` to
+write another), named ``--run-name`` or the run's name, grouped ``--group``, tagged
+``--tags``, described ``--notes``; params as the run's config (nested, as logged), with
+``_ranklog`` (the ranklog run and the names a replay wrote); each step's values
+``run.log(values, step=S)``; its texts ``swanlab.Text`` and its images (plots)
+``swanlab.Image`` under their name (``name/rankNNNNN`` where ranks share it); GPU series
+under TensorBoard's names (``--gpu-names nemo``: NeMo's ``ray/...``). Distributions are
+not written (SwanLab has no histogram type; NeMo RL's SwanLab logger leaves them out too),
+nor are tables (NeMo RL hands them to W&B only): each said once. Late values and
+``--per-rank`` are not written (SwanLab's sessions cannot take them back once synced): the
+engine leaves late values out with one warning, ``--per-rank`` is refused.
+
+Exactly once: SwanLab writes its record file from a background thread and only
+``finish()`` closes it, so nothing is durable before a session ends. ``write`` keeps the
+steps; ``flush`` runs one session (``init``, ``log`` each step, ``finish``), reads the
+new file back with SwanLab's own reader (``DataStoreReader``) until it holds every step
+and the ``finish`` record, then fsyncs it: only then does the cursor move. ``open()``
+reads the steps held from every finished session of the run; a session without its
+``finish`` record (a shipper killed during it) is moved to ``<dir>/.torn/`` before
+anything else is written, so that ``swanlab sync`` never uploads its part of a batch that
+the next session writes whole. SwanLab's own SIGINT handler and terminal capture are off
+(``SWANLAB_TERMINAL_PROXY_TYPE=none``), and so are its probes (git, packages, hardware,
+system monitor): they would describe the shipper's machine, not the job's. Sessions are
+named ``run-<time>-<nnnn>-<id>`` (SwanLab's own names collide within a second).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import logging
+import os
+import re
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Final
+
+from ranklog.errors import ConfigError, ExtraMissingError, TargetError, TransientTargetError
+from ranklog.schemas import ParamValue
+from ranklog.shippers._held import ALL_NAMES, Holding, StepSet, refuse_other
+from ranklog.shippers._registry import Option, TargetContext, TargetKind
+from ranklog.shippers._target import ShippedStep
+from ranklog.shippers.targets._media import (
+    DIR_HELP,
+    GPU_NAMES_OPTION,
+    GROUP_HELP,
+    NOTES_HELP,
+    TAGS_HELP,
+    gpu_metrics,
+    rank_tags,
+)
+from ranklog.shippers.targets._wandb_config import nest
+from ranklog.spool import RunInfo
+
+__all__ = ["TARGET", "SwanlabTarget", "read_session"]
+
+log = logging.getLogger("ranklog.ship")
+
+#: the config key recording the ranklog run a SwanLab run holds
+RUN_KEY: Final = "_ranklog"
+#: SwanLab's own keys (its system monitor), never ranklog's
+_OWN: Final = "__swanlab__."
+#: one SwanLab session at a time in a process: the package keeps one current run
+_SESSION = threading.Lock()
+_QUIET_ENV: Final = {"SWANLAB_TERMINAL_PROXY_TYPE": "none"}
+#: runs whose folders and ``swanlab sync`` command this process said
+_SAID: set[str] = set()
+
+
+def _swanlab() -> Any:
+    try:
+        import swanlab
+    except ImportError:
+        raise ExtraMissingError("swanlab", "swanlab") from None
+    return swanlab
+
+
+def read_session(path: Path) -> tuple[dict[int, dict[str, Any]], bool]:
+    """A session's record file, read with SwanLab's reader: step -> {key: value} (numbers
+    for scalars, the media files' names for texts), and whether it holds ``finish``.
+
+    A torn tail ends the reading (SwanLab's reader stops at a bad checksum); a file too
+    short for its header holds nothing.
+    """
+    record: Any = importlib.import_module("swanlab.proto.swanlab.record.v1.record_pb2")
+    store: Any = importlib.import_module("swanlab.sdk.internal.core_python.store")
+    steps: dict[int, dict[str, Any]] = {}
+    finished = False
+    reader = store.DataStoreReader()
+    try:
+        reader.open(str(path))
+    except (AssertionError, OSError, ValueError):
+        return steps, False
+    try:
+        with contextlib.suppress(Exception):  # a torn or damaged tail: what came before
+            for raw in reader:
+                rec = record.Record()
+                rec.ParseFromString(raw)
+                if rec.HasField("scalar") and not rec.scalar.key.startswith(_OWN):
+                    steps.setdefault(rec.scalar.step, {})[rec.scalar.key] = rec.scalar.value.number
+                elif rec.HasField("media"):
+                    files = [i.filename for i in rec.media.value.items]
+                    steps.setdefault(rec.media.step, {})[rec.media.key] = files
+                elif rec.HasField("finish"):
+                    finished = True
+    finally:
+        with contextlib.suppress(Exception):
+            reader.close()
+    return steps, finished
+
+
+class SwanlabTarget:
+    """Writes reduced steps into one SwanLab run, a finished offline session per flush."""
+
+    kind = "swanlab"
+
+    def __init__(
+        self,
+        project: str,
+        directory: Path,
+        *,
+        spec: str | None = None,
+        run_name: str | None = None,
+        group: str | None = None,
+        run_id: str | None = None,
+        tags: list[str] | None = None,
+        notes: str | None = None,
+        gpu_names: str = "ranklog",
+        names: str = ALL_NAMES,
+    ) -> None:
+        if not re.fullmatch(r"[0-9a-zA-Z_\-+.]{1,100}", project):
+            raise ConfigError(f"swanlab:{project}: a SwanLab project is 1 to 100 of "
+                              "A-Z a-z 0-9 _ - + . (no spaces)")  # fmt: skip
+        self.project, self.dir = project, directory.expanduser().absolute()
+        self.spec = spec or f"swanlab:{project}"
+        self.run_name, self.group, self.given_run_id = run_name, group, run_id
+        self.tags, self.notes, self.gpu_names, self.names = tags, notes, gpu_names, names
+        self.run_id = ""
+        self._name = ""
+        self._config: dict[str, Any] = {}
+        self._pending: list[ShippedStep] = []
+        self._config_due = False
+        self._said_histograms = self._said_tables = False
+
+    # -- the Target protocol ------------------------------------------------------------
+
+    def identity(self, run: RunInfo) -> str:
+        """SwanLab's log directory (its real path) and the run id."""
+        return f"swanlab:{os.path.realpath(self.dir)}#run={self.given_run_id or run.run_id}"
+
+    def open(self, run: RunInfo) -> StepSet:
+        _swanlab()
+        self.run_id = self.given_run_id or run.run_id
+        if re.search(r'[<>:"/\\|?*#%\x00-\x1f]', self.run_id):
+            raise ConfigError(f"{self.spec}: {self.run_id!r} is no SwanLab run id")
+        self._name = self.run_name or run.name
+        self._pending = []
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TargetError(f"swanlab: cannot create {self.dir}: {exc.strerror}") from exc
+        held: set[int] = set()
+        config: dict[str, Any] = {}
+        for folder in self._sessions():
+            steps, finished = read_session(folder / f"run-{self.run_id}.swanlab")
+            if not finished:
+                self._set_aside(folder)
+                continue
+            held.update(steps)
+            config = _read_config(folder) or config
+        mark = config.get(RUN_KEY)
+        theirs = None
+        if isinstance(mark, dict):
+            theirs = Holding(str(mark.get("run_id")), str(mark.get("name", "")),
+                             str(mark.get("names", ALL_NAMES)))  # fmt: skip
+        mine = Holding(run.run_id, run.name, self.names)
+        refuse_other(
+            f"SwanLab run {self.run_id} in {self.dir}", theirs, mine, StepSet(held),
+            remedy="use another --run-id or --dir (without one, each ranklog run gets its own)",
+        )  # fmt: skip
+        self._config = {k: v for k, v in config.items() if k != RUN_KEY}
+        self._config[RUN_KEY] = {"run_id": run.run_id, "name": run.name, "names": self.names}
+        self._config_due = theirs != mine
+        return StepSet(held)
+
+    def write_params(self, params: dict[str, ParamValue]) -> None:
+        nested = nest(params)
+        if any(self._config.get(k) != v for k, v in nested.items()):
+            _merge(self._config, nested)
+            self._config_due = True
+
+    def write(self, steps: list[ShippedStep]) -> None:
+        """Kept until :meth:`flush`: SwanLab holds nothing durably before a session ends."""
+        self._pending.extend(s for s in steps if s.carrier is None)
+
+    def flush(self) -> None:
+        """One SwanLab session with every step written since the last: init, log, finish,
+        read back, fsync."""
+        if not self._pending and not self._config_due:
+            return
+        swanlab = _swanlab()
+        for name, value in _QUIET_ENV.items():
+            os.environ.setdefault(name, value)
+        with _SESSION:
+            before = set(self._sessions())
+            folder = f"run-{time.strftime('%Y%m%d_%H%M%S')}-{len(before) + 1:04d}-{self.run_id}"
+            # nothing of the shipper's machine (git, packages, hardware): it is not the job's
+            probe = dict.fromkeys(("hardware", "runtime", "requirements", "conda", "git",
+                                   "monitor"), False)  # fmt: skip
+            settings = swanlab.Settings(probe=probe, run={"dir": folder})
+            banner = io.StringIO()  # SwanLab's own lines: this target says where, once
+            with contextlib.redirect_stdout(banner), tempfile.TemporaryDirectory() as tmp:
+                run = swanlab.init(
+                    project=self.project, id=self.run_id, name=self._name, mode="offline",
+                    logdir=str(self.dir), group=self.group or self._name,
+                    tags=self.tags or None, description=self.notes or None,
+                    config=self._config, reinit=True, settings=settings,
+                )  # fmt: skip
+                try:
+                    for s in self._pending:
+                        values = self._values(swanlab, s, Path(tmp))
+                        if values:
+                            run.log(values, step=s.step)
+                finally:
+                    run.finish()
+            new = [f for f in self._sessions() if f not in before]
+        if len(new) != 1:
+            raise TargetError(f"swanlab wrote {len(new)} new sessions under {self.dir}, not one")
+        path = new[0] / f"run-{self.run_id}.swanlab"
+        steps, finished = read_session(path)
+        missing = [s.step for s in self._pending if s.step not in steps and self._has_values(s)]
+        if not finished or missing:
+            self._set_aside(new[0])
+            lacks = "its finish record" if not finished else f"steps {missing[:5]}"
+            raise TransientTargetError(f"swanlab: {path} lacks {lacks} after finish()")
+        _fsync(path)
+        self._say_where(new[0])
+        self._pending = []
+        self._config_due = False
+
+    def close(self) -> None:
+        """Steps written and not flushed are dropped: the cursor never passed them."""
+        self._pending = []
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _sessions(self) -> list[Path]:
+        return sorted(p for p in self.dir.glob(f"run-*-{self.run_id}") if p.is_dir())
+
+    def _has_values(self, s: ShippedStep) -> bool:
+        return bool(s.metrics or s.texts or s.gpu or s.histograms)
+
+    def _values(self, swanlab: Any, s: ShippedStep, tmp: Path) -> dict[str, Any]:
+        """A step as ``run.log`` takes it: numbers, ``swanlab.Text``, ``swanlab.Image``."""
+        values: dict[str, Any] = dict(s.metrics)
+        if s.gpu:
+            style = "nemo" if self.gpu_names == "nemo" else "tensorboard"
+            values.update(gpu_metrics(s, style))
+        if s.tables and not self._said_tables:
+            self._said_tables = True
+            log.warning("%s: tables (%s) are not written: SwanLab takes numbers, texts and "
+                        "images (NeMo RL hands tables to W&B only)", self.spec,
+                        ", ".join(sorted({t.name for t in s.tables})))  # fmt: skip
+        if s.histograms and not self._said_histograms:
+            self._said_histograms = True
+            log.warning("%s: distributions (%s) are not written: SwanLab has no histogram "
+                        "(NeMo RL's SwanLab logger leaves them out too); the other targets and "
+                        "the Parquet dataset hold them", self.spec,
+                        ", ".join(sorted(s.histograms)))  # fmt: skip
+        for t, tag in zip(s.texts, rank_tags(s.texts), strict=True):  # type: ignore[arg-type]
+            values[tag] = swanlab.Text(t.text)
+        for im, tag in zip(s.images, rank_tags(s.images), strict=True):
+            path = tmp / f"{len(list(tmp.iterdir()))}.{im.format or 'png'}"
+            path.write_bytes(im.data)  # SwanLab copies it into the session's media folder
+            values[tag] = swanlab.Image(str(path), caption=tag)
+        return values
+
+    def _set_aside(self, folder: Path) -> None:
+        """A session that did not finish: out of ``swanlab sync``'s way, kept for a look."""
+        torn = self.dir / ".torn"
+        torn.mkdir(exist_ok=True)
+        to, n = torn / folder.name, 1
+        while to.exists():
+            to, n = torn / f"{folder.name}.{n}", n + 1
+        os.replace(folder, to)
+        log.warning("%s: SwanLab session %s did not finish (its shipper was stopped); moved "
+                    "to %s, its steps are written again", self.spec, folder.name, torn)  # fmt: skip
+
+    def _say_where(self, folder: Path) -> None:
+        if self.run_id in _SAID:
+            return
+        _SAID.add(self.run_id)
+        log.info("%s: SwanLab run %s is offline, in %s (one folder per session, one run): "
+                 "upload it with `swanlab sync %s/run-*-%s`", self.spec, self.run_id, folder,
+                 self.dir, self.run_id)  # fmt: skip
+
+
+def _merge(into: dict[str, Any], new: Mapping[str, Any]) -> None:
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
+
+
+def _read_config(folder: Path) -> dict[str, Any] | None:
+    """A session's config (``files/config.yaml``: ``{key: {value: ...}}``)."""
+    yaml: Any = importlib.import_module("yaml")
+    path = folder / "files" / "config.yaml"
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return None
+    return {k: v.get("value") if isinstance(v, dict) else v for k, v in raw.items()}
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _build(arg: str, context: TargetContext, options: Mapping[str, Any]) -> SwanlabTarget:
+    _swanlab()
+    if context.per_rank:
+        raise ConfigError("swanlab: --per-rank is not supported (one SwanLab run per ranklog "
+                          "run); use it with tensorboard, mlflow or wandb")  # fmt: skip
+    where, tags = options.get("dir"), options.get("tags")
+    return SwanlabTarget(
+        arg, Path(where) if where else context.spool / "swanlog", spec=f"swanlab:{arg}",
+        run_name=options.get("run_name"), group=options.get("group"),
+        run_id=options.get("run_id"), notes=options.get("notes"),
+        tags=[t for t in tags.split(",") if t] if tags else None,
+        gpu_names=options.get("gpu_names") or "ranklog", names=context.names,
+    )  # fmt: skip
+
+
+TARGET = TargetKind(
+    kind="swanlab",
+    arg="PROJECT",
+    help="a SwanLab run, offline, for `swanlab sync` (default dir: SPOOL/swanlog)",
+    build=_build,
+    options=(
+        Option("run_name", "the backend run's name (default: the spool's run name)", nemo="name"),
+        Option("group", GROUP_HELP),
+        Option("dir", DIR_HELP, metavar="DIR"),
+        Option("run_id", "the backend's run id to write into (W&B id, MLflow run id)"),
+        Option("tags", TAGS_HELP),
+        Option("notes", NOTES_HELP),
+        GPU_NAMES_OPTION,
+    ),
+    extra="swanlab",
+    nemo_section="swanlab",
+    nemo_arg=lambda section, backend_dir: str(section.get("project") or "nemo-rl"),
+    nemo_options=lambda section, backend_dir: {"dir": str(backend_dir), "gpu_names": "nemo"},
+)
