@@ -220,3 +220,57 @@ def test_shipper_flushes_once_per_batch(made: Path, work: Path) -> None:
     assert not list(work.glob("run-*"))
     shipper.run_forever(once=True)
     assert sessions(work)
+
+
+class TestEdges:
+    """What a review found: ids SwanLab rewrites, steps it keeps nothing of, names that meet."""
+
+    def test_a_run_id_swanlab_rewrites_in_its_file_name(self, made: Path, work: Path) -> None:
+        """``--run-id exp-1.a``: SwanLab names the file ``run-exp_1_a.swanlab``; the sessions
+        are still read, and a second shipper adds nothing."""
+        run_once(made, _target(work, run_id="exp-1.a"))
+        (made / "cursors" / "compliance.json").unlink()
+        run_once(made, _target(work, run_id="exp-1.a"))
+        assert not (work / ".torn").exists()
+        assert [s for s, _ in _back(work)] == list(range(60))
+
+    def test_a_step_swanlab_keeps_nothing_of_ends(
+        self, spool: Path, work: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """A step with only a distribution (SwanLab has no histogram): said once, not retried
+        for ever; a name SwanLab strips (``loss.``) is kept under its stripped name."""
+        run = rank(spool, 0, 1)
+        run.log_histogram("grad", [1.0, 2.0], step=0)
+        run.step_end(0)
+        run.log_metrics({"loss.": 0.5}, step=1)
+        run.step_end(1)
+        run.close()
+        with caplog.at_level("WARNING", logger="ranklog.ship"):
+            run_once(spool, _target(work))
+        assert _back(work) == [(1, {"loss": 0.5})]
+        said = [r.getMessage() for r in caplog.records if r.name == "ranklog.ship"]
+        assert len(said) == 1 and "distributions (grad)" in said[0]
+
+    def test_another_project_in_the_same_place_is_refused(self, made: Path, work: Path) -> None:
+        """Same directory and run id, another project: refused, never counted as held."""
+        run_once(made, _target(work))
+        other = SwanlabTarget("other", work)
+        assert other.identity(read_run(made)) != _target(work).identity(read_run(made))
+        with pytest.raises(TargetHeldError, match="belongs to project 'ranklog-test'"):
+            other.open(read_run(made))
+
+    def test_names_that_meet_in_a_step(self, spool: Path, work: Path) -> None:
+        """Two texts of one rank under one name are a list; a text named as a metric is
+        written under ``<name>/media``: nothing is overwritten."""
+        run = rank(spool, 0, 1)
+        run.log_text("val/s", "one", step=0)
+        run.log_text("val/s", "two", step=0)
+        run.log_text("loss", "a note", step=0)
+        run.log_metrics({"loss": 0.5}, step=0)
+        run.step_end(0)
+        run.close()
+        run_once(spool, _target(work))
+        (f,) = sessions(work)
+        values = read_session(f).steps[0]
+        assert values["loss"] == 0.5 and len(values["loss/media"]) == 1
+        assert len(values["val/s/rank00000"]) == 2

@@ -330,3 +330,47 @@ class TestDashboard:
             dom = headless_dom(f"{base}/?project={PROJECT}", tmp_path / "profile", height=1000)
             assert "ui-run" in dom, dom[-3000:]
             assert "train/loss" in dom or ">loss<" in dom
+
+
+class TestEdges:
+    """What a review found: trackio's own config keys, a full disk, a very wide histogram."""
+
+    def test_a_param_named_as_trackios_own_key(self, spool: Path, work: Path) -> None:
+        """A param ``_Group`` is written as ``param_Group``: the run's group and ranklog's mark
+        stay, and a restart finds the run its own."""
+        run = rank(spool, 0, 1)
+        run.log_hyperparams({"_Group": "mine", "lr": 0.1})
+        log_steps(run, range(3))
+        run.close()
+        run_once(spool, _target(work, group="g"))
+        (main,) = runs(work)
+        cfg = config(work, str(main["id"]))
+        assert cfg["_Group"] == "g" and cfg["param_Group"] == "mine" and cfg["lr"] == 0.1
+        (spool / "cursors" / "compliance.json").unlink()
+        run_once(spool, _target(work, group="g"))
+        assert len(logs(work)) == 3
+
+    def test_a_full_disk_is_retried(self, work: Path) -> None:
+        """SQLite's "database or disk is full" is transient, as a full disk is everywhere."""
+        import sqlite3
+
+        from ranklog.errors import TransientTargetError
+        from ranklog.shippers.targets.trackio import _storage
+
+        with pytest.raises(TransientTargetError), _storage(work, "write"):
+            raise sqlite3.OperationalError("database or disk is full")
+
+    def test_a_histogram_numpy_cannot_bin(
+        self, spool: Path, work: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """Values near the float limits: the distribution is left out, said; the step ships."""
+        run = rank(spool, 0, 1)
+        run.log_histogram("wide", [-1e308, 1e308], step=0)
+        run.log_metrics({"loss": 0.5}, step=0)
+        run.step_end(0)
+        run.close()
+        with caplog.at_level("WARNING", logger="ranklog.ship"):
+            run_once(spool, TRACKIO.make(work))
+        (row,) = logs(work)
+        assert row["loss"] == 0.5 and "wide" not in row
+        assert any("'wide' not written" in r.getMessage() for r in caplog.records)

@@ -27,7 +27,8 @@ and the ``finish`` record, then fsyncs it: only then does the cursor move. ``ope
 reads the steps held from every finished session of the run; a session without its
 ``finish`` record (a shipper killed during it) is moved to ``<dir>/.torn/`` before
 anything else is written, so that ``swanlab sync`` never uploads its part of a batch that
-the next session writes whole. SwanLab's own SIGINT handler and terminal capture are off
+the next session writes whole (a Ctrl-C during a session: SwanLab's own handler finishes
+it "aborted", and the steps it holds count as held). SwanLab's terminal capture is off
 (``SWANLAB_TERMINAL_PROXY_TYPE=none``), and so are its probes (git, packages, hardware,
 system monitor): they would describe the shipper's machine, not the job's. Sessions are
 named ``run-<time>-<nnnn>-<id>`` (SwanLab's own names collide within a second).
@@ -46,9 +47,15 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
-from ranklog.errors import ConfigError, ExtraMissingError, TargetError, TransientTargetError
+from ranklog.errors import (
+    ConfigError,
+    ExtraMissingError,
+    TargetError,
+    TargetHeldError,
+    TransientTargetError,
+)
 from ranklog.schemas import ParamValue
 from ranklog.shippers._held import ALL_NAMES, Holding, StepSet, refuse_other
 from ranklog.shippers._registry import Option, TargetContext, TargetKind
@@ -65,7 +72,7 @@ from ranklog.shippers.targets._media import (
 from ranklog.shippers.targets._wandb_config import nest
 from ranklog.spool import RunInfo
 
-__all__ = ["TARGET", "SwanlabTarget", "read_session"]
+__all__ = ["TARGET", "Session", "SwanlabTarget", "read_session", "record_file"]
 
 log = logging.getLogger("ranklog.ship")
 
@@ -88,22 +95,41 @@ def _swanlab() -> Any:
     return swanlab
 
 
-def read_session(path: Path) -> tuple[dict[int, dict[str, Any]], bool]:
-    """A session's record file, read with SwanLab's reader: step -> {key: value} (numbers
-    for scalars, the media files' names for texts), and whether it holds ``finish``.
+class Session(NamedTuple):
+    """What one session's record file holds, as SwanLab's reader reads it."""
 
-    A torn tail ends the reading (SwanLab's reader stops at a bad checksum); a file too
-    short for its header holds nothing.
+    #: step -> {key: value}: numbers for scalars, the media files' names for texts, images
+    steps: dict[int, dict[str, Any]]
+    #: it ends with SwanLab's ``finish`` record (``finish()`` closed it)
+    finished: bool
+    #: the project its start record names ("" when it has none)
+    project: str
+
+
+def record_file(folder: Path) -> Path | None:
+    """The session's record file (SwanLab names it after a sanitised run id: one per folder)."""
+    found = sorted(folder.glob("run-*.swanlab"))
+    return found[0] if len(found) == 1 else None
+
+
+def read_session(path: Path) -> Session:
+    """A session (its folder, or its record file), read with SwanLab's own reader.
+
+    A torn tail ends the reading (SwanLab's reader stops at a bad checksum); a missing
+    file, or one too short for its header, holds nothing.
     """
     record: Any = importlib.import_module("swanlab.proto.swanlab.record.v1.record_pb2")
     store: Any = importlib.import_module("swanlab.sdk.internal.core_python.store")
     steps: dict[int, dict[str, Any]] = {}
-    finished = False
+    finished, project = False, ""
+    file = record_file(path) if path.is_dir() else path
     reader = store.DataStoreReader()
     try:
-        reader.open(str(path))
+        if file is None:
+            raise OSError("no record file")
+        reader.open(str(file))
     except (AssertionError, OSError, ValueError):
-        return steps, False
+        return Session(steps, False, "")
     try:
         with contextlib.suppress(Exception):  # a torn or damaged tail: what came before
             for raw in reader:
@@ -114,12 +140,14 @@ def read_session(path: Path) -> tuple[dict[int, dict[str, Any]], bool]:
                 elif rec.HasField("media"):
                     files = [i.filename for i in rec.media.value.items]
                     steps.setdefault(rec.media.step, {})[rec.media.key] = files
+                elif rec.HasField("start"):
+                    project = rec.start.project
                 elif rec.HasField("finish"):
                     finished = True
     finally:
         with contextlib.suppress(Exception):
             reader.close()
-    return steps, finished
+    return Session(steps, finished, project)
 
 
 class SwanlabTarget:
@@ -158,8 +186,9 @@ class SwanlabTarget:
     # -- the Target protocol ------------------------------------------------------------
 
     def identity(self, run: RunInfo) -> str:
-        """SwanLab's log directory (its real path) and the run id."""
-        return f"swanlab:{os.path.realpath(self.dir)}#run={self.given_run_id or run.run_id}"
+        """SwanLab's log directory (its real path), the project and the run id."""
+        run_id = self.given_run_id or run.run_id
+        return f"swanlab:{os.path.realpath(self.dir)}#project={self.project}&run={run_id}"
 
     def open(self, run: RunInfo) -> StepSet:
         _swanlab()
@@ -175,11 +204,16 @@ class SwanlabTarget:
         held: set[int] = set()
         config: dict[str, Any] = {}
         for folder in self._sessions():
-            steps, finished = read_session(folder / f"run-{self.run_id}.swanlab")
-            if not finished:
+            session = read_session(folder)
+            if not session.finished:
                 self._set_aside(folder)
                 continue
-            held.update(steps)
+            if session.project and session.project != self.project:
+                raise TargetHeldError(
+                    f"SwanLab run {self.run_id} in {self.dir} belongs to project "
+                    f"{session.project!r}, not {self.project!r}: use another --dir or --run-id"
+                )
+            held.update(session.steps)
             config = _read_config(folder) or config
         mark = config.get(RUN_KEY)
         theirs = None
@@ -216,37 +250,44 @@ class SwanlabTarget:
             os.environ.setdefault(name, value)
         with _SESSION:
             before = set(self._sessions())
-            folder = f"run-{time.strftime('%Y%m%d_%H%M%S')}-{len(before) + 1:04d}-{self.run_id}"
+            folder = self._next_folder(before)
             # nothing of the shipper's machine (git, packages, hardware): it is not the job's
             probe = dict.fromkeys(("hardware", "runtime", "requirements", "conda", "git",
                                    "monitor"), False)  # fmt: skip
-            settings = swanlab.Settings(probe=probe, run={"dir": folder})
+            logged: dict[int, set[str]] = {}
             banner = io.StringIO()  # SwanLab's own lines: this target says where, once
             with contextlib.redirect_stdout(banner), tempfile.TemporaryDirectory() as tmp:
-                run = swanlab.init(
+                run = _call("init", lambda: swanlab.init(
                     project=self.project, id=self.run_id, name=self._name, mode="offline",
                     logdir=str(self.dir), group=self.group or self._name,
                     tags=self.tags or None, description=self.notes or None,
-                    config=self._config, reinit=True, settings=settings,
-                )  # fmt: skip
+                    config=self._config, reinit=True,
+                    settings=swanlab.Settings(probe=probe, run={"dir": folder}),
+                ))  # fmt: skip
                 try:
                     for s in self._pending:
                         values = self._values(swanlab, s, Path(tmp))
                         if values:
-                            run.log(values, step=s.step)
+                            _call("log", lambda v=values, st=s.step: run.log(v, step=st))
+                            logged[s.step] = set(values)
                 finally:
-                    run.finish()
+                    _call("finish", run.finish)
             new = [f for f in self._sessions() if f not in before]
         if len(new) != 1:
-            raise TargetError(f"swanlab wrote {len(new)} new sessions under {self.dir}, not one")
-        path = new[0] / f"run-{self.run_id}.swanlab"
-        steps, finished = read_session(path)
-        missing = [s.step for s in self._pending if s.step not in steps and self._has_values(s)]
-        if not finished or missing:
+            raise TransientTargetError(f"swanlab wrote {len(new)} new sessions under "
+                                       f"{self.dir}, not one")  # fmt: skip
+        session = read_session(new[0])
+        if not session.finished:
             self._set_aside(new[0])
-            lacks = "its finish record" if not finished else f"steps {missing[:5]}"
-            raise TransientTargetError(f"swanlab: {path} lacks {lacks} after finish()")
-        _fsync(path)
+            raise TransientTargetError(f"swanlab: {new[0]} lacks its finish record after finish()")
+        for step, keys in logged.items():  # what SwanLab refused (it only says so itself)
+            stored = set(session.steps.get(step, {}))  # SwanLab strips ' ./' at the ends
+            dropped = {k for k in keys if k not in stored and k.strip(" ./") not in stored}
+            if dropped:
+                log.warning("%s: SwanLab did not keep %s at step %d (it refuses names with "
+                            "control characters, or empty once ' ./' are stripped)", self.spec,
+                            ", ".join(map(repr, sorted(dropped))), step)  # fmt: skip
+        _fsync_tree(new[0])
         self._say_where(new[0])
         self._pending = []
         self._config_due = False
@@ -258,10 +299,20 @@ class SwanlabTarget:
     # -- helpers ------------------------------------------------------------------------
 
     def _sessions(self) -> list[Path]:
-        return sorted(p for p in self.dir.glob(f"run-*-{self.run_id}") if p.is_dir())
+        """This run's session folders, oldest first: ``run-<time>-<nnnn>-<id>`` (this
+        target's) or ``run-<time>-<id>`` (SwanLab's own names)."""
+        pattern = re.compile(r"run-\d{8}_\d{6}(?:-\d{4})?-" + re.escape(self.run_id))
+        return sorted(p for p in self.dir.iterdir() if pattern.fullmatch(p.name) and p.is_dir())
 
-    def _has_values(self, s: ShippedStep) -> bool:
-        return bool(s.metrics or s.texts or s.gpu or s.histograms)
+    def _next_folder(self, existing: set[Path]) -> str:
+        """A new session's folder name: ``run-<time>-<nnnn>-<id>``, nnnn above every
+        session's (SwanLab's own names collide within a second; it would empty one)."""
+        seq = [int(m.group(1)) for p in existing if (m := re.search(r"-(\d{4})-", p.name))]
+        n = max(seq, default=0) + 1
+        stamp = time.strftime("%Y%m%d_%H%M%S")
+        while (self.dir / f"run-{stamp}-{n:04d}-{self.run_id}").exists():
+            n += 1
+        return f"run-{stamp}-{n:04d}-{self.run_id}"
 
     def _values(self, swanlab: Any, s: ShippedStep, tmp: Path) -> dict[str, Any]:
         """A step as ``run.log`` takes it: numbers, ``swanlab.Text``, ``swanlab.Image``."""
@@ -280,12 +331,20 @@ class SwanlabTarget:
                         "(NeMo RL's SwanLab logger leaves them out too); the other targets and "
                         "the Parquet dataset hold them", self.spec,
                         ", ".join(sorted(s.histograms)))  # fmt: skip
+        media: dict[str, list[Any]] = {}  # a name a rank logged twice: a list under it
         for t, tag in zip(s.texts, rank_tags(s.texts), strict=True):  # type: ignore[arg-type]
-            values[tag] = swanlab.Text(t.text)
+            media.setdefault(tag, []).append(swanlab.Text(t.text))
         for im, tag in zip(s.images, rank_tags(s.images), strict=True):
             path = tmp / f"{len(list(tmp.iterdir()))}.{im.format or 'png'}"
             path.write_bytes(im.data)  # SwanLab copies it into the session's media folder
-            values[tag] = swanlab.Image(str(path), caption=tag)
+            media.setdefault(tag, []).append(swanlab.Image(str(path), caption=tag))
+        for tag, items in media.items():
+            key = tag
+            if key in values:  # a text or plot named as a metric: SwanLab keeps one type a key
+                key = f"{tag}/media"
+                log.warning("%s: step %d has a metric and a text or image named %r: the "
+                            "latter is written as %r", self.spec, s.step, tag, key)  # fmt: skip
+            values[key] = items[0] if len(items) == 1 else items
         return values
 
     def _set_aside(self, folder: Path) -> None:
@@ -327,17 +386,23 @@ def _read_config(folder: Path) -> dict[str, Any] | None:
     return {k: v.get("value") if isinstance(v, dict) else v for k, v in raw.items()}
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _call(what: str, fn: Any) -> Any:
+    """One call into SwanLab; what it refuses (a value, a setting) stops the shipper, one line."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        return fn()
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise TargetError(f"swanlab {what} failed: {exc}") from exc
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Every file of a session, its folders, and the log directory, on disk."""
+    paths = sorted(folder.rglob("*"), key=lambda p: -len(p.parts))
+    for path in [*paths, folder, folder.parent]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _build(arg: str, context: TargetContext, options: Mapping[str, Any]) -> SwanlabTarget:

@@ -22,7 +22,8 @@ Mapping:
   does; tables logged: a ``trackio.Table`` under their name (``name/rankNNNNN`` where
   ranks share it). Images: ``trackio.Image`` files under ``<dir>/media``. GPU series:
   ``gpu/<host>/<i>/utilization`` ... (TensorBoard's names: one ``gpu`` group).
-- Hyperparameters: the run's config (dotted keys as ranklog holds them); the config's
+- Hyperparameters: the run's config (dotted keys as ranklog holds them; a key starting
+  ``_``, which trackio keeps for itself, as ``param_...``, said once); the config's
   ``_ranklog`` records the ranklog run and the names a replay wrote (``--names``).
 - ``--per-rank``: one run per rank (id ``<run id>-rank00003``, name ``<name>-rank00003``,
   same group) with that rank's own values.
@@ -35,7 +36,8 @@ nothing. ``open()`` reads the steps held back from those rows (a set: a replay t
 fills a gap writes only the missing steps). Each ``write`` is one SQLite transaction
 per run (trackio's own ``bulk_log``, under its process lock), the ranks' runs first,
 so a step held by the main run is held everywhere; the config is written in its own
-transaction before ``flush()`` returns. trackio has no run status: ``end`` records
+transaction before ``flush()`` returns, and ``flush()`` fsyncs the database and its WAL
+(trackio commits without an fsync). trackio has no run status: ``end`` records
 none. A database that is locked or busy is retried (:class:`TransientTargetError`); a
 directory that cannot be written stops the shipper.
 """
@@ -116,7 +118,7 @@ def _storage(directory: Path, what: str) -> Iterator[Any]:
             yield ss.SQLiteStorage
         except sqlite3.OperationalError as exc:
             text = str(exc)
-            if re.search(r"locked|busy|disk I/O", text):
+            if re.search(r"locked|busy|disk I/O|full", text):  # a full disk: retried
                 raise TransientTargetError(f"trackio {what}: {text}") from exc
             raise TargetError(f"trackio {what} failed: {text} ({directory})") from exc
         except sqlite3.DatabaseError as exc:
@@ -213,6 +215,7 @@ class TrackioTarget:
         return held
 
     def write_params(self, params: dict[str, ParamValue]) -> None:
+        params = {self._param_key(k): v for k, v in params.items()}
         changed = {k: v for k, v in params.items() if self._config.get(k) != v}
         if changed:
             self._config.update(changed)
@@ -230,9 +233,17 @@ class TrackioTarget:
         self._bulk(self.run_id, self._name, steps, rows)
 
     def flush(self) -> None:
-        """Rows were committed by ``write``; the config, if it changed since, is written."""
+        """The config, if it changed, is written; then the database on disk: trackio commits
+        in WAL mode with ``synchronous=NORMAL``, which does not fsync a commit."""
         if self._config_due:
             self._write_config()
+        for path in (self.db, self.db.with_name(self.db.name + "-wal"), self.dir):
+            with contextlib.suppress(FileNotFoundError):
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
 
     def close(self) -> None:
         """Nothing is held open: each write opened and committed its own transaction."""
@@ -254,7 +265,11 @@ class TrackioTarget:
             row.update((self._key(k), v) for k, v in gpu_metrics(s, style).items())
         for name, values in s.histograms.items():
             finite = [v for v in values if math.isfinite(v)]
-            row[self._key(name)] = trackio.Histogram(finite, num_bins=_BINS)._to_dict()
+            try:
+                row[self._key(name)] = trackio.Histogram(finite, num_bins=_BINS)._to_dict()
+            except ValueError as exc:  # numpy cannot bin a range near the float limits
+                log.warning("%s: step %d: distribution %r not written: %s", self.spec,
+                            s.step, name, exc)  # fmt: skip
         suffix = "" if s.carrier is None else f".late{s.carrier}"
         if s.texts:
             table = trackio.Table(
@@ -277,9 +292,24 @@ class TrackioTarget:
         path = self.dir / "media" / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(data)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
         return {"_type": "trackio.image", "file_path": str(rel), "caption": name}
+
+    def _param_key(self, name: str) -> str:
+        """trackio keeps config keys that start with ``_`` for itself (``_Group``, ...; and
+        ``_ranklog`` is ranklog's): such a param is ``param_Group``, said once."""
+        if not name.startswith("_"):
+            return name
+        key = "param" + name
+        if name not in self._renamed:
+            self._renamed.add(name)
+            log.warning("%s: param %r is a config key trackio keeps for itself: written as "
+                        "%r", self.spec, name, key)  # fmt: skip
+        return key
 
     def _key(self, name: str) -> str:
         key = trackio_key(name)
