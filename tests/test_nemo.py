@@ -678,3 +678,43 @@ class TestRayGpuMonitorLogger:
         m = nemo.RayGpuMonitorLogger(1, 10, "ray", "ray/ray_step")
         with pytest.raises(ValueError, match="Ray must be initialized"):
             m.start()
+
+
+_JOB = """
+import json, os, signal, sys, time
+from ranklog.nemo import Logger
+cfg, first, last = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+kill, wait = sys.argv[4], float(sys.argv[5])
+logger = Logger(cfg)
+for step in range(first, last):
+    logger.log_metrics({"loss": step / 10}, step, prefix="train", step_finished=True)
+if kill == "kill":
+    logger.run.flush()
+    time.sleep(wait)  # 0: nothing shipped yet; 1.5: some or all of it
+    os.killpg(os.getpgid(0), signal.SIGKILL)  # the whole job: ranks and shippers
+logger.finish()
+"""
+
+
+class TestWholeJobKill:
+    @pytest.mark.parametrize("wait", [0.0, 1.5])
+    def test_the_next_logger_ships_what_the_killed_job_left(
+        self, tmp_path: Path, wait: float
+    ) -> None:
+        """Ranks and shippers SIGKILLed together; the next ``Logger(cfg)`` on the same log_dir
+        (a requeue) ships the killed job's closed steps and its own, each once."""
+        import subprocess
+
+        pytest.importorskip("tensorboard")
+        from .test_tensorboard import tb_back
+
+        cfg = no_backends(tmp_path, tensorboard_enabled=True)
+        for first, last, kill in ((0, 10, "kill"), (10, 15, "")):
+            proc = subprocess.run(
+                [sys.executable, "-c", _JOB, json.dumps(cfg), str(first), str(last), kill,
+                 str(wait)],
+                env=_env(), capture_output=True, text=True, timeout=300,
+                start_new_session=True, check=False,
+            )  # fmt: skip
+            assert proc.returncode == (-9 if kill else 0), proc.stderr[-3000:]
+        assert [s for s, _ in tb_back(tmp_path / "tensorboard")] == list(range(15))
