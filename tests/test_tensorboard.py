@@ -624,8 +624,12 @@ class TestChaos:
         try:
             # until the producers end and some killed shipper got far enough to leave a file
             while kills < 6 or any(p.poll() is None for p in producers) or not _session_files(out):
+                # a killed shipper leaves its lease, which the next one takes over after a
+                # 1 s pause (a concurrent taker's rename must land): killed within that pause
+                # every time, none would ever ship (a slow start made this loop for ever)
+                takeover = 1.0 if list((spool / "cursors").glob("*.lease")) else 0.0
                 proc = _cli_shipper(spool, out)
-                time.sleep(rng.uniform(0.5, 1.2))
+                time.sleep(takeover + rng.uniform(0.5, 1.2))
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
                 kills += 1
