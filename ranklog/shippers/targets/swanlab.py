@@ -123,10 +123,10 @@ def read_session(path: Path) -> Session:
     steps: dict[int, dict[str, Any]] = {}
     finished, project = False, ""
     file = record_file(path) if path.is_dir() else path
+    if file is None:
+        return Session(steps, False, "")
     reader = store.DataStoreReader()
     try:
-        if file is None:
-            raise OSError("no record file")
         reader.open(str(file))
     except (AssertionError, OSError, ValueError):
         return Session(steps, False, "")
