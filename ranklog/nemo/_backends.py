@@ -172,12 +172,10 @@ class _RunInfo(NamedTuple):
     dir: str | None
 
 
-class WandbLogger(_BackendLogger):
-    """A W&B run (``cfg`` as NeMo passes it to ``wandb.init``: id, resume, tags, notes ...)."""
+class _RunLogger(_BackendLogger):
+    """A backend whose NeMo logger has a ``run`` (W&B, SwanLab): what is known of it here."""
 
-    SECTION = "wandb"
-
-    def __init__(self, cfg: WandbConfig, log_dir: str | None = None) -> None:
+    def __init__(self, cfg: Mapping[str, Any], log_dir: str | None = None) -> None:
         super().__init__(cfg, log_dir)
         self.run: _RunInfo | None = self._info(log_dir)
 
@@ -191,6 +189,19 @@ class WandbLogger(_BackendLogger):
         c = self.cfg
         return _RunInfo(c.get("id"), c.get("project"), c.get("name"), log_dir)
 
+    def finish(self) -> None:
+        super().finish()
+        self.run = None
+
+
+class WandbLogger(_RunLogger):
+    """A W&B run (``cfg`` as NeMo passes it to ``wandb.init``: id, resume, tags, notes ...)."""
+
+    SECTION = "wandb"
+
+    def __init__(self, cfg: WandbConfig, log_dir: str | None = None) -> None:
+        super().__init__(cfg, log_dir)
+
     def define_metric(self, name: str, step_metric: str | None = None) -> None:
         """NeMo's GPU x-axis (``ray/*`` against ``ray/ray_step``) is defined by the shipper.
 
@@ -200,10 +211,6 @@ class WandbLogger(_BackendLogger):
             log.warning("ranklog.nemo: define_metric(%r, step_metric=%r) is not forwarded to "
                         "W&B; every value is plotted against the training step", name,
                         step_metric)  # fmt: skip
-
-    def finish(self) -> None:
-        super().finish()
-        self.run = None
 
 
 class MLflowLogger(_BackendLogger):
@@ -234,7 +241,7 @@ class MLflowLogger(_BackendLogger):
                 log.debug("ranklog.nemo: finishing the MLflow logger: %s", exc)
 
 
-class SwanlabLogger(_BackendLogger):
+class SwanlabLogger(_RunLogger):
     """A SwanLab run (``project``, ``name``), written offline under ``log_dir`` (NeMo's
     Logger: ``<log_dir>/swanlab``) for ``swanlab sync``."""
 
@@ -242,20 +249,6 @@ class SwanlabLogger(_BackendLogger):
 
     def __init__(self, cfg: SwanlabConfig, log_dir: str | None = None) -> None:
         super().__init__(cfg, log_dir)
-        self.run: _RunInfo | None = self._info(log_dir)
-
-    @classmethod
-    def _attached(cls, session: Session, cfg: Mapping[str, Any], log_dir: str | None = None) -> Any:
-        self = super()._attached(session, cfg)
-        self.run = self._info(log_dir)
-        return self
-
-    def _info(self, log_dir: str | None) -> _RunInfo:
-        return _RunInfo(None, self.cfg.get("project"), self.cfg.get("name"), log_dir)
-
-    def finish(self) -> None:
-        super().finish()
-        self.run = None
 
 
 class GpuSamplerMonitor:
