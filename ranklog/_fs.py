@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
-__all__ = ["DIR_MODE", "FILE_MODE", "atomic_write", "create_once", "fsync_dir"]
+__all__ = ["DIR_MODE", "FILE_MODE", "atomic_write", "create_once", "fsync_dir", "fsync_file"]
 
 #: files ranklog creates (under the caller's umask)
 FILE_MODE: Final = 0o640
@@ -36,6 +36,16 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     except OSError:
         pass
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: str | os.PathLike[str]) -> None:
+    """fsync a file another writer wrote (a read-only descriptor suffices on Linux); its
+    errors are the caller's: a file that cannot be made durable is not."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
     finally:
         os.close(fd)
 

@@ -50,6 +50,22 @@ def spool(tmp_path: Path) -> Path:
     return tmp_path / "spool"
 
 
+@pytest.fixture
+def work(tmp_path: Path) -> Path:
+    """An empty directory for a target's backend storage (the compliance suites')."""
+    (tmp_path / "work").mkdir()
+    return tmp_path / "work"
+
+
+@pytest.fixture
+def made(spool: Path) -> Path:
+    """``spool`` written by :func:`tests.compliance.make_spool`: the compliance suites' job."""
+    from .compliance import make_spool
+
+    make_spool(spool)
+    return spool
+
+
 def python_env(**extra: str) -> dict[str, str]:
     """Environment for a child Python: no launcher variables leak in from the test runner."""
     env = {

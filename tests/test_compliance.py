@@ -17,7 +17,6 @@ from .compliance import (
     check_late,
     kill_and_restart,
     make_late_spool,
-    make_spool,
     run_once,
 )
 from .example_target.csv_target import CsvTarget
@@ -61,18 +60,6 @@ BACKENDS = [
 @pytest.fixture(params=BACKENDS, ids=lambda b: b.name)
 def backend(request: pytest.FixtureRequest) -> Backend:
     return request.param  # type: ignore[no-any-return]
-
-
-@pytest.fixture
-def work(tmp_path: Path) -> Path:
-    (tmp_path / "work").mkdir()
-    return tmp_path / "work"
-
-
-@pytest.fixture
-def made(spool: Path) -> Path:
-    make_spool(spool)
-    return spool
 
 
 class TestCompliance:

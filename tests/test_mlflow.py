@@ -147,18 +147,6 @@ def backend(template_db: Path) -> Backend:
     return _sqlite_backend()
 
 
-@pytest.fixture
-def work(tmp_path: Path) -> Path:
-    (tmp_path / "work").mkdir()
-    return tmp_path / "work"
-
-
-@pytest.fixture
-def made(spool: Path) -> Path:
-    make_spool(spool)
-    return spool
-
-
 class TestLateCompliance(tc.TestLateCompliance):
     """tests/test_compliance.py's late-value tests, run against MLflow on sqlite."""
 

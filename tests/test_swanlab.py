@@ -20,7 +20,7 @@ from ranklog.shippers.targets.swanlab import SwanlabTarget, read_session
 from ranklog.spool import read_run
 
 from . import test_compliance as tc
-from .compliance import Backend, check_late, make_late_spool, make_spool, run_once
+from .compliance import Backend, check_late, make_late_spool, run_once
 from .conftest import python_env
 from .shiphelp import log_steps, rank
 
@@ -79,18 +79,6 @@ def _quiet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(var)
     monkeypatch.setenv("SWANLAB_ROOT", str(tmp_path / "swanlab-root"))
     monkeypatch.setenv("SWANLAB_SAVE_DIR", str(tmp_path / "swanlab-root"))
-
-
-@pytest.fixture
-def work(tmp_path: Path) -> Path:
-    (tmp_path / "work").mkdir()
-    return tmp_path / "work"
-
-
-@pytest.fixture
-def made(spool: Path) -> Path:
-    make_spool(spool)
-    return spool
 
 
 class TestCompliance(tc.TestCompliance):

@@ -47,7 +47,6 @@ from .compliance import (
     Killed,
     KillSwitch,
     expected,
-    make_spool,
     run_once,
 )
 from .conftest import python_env, run_python
@@ -138,18 +137,6 @@ TB = Backend(
 @pytest.fixture
 def backend() -> Backend:
     return TB
-
-
-@pytest.fixture
-def work(tmp_path: Path) -> Path:
-    (tmp_path / "work").mkdir()
-    return tmp_path / "work"
-
-
-@pytest.fixture
-def made(spool: Path) -> Path:
-    make_spool(spool)
-    return spool
 
 
 def _step(i: int, metrics: dict[str, float] | None = None, **kw: Any) -> ShippedStep:

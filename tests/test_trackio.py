@@ -25,7 +25,6 @@ from .compliance import (
     Backend,
     check_late,
     make_late_spool,
-    make_spool,
     run_once,
 )
 from .conftest import headless_dom
@@ -90,18 +89,6 @@ def _target(work: Path, **kw: Any) -> TrackioTarget:
 
 
 TRACKIO = Backend("trackio", lambda work: _target(work), _back, read_params=_params)
-
-
-@pytest.fixture
-def work(tmp_path: Path) -> Path:
-    (tmp_path / "work").mkdir()
-    return tmp_path / "work"
-
-
-@pytest.fixture
-def made(spool: Path) -> Path:
-    make_spool(spool)
-    return spool
 
 
 class TestCompliance(tc.TestCompliance):

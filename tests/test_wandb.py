@@ -38,7 +38,6 @@ from .compliance import (
     check,
     check_late,
     make_late_spool,
-    make_spool,
     run_once,
 )
 from .conftest import run_python
@@ -118,18 +117,6 @@ WANDB = Backend("wandb-offline", lambda work: _target(work), _back, read_params=
 
 def _same(a: float, b: float) -> bool:
     return (math.isnan(a) and math.isnan(b)) or a == b
-
-
-@pytest.fixture
-def work(tmp_path: Path) -> Path:
-    (tmp_path / "work").mkdir()
-    return tmp_path / "work"
-
-
-@pytest.fixture
-def made(spool: Path) -> Path:
-    make_spool(spool)
-    return spool
 
 
 @pytest.fixture(scope="module")

@@ -49,6 +49,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final, NamedTuple
 
+from ranklog._fs import fsync_dir, fsync_file
 from ranklog.errors import (
     ConfigError,
     ExtraMissingError,
@@ -202,7 +203,7 @@ class SwanlabTarget:
         except OSError as exc:
             raise TargetError(f"swanlab: cannot create {self.dir}: {exc.strerror}") from exc
         held: set[int] = set()
-        config: dict[str, Any] = {}
+        finished: list[Path] = []
         for folder in self._sessions():
             session = read_session(folder)
             if not session.finished:
@@ -214,7 +215,9 @@ class SwanlabTarget:
                     f"{session.project!r}, not {self.project!r}: use another --dir or --run-id"
                 )
             held.update(session.steps)
-            config = _read_config(folder) or config
+            finished.append(folder)
+        # the latest session's config (an earlier one's where it has none readable)
+        config = next((c for f in reversed(finished) if (c := _read_config(f))), {})
         mark = config.get(RUN_KEY)
         theirs = None
         if isinstance(mark, dict):
@@ -334,8 +337,8 @@ class SwanlabTarget:
         media: dict[str, list[Any]] = {}  # a name a rank logged twice: a list under it
         for t, tag in zip(s.texts, rank_tags(s.texts), strict=True):  # type: ignore[arg-type]
             media.setdefault(tag, []).append(swanlab.Text(t.text))
-        for im, tag in zip(s.images, rank_tags(s.images), strict=True):
-            path = tmp / f"{len(list(tmp.iterdir()))}.{im.format or 'png'}"
+        for i, (im, tag) in enumerate(zip(s.images, rank_tags(s.images), strict=True)):
+            path = tmp / f"{s.step}-{i}.{im.format or 'png'}"  # a step is once in a session
             path.write_bytes(im.data)  # SwanLab copies it into the session's media folder
             media.setdefault(tag, []).append(swanlab.Image(str(path), caption=tag))
         for tag, items in media.items():
@@ -396,13 +399,13 @@ def _call(what: str, fn: Any) -> Any:
 
 def _fsync_tree(folder: Path) -> None:
     """Every file of a session, its folders, and the log directory, on disk."""
-    paths = sorted(folder.rglob("*"), key=lambda p: -len(p.parts))
-    for path in [*paths, folder, folder.parent]:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    for path in sorted(folder.rglob("*"), key=lambda p: -len(p.parts)):
+        if path.is_file():
+            fsync_file(path)
+        else:
+            fsync_dir(path)
+    fsync_dir(folder)
+    fsync_dir(folder.parent)
 
 
 def _build(arg: str, context: TargetContext, options: Mapping[str, Any]) -> SwanlabTarget:

@@ -58,6 +58,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
 
+from ranklog._fs import atomic_write, fsync_dir, fsync_file
 from ranklog.errors import ExtraMissingError, TargetError, TransientTargetError
 from ranklog.schemas import ParamValue
 from ranklog.shippers._held import ALL_NAMES, Holding, StepSet, refuse_other
@@ -237,13 +238,10 @@ class TrackioTarget:
         in WAL mode with ``synchronous=NORMAL``, which does not fsync a commit."""
         if self._config_due:
             self._write_config()
-        for path in (self.db, self.db.with_name(self.db.name + "-wal"), self.dir):
+        for path in (self.db, self.db.with_name(self.db.name + "-wal")):
             with contextlib.suppress(FileNotFoundError):
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                fsync_file(path)
+        fsync_dir(self.dir)
 
     def close(self) -> None:
         """Nothing is held open: each write opened and committed its own transaction."""
@@ -291,12 +289,7 @@ class TrackioTarget:
         rel = Path(canonical, self._name, str(step), re.sub(r"[^\w.-]", "_", name) + f".{fmt}")
         path = self.dir / "media" / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        atomic_write(path, data)
         return {"_type": "trackio.image", "file_path": str(rel), "caption": name}
 
     def _param_key(self, name: str) -> str:
@@ -353,17 +346,17 @@ class TrackioTarget:
     def _put_config(self, rid: str, name: str, config: dict[str, Any]) -> None:
         """The run's config, replaced whole, as ``bulk_log`` writes it (one transaction)."""
         body = json.dumps(_trackio().utils.serialize_values(config))
-        with _storage(self.dir, "write_params") as storage:
-            storage.init_db(self.project)
-            with (
-                storage._get_process_lock(self.project),
-                contextlib.closing(sqlite3.connect(self.db, timeout=30)) as conn,
-                conn,
-            ):
-                conn.execute(
-                    "INSERT OR REPLACE INTO configs (run_id, run_name, config, created_at) "
-                    "VALUES (?, ?, ?, ?)", (rid, name, body, self._created),
-                )  # fmt: skip
+        # (open() made the tables)
+        with (
+            _storage(self.dir, "write_params") as storage,
+            storage._get_process_lock(self.project),
+            contextlib.closing(sqlite3.connect(self.db, timeout=30)) as conn,
+            conn,
+        ):
+            conn.execute(
+                "INSERT OR REPLACE INTO configs (run_id, run_name, config, created_at) "
+                "VALUES (?, ?, ?, ?)", (rid, name, body, self._created),
+            )  # fmt: skip
 
     def _say_where(self) -> None:
         """Once per process and project: where the run is, and how to look at it."""
