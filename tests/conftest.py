@@ -1,8 +1,8 @@
 """Shared fixtures: a fresh spool directory, and a helper to run Python in a subprocess.
 
 The suite is hermetic: before anything runs, HOME points at an empty directory of
-this session's and every RAY_*, WANDB_*, MLFLOW_* and launcher variable of the
-caller is removed, so that a token file in the user's ``~/.ray``, a W&B key in
+this session's, ``RANKLOG_CODE=0`` (tests that check code provenance ask for it), and
+every RAY_*, WANDB_*, MLFLOW_* and launcher variable of the caller is removed, so that a token file in the user's ``~/.ray``, a W&B key in
 ``~/.netrc`` or an exported ``MLFLOW_TRACKING_URI`` never changes what a test sees
 (``tests/test_hermetic.py`` plants all of them and runs backend and Ray tests).
 """
@@ -38,6 +38,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # sets it at import, which comes before this hook; without it a test module run alone,
     # e.g. test_fanin.py, would hang connecting its driver to the head)
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    # a run records the code's git state only where a test asks for it (init(code=True)):
+    # the checkout is a git repository, and git per init would add up over the suite
+    os.environ["RANKLOG_CODE"] = "0"
 
 
 #: fixtures shared by several modules, registered once (one Ray head per session)

@@ -30,7 +30,6 @@ from ranklog.schemas import (
     Histogram,
     Image,
     Metrics,
-    Params,
     ParamValue,
     RankEnd,
     RankStart,
@@ -38,6 +37,7 @@ from ranklog.schemas import (
     Table,
     Text,
     Timer,
+    params_event,
 )
 
 __all__ = [
@@ -343,6 +343,10 @@ def _column_list(col: Any) -> list[Any]:
     return list(col.to_pylist())
 
 
+def _image(ts: float, step: int, name: str, data: bytes, fmt: str, plotly: str | None) -> Image:
+    return Image(ts, step, name, data, fmt, plotly or "")  # plotly: null in an older dataset
+
+
 def _cols(t: pa.Table, *names: str) -> list[list[Any]]:
     return [_column_list(t.column(n)) for n in names]
 
@@ -403,7 +407,7 @@ COLUMNS: Final[dict[str, list[str]]] = {
     "timers": ["step", "name", "value", "reduce"],
     "text": ["step", "name", "text"],
     "histograms": ["step", "name", "values"],
-    "images": ["step", "name", "data", "format"],
+    "images": ["step", "name", "data", "format", "plotly"],
     "tables": ["step", "name", "columns", "rows"],
     "params": ["name", "value"],
     "gpu": ["host", "index", "util", "mem_used", "mem_total", "temp", "power", "step", "gpu_name"],
@@ -459,7 +463,7 @@ def frame_events(
         "timers": (["step", "name", "value", "reduce"], Timer),
         "text": (["step", "name", "text"], Text),
         "histograms": (["step", "name", "values"], Histogram),
-        "images": (["step", "name", "data", "format"], Image),
+        "images": (["step", "name", "data", "format", "plotly"], _image),
     }
     for table, (columns, make) in simple.items():
         t = tables.get(table)
@@ -483,9 +487,7 @@ def frame_events(
         ):
             grouped.setdefault((seq, idx), (ts / 1e6, {}))[1][name] = json.loads(value)
         for (seq, idx), (ts, values) in grouped.items():
-            lists = {k: v for k, v in values.items() if isinstance(v, list)}
-            scalars = {k: v for k, v in values.items() if not isinstance(v, list)}
-            put(seq, idx, Params(ts, scalars, lists))
+            put(seq, idx, params_event(ts, values))
     gpu_cols = COLUMNS["gpu"]
     t = tables.get("gpu")
     if t is not None:

@@ -73,8 +73,9 @@ SCHEMAS: Final[dict[str, pa.Schema]] = {
         "text": [("step", pa.int64()), ("name", pa.string()), ("text", pa.large_string())],
         "histograms": [("step", pa.int64()), ("name", pa.string()),
                        ("values", pa.list_(pa.float64()))],
+        # plotly: the plot as a Plotly figure's JSON, null when none (schema 6)
         "images": [("step", pa.int64()), ("name", pa.string()), ("format", pa.string()),
-                   ("data", pa.large_binary())],
+                   ("data", pa.large_binary()), ("plotly", pa.large_string())],
         "params": [("name", pa.string()), ("value", pa.string())],  # value: JSON text
         "gpu": [("host", pa.string()), ("index", pa.int32()), ("gpu_name", pa.string()),
                 ("util", pa.float64()), ("mem_used", pa.int64()), ("mem_total", pa.int64()),
@@ -468,7 +469,8 @@ def _histogram(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
 
 
 def _image(out: dict[str, _Columns], ev: Any, key: dict[str, Any]) -> None:
-    key.update(step=ev.step, name=ev.name, format=ev.format, data=ev.data)
+    key.update(step=ev.step, name=ev.name, format=ev.format, data=ev.data,
+               plotly=ev.plotly or None)  # fmt: skip
     out["images"].row(key)
 
 

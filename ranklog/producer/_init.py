@@ -31,6 +31,7 @@ def init(
     gpu_interval: float = 10.0,
     host: str | None = None,
     redact: Iterable[str] = (),
+    code: bool | None = None,
 ) -> Run:
     """Start logging this rank into ``spool`` (default: ``$RANKLOG_SPOOL``).
 
@@ -45,6 +46,8 @@ def init(
     (default: the hostname; :func:`ranklog.ray.init` passes the Ray node's IP).
     ``redact``: shell globs of hyperparameter keys to redact besides the built-in rule
     (and ``$RANKLOG_REDACT``), e.g. ``["*.db_url"]``.
+    ``code``: rank 0 records the git commit, branch, dirty flag and diff of the repository
+    it runs in (docs/producer.md); default: on, unless ``$RANKLOG_CODE`` is ``0``.
     """
     if spool is None:
         spool = os.environ.get(SPOOL_ENV)
@@ -67,4 +70,5 @@ def init(
         gpu_interval=gpu_interval,
         host=host,
         redact=redact,
+        code=code,
     )

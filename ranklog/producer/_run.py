@@ -22,6 +22,7 @@ from ranklog._version import __version__
 from ranklog.errors import ConfigError, InvalidValueError, RanklogWarning
 from ranklog.producer._dupes import claim_rank, other_host_writer, running_writer
 from ranklog.producer._names import NameBook
+from ranklog.producer._records import CODE_ENV, code_record, definition, summary_values
 from ranklog.producer._sink import DURABILITY_LEVELS, DeadSink, SpoolSink
 from ranklog.producer._values import (
     MAX_STEP,
@@ -112,6 +113,7 @@ class Run:
         gpu_interval: float = 10.0,
         host: str | None = None,
         redact: Iterable[str] = (),
+        code: bool | None = None,
     ) -> None:
         if durability not in DURABILITY_LEVELS:
             raise ConfigError(f"durability must be one of {DURABILITY_LEVELS}, got {durability!r}")
@@ -187,6 +189,10 @@ class Run:
                 __version__,
             )
         )
+        if code is None:
+            code = os.environ.get(CODE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+        if code and rank == 0:
+            self._record_code()
         self._sink.flush(sync=self._fsync)
         _live_runs.add(self)
         if self._gpu is not None:
@@ -451,6 +457,40 @@ class Run:
         lists = {k: v for k, v in flat.items() if isinstance(v, list)}
         values = {k: v for k, v in flat.items() if not isinstance(v, list)}
         self._sink.append(Params(time.time(), values, lists))
+
+    def define_metric(
+        self, name: str, step_metric: str | None = None, *, summary: str | None = None,
+        hidden: bool = False,
+    ) -> None:  # fmt: skip
+        """Say how a metric is shown (W&B's ``define_metric``): ``name``, a key or a glob
+        ending in ``*``, plotted against ``step_metric`` (a metric logged with it), with a
+        ``summary`` (``min``, ``max``, ``mean``, ``last``, ...), or ``hidden``.
+
+        A run record (docs/producer.md): W&B gets the definition, JSONL and Parquet keep
+        it; TensorBoard, MLflow, SwanLab and trackio have no such setting.
+        """
+        key, options = definition(name, step_metric, summary, hidden)
+        self._sink.append(Params(time.time(), {}, {}, {key: options}))
+
+    def log_summary(self, values: Mapping[str, Any]) -> None:
+        """Set summary values of the run (W&B's ``run.summary[key] = value``).
+
+        Numbers, strings, bools or None; a later value of a key replaces it. A run record:
+        W&B's summary gets them, JSONL and Parquet keep them; the other backends have no
+        run summary and are told once that they are left out.
+        """
+        self._sink.append(Params(time.time(), {}, {}, summary_values(values)))
+
+    def _record_code(self) -> None:
+        """Record the git commit, branch, dirty flag and diff of the code (rank 0, at init)."""
+        try:
+            record = code_record()
+        except Exception as exc:  # provenance never stops a run from starting
+            warnings.warn(f"ranklog: the code's git state was not recorded: {exc}",
+                          RanklogWarning, stacklevel=3)  # fmt: skip
+            return
+        if record:
+            self._sink.append(Params(time.time(), {}, {}, record))
 
     def step_end(self, step: int) -> None:
         """Close every step up to ``step``: the shipper may reduce and ship them.

@@ -11,7 +11,7 @@ from typing import Any, Final
 
 from ranklog.errors import InvalidStepError, InvalidValueError
 from ranklog.producer._redact import Redactor
-from ranklog.schemas import REDUCE_OPS, ParamScalar, ParamValue, TableCell
+from ranklog.schemas import META_PREFIX, REDUCE_OPS, ParamScalar, ParamValue, TableCell
 
 __all__ = [
     "MAX_NAME_CHARS",
@@ -159,6 +159,11 @@ def _flatten(
 ) -> None:
     for k, v in node.items():
         key = check_name("hyperparameter", f"{prefix}{k}")
+        if key.startswith(META_PREFIX):
+            raise InvalidValueError(
+                f"hyperparameter {key!r}: a name starting with {META_PREFIX!r} is a ranklog run "
+                "record's (define_metric, log_summary, code): rename the key"
+            )
         if isinstance(v, Mapping) or hasattr(v, "__dataclass_fields__"):
             _flatten(_as_mapping(v), key + sep, sep, out, red)
         elif red.key(key):

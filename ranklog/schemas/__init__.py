@@ -16,6 +16,7 @@ from ranklog.schemas._events import (
     DEFAULT_TIMER_REDUCE,
     HOST_INDEX,
     KINDS,
+    META_PREFIX,
     REDUCE_OPS,
     SCHEMA_VERSION,
     STEP_KINDS,
@@ -38,6 +39,8 @@ from ranklog.schemas._events import (
     TableCell,
     Text,
     Timer,
+    params_event,
+    split_meta,
 )
 
 __all__ = [
@@ -45,6 +48,7 @@ __all__ = [
     "DEFAULT_TIMER_REDUCE",
     "HOST_INDEX",
     "KINDS",
+    "META_PREFIX",
     "REDUCE_OPS",
     "SCHEMA_VERSION",
     "STEP_KINDS",
@@ -72,4 +76,6 @@ __all__ = [
     "decode_events_raw",
     "encoder",
     "metrics_values",
+    "params_event",
+    "split_meta",
 ]

@@ -24,6 +24,7 @@ __all__ = [
     "DEFAULT_TIMER_REDUCE",
     "HOST_INDEX",
     "KINDS",
+    "META_PREFIX",
     "REDUCE_OPS",
     "SCHEMA_VERSION",
     "STEP_KINDS",
@@ -46,12 +47,16 @@ __all__ = [
     "TableCell",
     "Text",
     "Timer",
+    "params_event",
+    "split_meta",
 ]
 
 #: Version of the event schema written by this release. Bumped whenever a field
 #: or a kind is added; a reader meeting a higher version counts what it skips.
-#: 2: histogram and image kinds; 3: step_end.events; 4: table; 5: params.lists
-SCHEMA_VERSION: Final = 5
+#: 2: histogram and image kinds; 3: step_end.events; 4: table; 5: params.lists;
+#: 6: params.meta (run records: metric definitions, summary values, code provenance),
+#: image.plotly
+SCHEMA_VERSION: Final = 6
 
 #: Reductions a value may ask for (the NeMo RL timer set, plus ``last``).
 REDUCE_OPS: Final = frozenset({"mean", "sum", "min", "max", "median", "std", "count", "last"})
@@ -139,19 +144,63 @@ class Gpu(EventBase, tag="gpu", frozen=True):
     name: str = ""
 
 
+#: the first character of a run record's key where records travel with hyperparameters
+#: (a hyperparameter's name never starts with it: the producer refuses one that does)
+META_PREFIX: Final = "@"
+
+
 class Params(EventBase, tag="params", frozen=True):
     """Hyperparameters, flattened with ``.``; secrets redacted.
 
     ``lists`` (schema 5) holds the values that are lists of scalars; an older reader
-    skips it as an unknown field and keeps ``values``.
+    skips it as an unknown field and keeps ``values``. ``meta`` (schema 6) holds *run
+    records*, which are not hyperparameters: ``define/<glob>`` (a metric definition, its
+    options as JSON), ``summary/<key>`` (a summary value), ``code/<field>`` (the code the
+    run came from); an older reader skips it. Shippers carry records beside the
+    hyperparameters under :data:`META_PREFIX` (see :meth:`all`, :func:`params_event`).
     """
 
     values: dict[str, ParamScalar]
     lists: dict[str, list[ParamScalar]] = msgspec.field(default_factory=dict)
+    meta: dict[str, ParamScalar] = msgspec.field(default_factory=dict)
 
     def all(self) -> dict[str, ParamValue]:
-        """Every hyperparameter of the event, scalars and lists."""
-        return {**self.values, **self.lists} if self.lists else dict(self.values)
+        """Every value of the event: scalars, lists and records (``@``-prefixed keys)."""
+        if not self.lists and not self.meta:
+            return dict(self.values)
+        out: dict[str, ParamValue] = {**self.values, **self.lists}
+        for k, v in self.meta.items():
+            out[META_PREFIX + k] = v
+        return out
+
+
+def params_event(ts: float, flat: dict[str, ParamValue]) -> Params:
+    """The :class:`Params` event whose :meth:`Params.all` is ``flat``."""
+    values: dict[str, ParamScalar] = {}
+    lists: dict[str, list[ParamScalar]] = {}
+    meta: dict[str, ParamScalar] = {}
+    for k, v in flat.items():
+        if k.startswith(META_PREFIX):
+            if not isinstance(v, list):
+                meta[k[1:]] = v
+        elif isinstance(v, list):
+            lists[k] = v
+        else:
+            values[k] = v
+    return Params(ts, values, lists, meta)
+
+
+def split_meta(
+    params: dict[str, ParamValue],
+) -> tuple[dict[str, ParamValue], dict[str, ParamScalar]]:
+    """Hyperparameters and run records (keys without their ``@``) of one params map."""
+    if not any(k.startswith(META_PREFIX) for k in params):
+        return params, {}
+    user = {k: v for k, v in params.items() if not k.startswith(META_PREFIX)}
+    meta = {
+        k[1:]: v for k, v in params.items() if k.startswith(META_PREFIX) and not isinstance(v, list)
+    }
+    return user, meta
 
 
 class Text(EventBase, tag="text", frozen=True):
@@ -171,12 +220,18 @@ class Histogram(EventBase, tag="histogram", frozen=True):
 
 
 class Image(EventBase, tag="image", frozen=True):
-    """An image (a plot, say) logged at a step: encoded bytes, ``png`` by default."""
+    """An image (a plot, say) logged at a step: encoded bytes, ``png`` by default.
+
+    ``plotly`` (schema 6): the same plot as a Plotly figure's JSON, when the producer
+    could make one (a matplotlib figure, plotly installed), for the targets that show
+    interactive charts (W&B); "" otherwise. Every target can fall back to ``data``.
+    """
 
     step: int
     name: str
     data: bytes
     format: str = "png"
+    plotly: str = ""
 
 
 class Table(EventBase, tag="table", frozen=True):

@@ -46,6 +46,7 @@ from ranklog.shippers._cursor import (
     save_cursor,
 )
 from ranklog.shippers._lease import DEFAULT_TTL, Lease
+from ranklog.shippers._meta import write_params
 from ranklog.shippers._progress import Progress, Status
 from ranklog.shippers._registry import default_name
 from ranklog.shippers._retry import RetryClock, describe, is_permanent, permanent_error
@@ -151,6 +152,7 @@ class Shipper:
         self._opened = False
         self._late_warned = False
         self._said_names: set[str] = set()
+        self._meta_said: set[str] = set()  # kinds of run records said left out
         self._collisions: dict[int, int] = {}  # step -> names renamed in it, until shipped
         #: the job ended and everything was shipped: the target was told (Target.end)
         self.ended: str | None = None
@@ -360,6 +362,9 @@ class Shipper:
                             "or a metric with several reduce ops): the derived value ships "
                             "as %r (said once per name)", step, name, shipped)  # fmt: skip
 
+    def _write_params(self, group: dict[str, ParamValue]) -> None:
+        write_params(self.target, group, self._meta_said)
+
     def _ship(self, steps: list[ShippedStep], *, final: bool = False, through: int = -1) -> None:
         """Hand steps (and the params due before them) to the target; flush; commit.
 
@@ -396,13 +401,13 @@ class Shipper:
                 if chunk:
                     self.target.write(chunk)
                     chunk = []
-                self.target.write_params(group)
+                self._write_params(group)
             chunk.append(s)
             written.append(s)
         if chunk:
             self.target.write(chunk)
         if final and sent < len(due):
-            self.target.write_params({k: v for _, k, v in due[sent:]})
+            self._write_params({k: v for _, k, v in due[sent:]})
             sent = len(due)
         self.target.flush()
         # accepted: move on

@@ -277,7 +277,7 @@ class StepPartial:
         elif type(ev) is Histogram:
             self.histograms.setdefault(ev.name, []).append((rank, list(ev.values)))
         elif type(ev) is Image:
-            self.images.append(ImageItem(rank, ev.name, ev.data, ev.format))
+            self.images.append(ImageItem(rank, ev.name, ev.data, ev.format, ev.plotly))
         elif type(ev) is Table:
             self.tables.append(TableItem(rank, ev.name, ev.columns, ev.rows))
         elif type(ev) is Gpu:

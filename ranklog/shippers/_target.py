@@ -91,6 +91,8 @@ class ImageItem(msgspec.Struct, frozen=True):
     name: str
     data: bytes
     format: str = "png"
+    #: the plot as a Plotly figure's JSON ("" when the producer made none)
+    plotly: str = ""
 
 
 class GpuStat(msgspec.Struct, frozen=True):

@@ -10,11 +10,11 @@ from __future__ import annotations
 import math
 import struct
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from ranklog.schemas import HOST_INDEX
+from ranklog.schemas import HOST_INDEX, ParamScalar
 from ranklog.shippers._registry import Option
 from ranklog.shippers._target import ImageItem, ShippedStep, TableItem
 
@@ -27,6 +27,7 @@ __all__ = [
     "TAGS_HELP",
     "Buckets",
     "buckets",
+    "code_markdown",
     "gpu_metrics",
     "image_size",
     "percentile",
@@ -218,3 +219,27 @@ _GPU_NAMES: dict[str, dict[str, str]] = {
         "all_mem": "gpu.all.memoryAllocatedBytesMax",
     },
 }
+
+
+def code_markdown(meta: Mapping[str, ParamScalar]) -> str:
+    """The ``code/*`` run records of ``meta`` as Markdown ("" when it has none): commit,
+    branch, remote, whether the tree was dirty, then the diff against the commit."""
+    code = {k[5:]: v for k, v in meta.items() if k.startswith("code/")}
+    if not code:
+        return ""
+    lines = [f"**commit** `{code.get('commit', '?')}`"]
+    if code.get("branch"):
+        lines.append(f"**branch** `{code['branch']}`")
+    if code.get("remote"):
+        lines.append(f"**remote** `{code['remote']}`")
+    lines.append(f"**root** `{code.get('root', '?')}`")
+    dirty = bool(code.get("dirty"))
+    lines.append("**dirty**: uncommitted changes, below" if dirty else "**clean**: no changes")
+    text = "  \n".join(lines)
+    diff = str(code.get("diff") or "")
+    if diff:
+        fence = "````" if "```" in diff else "```"
+        text += f"\n\n{fence}diff\n{diff.rstrip(chr(10))}\n{fence}"
+        if code.get("diff_truncated"):
+            text += f"\n\n(the first {len(diff.encode())} of {code.get('diff_bytes')} bytes)"
+    return text

@@ -12,12 +12,21 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
+from ranklog.schemas import ParamScalar
 from ranklog.shippers._target import ShippedStep, TextItem
 
-__all__ = ["MARKER", "chunk_text", "decode_steps", "encode_steps", "held_by", "sanitize_key"]
+__all__ = [
+    "MARKER",
+    "chunk_text",
+    "code_tags_and_files",
+    "decode_steps",
+    "encode_steps",
+    "held_by",
+    "sanitize_key",
+]
 
 #: the bookkeeping metric earlier releases logged after each step's metrics: ``open()``
 #: still reads its history (runs they wrote), and a metric of that name is renamed
@@ -192,3 +201,25 @@ def _name_path(name: str) -> str:
         parts = [p.encode()[:120].decode(errors="ignore") for p in parts]
         parts[-1] += f"_{digest}"
     return "/".join(parts)
+
+
+def code_tags_and_files(meta: Mapping[str, ParamScalar]) -> tuple[dict[str, str], dict[str, str]]:
+    """The tags and artifact files (path -> text) of the ``code/*`` run records in ``meta``.
+
+    Tags are MLflow's own, as its autologging sets them: ``mlflow.source.git.commit``,
+    ``.branch``, ``.repoURL``; files ``code/git.json`` (every field but the diff) and
+    ``code/uncommitted_changes_diff.txt`` when the tree differs from its commit.
+    """
+    code = {k[5:]: v for k, v in meta.items() if k.startswith("code/")}
+    if not code:
+        return {}, {}
+    tags: dict[str, str] = {}
+    for field, tag in (("commit", "commit"), ("branch", "branch"), ("remote", "repoURL")):
+        value = code.get(field)
+        if value:
+            tags[f"mlflow.source.git.{tag}"] = str(value)
+    diff = code.pop("diff", None)
+    files = {"code/git.json": json.dumps(code, indent=1, sort_keys=True)}
+    if diff:
+        files["code/uncommitted_changes_diff.txt"] = str(diff)
+    return tags, files

@@ -16,12 +16,15 @@ from typing import Any, Final
 from ranklog.shippers._held import StepSet
 from ranklog.shippers.targets._wandb_log import LogReader
 
-__all__ = ["RUN_KEY", "config_set", "flat_params", "nest", "scan_offline"]
+__all__ = ["META_KEY", "RUN_KEY", "config_set", "flat_params", "nest", "scan_offline"]
 
 
 #: the config key under which a W&B run records the ranklog run it holds (W&B's UI hides
 #: config keys that start with "_")
 RUN_KEY: Final = "_ranklog"
+#: the config key under which a W&B run keeps ranklog's run records (definitions, summary
+#: values, the code's commit), as JSON text: a later session gives them to W&B again
+META_KEY: Final = "_ranklog_meta"
 
 
 def scan_offline(

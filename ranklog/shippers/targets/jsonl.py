@@ -11,8 +11,10 @@ values (:func:`~ranklog.shippers.targets._media.summary`, as MLflow gets them) a
 ``"images": [{"rank", "name", "format", "bytes"}]`` (their contents stay in the spool),
 tables as ``"tables": [{"rank", "name", "columns", "rows"}]``;
 hyperparameters are one line ``{"params": {...}}`` before the step that follows
-them. Late values (``--late ship``) are a line of the step they were logged for,
-with ``"shipped_with": S`` last: the step they were shipped with, whose own line comes
+them, run records (metric definitions, summary values, the code's git state: see
+docs/producer.md) one line ``{"meta": {"code/commit": "...", "summary/best": 0.9}}``.
+Late values (``--late ship``) are a line of the step they were logged for, with
+``"shipped_with": S`` last: the step they were shipped with, whose own line comes
 right after them (``{"shipped_with": S}`` alone when S holds no values of its own).
 NaN and infinities are written as the JSON extensions ``NaN``, ``Infinity`` and
 ``-Infinity`` (Python's ``json`` reads them back).
@@ -51,7 +53,7 @@ from typing import Any
 
 from ranklog._fs import create_once
 from ranklog.errors import TargetError
-from ranklog.schemas import ParamValue
+from ranklog.schemas import META_PREFIX, ParamScalar, ParamValue
 from ranklog.shippers._held import ALL_NAMES, Holding, StepSet, refuse_other
 from ranklog.shippers._registry import TargetContext, TargetKind
 from ranklog.shippers._target import ShippedStep
@@ -172,6 +174,13 @@ class JsonlTarget:
         if new:
             self._write(_line({"params": new}))
             self._params.update(new)
+
+    def write_meta(self, meta: dict[str, ParamScalar]) -> None:
+        """Run records (definitions, summary values, the code's git state): a meta line."""
+        new = {k: v for k, v in meta.items() if not _same(self._params, META_PREFIX + k, v)}
+        if new:
+            self._write(_line({"meta": new}))
+            self._params.update({META_PREFIX + k: v for k, v in new.items()})
 
     def write(self, steps: list[ShippedStep]) -> None:
         """One append of every line; a carrier's late lines go before the line that ends them.
@@ -309,6 +318,7 @@ _STEP = b'{"step": '
 _CARRIER = b'{"shipped_with": '
 _RUN = b'{"ranklog": '
 _PARAMS = b'{"params": '
+_META = b'{"meta": '
 #: a line of late values ends with its carrier (a per-rank value's dict would end "}}")
 _LATE = re.compile(rb', "shipped_with": -?\d+\}\Z')
 
@@ -386,6 +396,11 @@ def scan_jsonl(source: int | str | os.PathLike[str]) -> JsonlScan:
                 steps = out.steps.setdefault(current, StepSet())
             elif line.startswith(_PARAMS):
                 out.params.setdefault(current, {}).update(json.loads(line)["params"])
+            elif line.startswith(_META):
+                meta = json.loads(line)["meta"]
+                out.params.setdefault(current, {}).update(
+                    {META_PREFIX + k: v for k, v in meta.items()}
+                )
         except (ValueError, KeyError, TypeError):
             continue  # not a line of ours: ignored, as readers ignore it
     return out

@@ -79,7 +79,7 @@ from ranklog.errors import (
     TargetError,
     TransientTargetError,
 )
-from ranklog.schemas import ParamValue
+from ranklog.schemas import ParamScalar, ParamValue
 from ranklog.shippers._held import ALL_NAMES, Holding, StepSet, refuse_other
 from ranklog.shippers._registry import Option, TargetContext, TargetKind
 from ranklog.shippers._target import ShippedStep
@@ -95,6 +95,7 @@ from ranklog.shippers.targets._mlflow_rows import (
     _text_files,
     _with_histograms,
     chunk_text,
+    code_tags_and_files,
     decode_steps,
     encode_steps,
     held_by,
@@ -342,6 +343,22 @@ class MlflowTarget:
                 for chunk in _chunks(tags, _MAX_PARAMS_TAGS):
                     self._client.log_batch(self.run_id, tags=chunk, synchronous=True)
                 return
+
+    def write_meta(self, meta: dict[str, ParamScalar]) -> list[str]:
+        """The code's git state: MLflow's ``mlflow.source.git.*`` tags, and artifacts
+        ``code/git.json`` and ``code/uncommitted_changes_diff.txt``. MLflow has no metric
+        definitions or run summary: those keys are returned (left out, said once)."""
+        tags, files = code_tags_and_files(meta)
+        if tags or files:
+            from mlflow.entities import RunTag
+
+            with _guard("write_meta"):
+                self._running()
+                batch = [RunTag(k, v[:_MAX_TAG_VALUE]) for k, v in tags.items()]
+                self._client.log_batch(self.run_id, tags=batch, synchronous=True)
+                for path, text in files.items():
+                    self._client.log_text(self.run_id, text, path)
+        return [k for k in meta if not k.startswith("code/")]
 
     def write(self, steps: list[ShippedStep]) -> None:
         from mlflow.entities import Metric, RunTag

@@ -33,33 +33,40 @@ run); ``flush()`` fsyncs.
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib
-import json
 import math
 import mmap
 import os
 import socket
-import struct
 import time
 from collections.abc import Mapping
 from itertools import count
 from pathlib import Path
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from ranklog._fs import atomic_write, fsync_dir
-from ranklog.errors import ExtraMissingError, TargetError
-from ranklog.schemas import ParamValue
+from ranklog.errors import TargetError
+from ranklog.schemas import ParamScalar, ParamValue
 from ranklog.shippers._held import ALL_NAMES, Holding, StepSet, refuse_other
 from ranklog.shippers._registry import Option, TargetContext, TargetKind
-from ranklog.shippers._target import ShippedStep, TableItem, TextItem
+from ranklog.shippers._target import ShippedStep
 from ranklog.shippers.targets._media import GPU_NAMES_OPTION
-from ranklog.shippers.targets._tfrecord import crc32c, records, spans, varint
+from ranklog.shippers.targets._tb_values import (
+    LATE_SOURCE,
+    Scalars,
+    event_record,
+    hparam_value,
+    media_values,
+    split_slowest,
+    table_values,
+    tb_protos,
+    text_value,
+    text_values,
+)  # fmt: skip
+from ranklog.shippers.targets._tfrecord import crc32c, records, spans
 from ranklog.spool import RunInfo
 
 if TYPE_CHECKING:
-    from collections.abc import Collection, Iterable
+    pass
 
 __all__ = ["HPARAMS_FILE", "TARGET", "TensorBoardTarget", "crc32c"]
 
@@ -67,17 +74,11 @@ HPARAMS_FILE: Final = "events.out.tfevents.0000000000.ranklog.hparams"
 _RUN_TAG: Final = "ranklog run "
 _SSI_TAG: Final = "_hparams_/session_start_info"
 _SSI_BYTES: Final = _SSI_TAG.encode()
-_F32, _F64 = (struct.Struct(f) for f in ("<f", "<d"))
-_F32_INF: Final = 2.0**128 - 2.0**103  # from here on, float32 rounds to inf
 _seq = count()
-_TB_MODULES: Final = (  # under tensorboard.
-    "compat.proto.event_pb2 compat.proto.summary_pb2 compat.proto.tensor_pb2 compat.proto.types_pb2"
-    " plugins.hparams.metadata plugins.hparams.summary_v2 plugins.text.metadata"
-)
 
 
 def _build(arg: str, context: TargetContext, options: Mapping[str, Any]) -> TensorBoardTarget:
-    _tb()
+    tb_protos()
     return TensorBoardTarget(
         Path(arg).expanduser(), per_rank=context.per_rank, name=options.get("run_name"),
         gpu_names=options.get("gpu_names") or "ranklog", names=context.names,
@@ -98,141 +99,6 @@ TARGET = TargetKind(
     nemo_arg=lambda section, backend_dir: str(backend_dir),  # NeMo ignores tensorboard.log_dir
     nemo_options=lambda section, backend_dir: {"gpu_names": "nemo"},
 )
-
-
-@functools.cache
-def _tb() -> Any:
-    """tensorboard's modules (``event_pb2``, ``hparams_summary_v2``, ...), imported on first use."""
-    try:
-        mods = {m: importlib.import_module(f"tensorboard.{m}") for m in _TB_MODULES.split()}
-    except ImportError:
-        raise ExtraMissingError("tensorboard", "tensorboard") from None
-    return SimpleNamespace(**{"_".join(k.split(".")[-2:]).removeprefix("proto_"): v
-                              for k, v in mods.items()})  # fmt: skip
-
-
-def _event(wall: float, step: int, summary: bytes, *, late: bool = False) -> bytes:
-    """A serialized ``Event{1: wall_time, 2: step, 5: summary}``.
-
-    ``late``: the record holds late values; ``source_metadata.writer`` (field 10) says so
-    (:data:`_LATE_WRITER`), which readers ignore and :func:`_scan` uses.
-    """
-    head = b"\x09" + _F64.pack(wall if math.isfinite(wall) else time.time()) + b"\x10"
-    tail = _LATE_SOURCE if late else b""
-    return b"".join((head, varint(step), b"\x2a", varint(len(summary)), summary, tail))
-
-
-#: ``source_metadata.writer`` of a record of late values
-_LATE_WRITER: Final = "ranklog late"
-_LATE_SOURCE: Final = (
-    b"\x52" + bytes([len(_LATE_WRITER) + 2, 0x0A, len(_LATE_WRITER)]) + (_LATE_WRITER.encode())
-)
-
-
-class _Scalars:
-    """``Summary{1: Value{1: tag, 2: simple_value}}`` for one tuple of names, packed at once."""
-
-    def __init__(self, names: Iterable[str]) -> None:
-        fmt, self.args = ["<"], list[bytes | float]()
-        for name in names:
-            tag = name.encode()
-            value = b"\x0a" + varint(len(tag)) + tag + b"\x15"
-            entry = b"\x0a" + varint(len(value) + 4) + value
-            fmt.append(f"{len(entry)}sf")
-            self.args += (entry, 0.0)
-        self.packer = struct.Struct("".join(fmt))
-
-    def pack(self, values: Collection[float]) -> bytes:
-        args = self.args
-        args[1::2] = values
-        try:
-            return self.packer.pack(*args)
-        except OverflowError:  # beyond float32: inf, as TensorBoard's own writer gives
-            args[1::2] = [math.copysign(math.inf, v) if abs(v) >= _F32_INF else v for v in values]
-            return self.packer.pack(*args)
-
-
-def _texts(texts: list[TextItem]) -> bytes:
-    """Text-plugin values, one per name (a markdown block per rank when several logged it)."""
-    out, by_name = [], dict[str, list[TextItem]]()
-    for t in texts:
-        by_name.setdefault(t.name, []).append(t)
-    for name, items in by_name.items():
-        body = "\n\n---\n\n".join(f"**rank {t.rank}**\n\n{t.text}" for t in items)
-        out.append(_text_value(name, items[0].text if len(items) == 1 else body))
-    return b"".join(out)
-
-
-#: what a derived name of "which rank was slowest" holds (``timing/<timer>/slowest_rank``)
-_SLOWEST: Final = "/slowest_rank"
-
-
-def _split_slowest(metrics: dict[str, float]) -> tuple[dict[str, float], bytes]:
-    """(the scalars of a step, its slowest ranks as text values).
-
-    A rank index is no quantity: TensorBoard's smoothing would draw rank 2.6 between
-    ranks 2 and 3. So ``timing/<timer>/slowest_rank`` is a text, ``rank 3 (1.25 s)``, one
-    per step, in the Text dashboard under the same tag.
-    """
-    names = [n for n in metrics if _SLOWEST in n]
-    if not names:
-        return metrics, b""
-    out = []
-    for n in names:
-        rank, secs = metrics[n], metrics.get(n[: n.rindex(_SLOWEST)])
-        who = f"rank {int(rank)}" if math.isfinite(rank) else f"rank {rank}"
-        out.append(_text_value(n, who if secs is None else f"{who} ({secs:.4g} s)"))
-    slow = set(names)
-    return {k: v for k, v in metrics.items() if k not in slow}, b"".join(out)
-
-
-def _tables(tables: list[TableItem]) -> bytes:
-    """Text-plugin values, a Markdown table each (``name/rankNNNNN`` where ranks share it)."""
-    from ranklog.shippers.targets._media import rank_tags, table_markdown
-
-    tags = rank_tags(tables)
-    return b"".join(
-        _text_value(tag, table_markdown(t)) for tag, t in zip(tags, tables, strict=True)
-    )
-
-
-def _text_value(tag: str, text: str) -> bytes:
-    """One text-plugin summary value (a scalar string tensor: no tensor_shape)."""
-    tb = _tb()
-    meta = tb.text_metadata.create_summary_metadata(display_name=None, description=None)
-    tensor = tb.tensor_pb2.TensorProto(dtype=tb.types_pb2.DT_STRING, string_val=[text.encode()])
-    raw: bytes = tb.summary_pb2.Summary.Value(
-        tag=tag, metadata=meta, tensor=tensor
-    ).SerializeToString()
-    return b"\x0a" + varint(len(raw)) + raw
-
-
-def _media(s: ShippedStep) -> bytes:
-    """Histogram and image values (``histo``, ``image``) of a step."""
-    from ranklog.shippers.targets._media import buckets, image_size, rank_tags
-
-    tb, out = _tb(), []
-    pb = tb.summary_pb2
-    for name, values in s.histograms.items():
-        b = buckets(values)
-        if b is not None:
-            histo = pb.HistogramProto(
-                min=b.lo, max=b.hi, num=b.count, sum=b.total, sum_squares=b.total_sq,
-                bucket_limit=b.limits, bucket=b.counts,
-            )  # fmt: skip
-            out.append(pb.Summary.Value(tag=name, histo=histo).SerializeToString())
-    for tag, img in zip(rank_tags(s.images), s.images, strict=True):
-        h, w, c = image_size(img.data)
-        image = pb.Summary.Image(height=h, width=w, colorspace=c, encoded_image_string=img.data)
-        out.append(pb.Summary.Value(tag=tag, image=image).SerializeToString())
-    return b"".join(b"\x0a" + varint(len(raw)) + raw for raw in out)
-
-
-def _hparam(v: ParamValue) -> str | bool | int | float:
-    """A hyperparameter as TensorBoard's hparams take it: a list as its JSON text."""
-    if v is None:
-        return "None"
-    return json.dumps(v) if isinstance(v, list) else v
 
 
 class _File(NamedTuple):
@@ -263,7 +129,7 @@ def _scan(path: Path) -> _File:
     carrier's record, which follows them: late records after the last carrier are cut).
     Another writer's file (no ranklog ``SessionLog``) holds nothing.
     """
-    event, holding, steps = _tb().event_pb2.Event, None, StepSet()
+    event, holding, steps = tb_protos().event_pb2.Event, None, StepSet()
     with open(path, "r+b") as f:
         size = os.fstat(f.fileno()).st_size
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else memoryview(b"") as mm:
@@ -280,7 +146,7 @@ def _scan(path: Path) -> _File:
                 step = _step_of(mm, a, b)
                 if step is None:
                     continue
-                if mm[b - len(_LATE_SOURCE) : b] == _LATE_SOURCE:
+                if mm[b - len(LATE_SOURCE) : b] == LATE_SOURCE:
                     late_from = a if late_from is None else late_from
                     continue
                 late_from = None
@@ -297,7 +163,7 @@ def _scan(path: Path) -> _File:
 def _step_of(mm: Any, a: int, b: int) -> int | None:
     """The step of a record of ranklog's own shape holding a step, else None.
 
-    ``Event{1: wall_time (fixed64), 2: step (varint), 5: summary}`` as :func:`_event`
+    ``Event{1: wall_time (fixed64), 2: step (varint), 5: summary}`` as :func:`event_record`
     writes it; a ``SessionLog``, the file version or ``session_start_info`` is no step.
     """
     if b - a < 12 or mm[a] != 0x09 or mm[a + 9] != 0x10:
@@ -366,7 +232,7 @@ class _Run:
         if self.fd is not None:
             self._rotated.append(self.fd)
             self.fd = None
-        ev, now = _tb().event_pb2, time.time()
+        ev, now = tb_protos().event_pb2, time.time()
         log = ev.SessionLog(status=ev.SessionLog.START, msg=_start_message(self.mine))
         version = ev.Event(wall_time=now, file_version="brain.Event:2").SerializeToString()
         start = ev.Event(wall_time=now, step=first, session_log=log).SerializeToString()
@@ -463,7 +329,7 @@ class TensorBoardTarget:
         self._run: RunInfo | None = None
         self._main: _Run | None = None
         self._ranks: dict[int, _Run] = {}
-        self._templates: dict[tuple[bool, tuple[str, ...]], _Scalars] = {}
+        self._templates: dict[tuple[bool, tuple[str, ...]], Scalars] = {}
         self._params: dict[str, ParamValue] = {}
         self._metrics: set[str] = set()
         self._mine = Holding("")
@@ -484,7 +350,18 @@ class TensorBoardTarget:
         main = self._require()
         self._params.update(params)
         if ssi := self._save_hparams():
-            main.append([_event(time.time(), 0, ssi)], [None])
+            main.append([event_record(time.time(), 0, ssi)], [None])
+
+    def write_meta(self, meta: dict[str, ParamScalar]) -> list[str]:
+        """The code's git state as a text entry ``code/git`` at step 0 (Markdown, the diff in
+        a code block). TensorBoard has no metric definitions or run summary: those keys
+        are returned (left out, said once)."""
+        from ranklog.shippers.targets._media import code_markdown
+
+        if text := code_markdown(meta):
+            record = event_record(time.time(), 0, text_value("code/git", text))
+            self._require().append([record], [None])
+        return [k for k in meta if not k.startswith("code/")]
 
     def write(self, steps: list[ShippedStep]) -> None:
         """One record per step and run; rank sub-runs are written first, each with one write."""
@@ -503,40 +380,40 @@ class TensorBoardTarget:
                 if s.step not in sub.held:
                     summary = self._pack(values, main=False)
                     recs, at = todo.setdefault(sub, ([], []))
-                    recs.append(_event(s.ts, s.step, summary))
+                    recs.append(event_record(s.ts, s.step, summary))
                     at.append(s.step)
             held = s.step if s.carrier is None else s.carrier  # late values: with their carrier
             if held not in main.held:  # else held already (never sent)
-                values, slowest = _split_slowest(s.metrics)
+                values, slowest = split_slowest(s.metrics)
                 if s.gpu:
                     from ranklog.shippers.targets._media import gpu_metrics
 
                     style = "nemo" if self.gpu_names == "nemo" else "tensorboard"
                     started = self._run.created if self._run is not None else None
                     values = {**values, **gpu_metrics(s, style, started=started)}
-                summary = self._pack(values, main=True) + (_texts(s.texts) if s.texts else b"")
+                summary = self._pack(values, main=True) + (text_values(s.texts) if s.texts else b"")
                 if slowest:
                     summary += slowest
                 if s.tables:
-                    summary += _tables(s.tables)
+                    summary += table_values(s.tables)
                 if s.histograms or s.images:
-                    summary += _media(s)
+                    summary += media_values(s)
                 recs, at = todo.setdefault(main, ([], []))
                 if s.carrier is None:
                     if own is not None:
                         recs.append(own[1])
                         at.append(own[0])
-                    own = (s.step, _event(s.ts, s.step, summary))
+                    own = (s.step, event_record(s.ts, s.step, summary))
                 else:
                     if own is not None and own[0] != s.carrier:
                         recs.append(own[1])
                         at.append(own[0])
                         own = None
-                    recs.append(_event(s.ts, s.step, summary, late=True))
+                    recs.append(event_record(s.ts, s.step, summary, late=True))
                     at.append(None)  # held with its carrier, whose record follows
                     if own is None:
                         # a carrier with nothing of its own: an empty record marks it held
-                        own = (s.carrier, _event(s.ts, s.carrier, b""))
+                        own = (s.carrier, event_record(s.ts, s.carrier, b""))
         if own is not None:
             recs, at = todo[main]
             recs.append(own[1])
@@ -550,7 +427,7 @@ class TensorBoardTarget:
         if tmpl is None:
             if len(self._templates) >= 256:  # bounded, whatever the names
                 self._templates.clear()
-            tmpl = self._templates[key] = _Scalars(key[1])
+            tmpl = self._templates[key] = Scalars(key[1])
             if main and not self._metrics.issuperset(key[1]):
                 self._metrics.update(key[1])
                 self._save_hparams()  # before the steps: the experiment lists all they hold
@@ -583,9 +460,9 @@ class TensorBoardTarget:
         """Replace the hparams file (version, session_start_info, experiment); the SSI summary."""
         if not self._params or self._run is None:
             return b""
-        tb, run, infos = _tb(), self._run, []
+        tb, run, infos = tb_protos(), self._run, []
         hp = tb.hparams_summary_v2
-        values = {k: _hparam(v) for k, v in sorted(self._params.items())}
+        values = {k: hparam_value(v) for k, v in sorted(self._params.items())}
         pb = hp.hparams_pb(values, trial_id=self.name or run.name, start_time_secs=run.created)
         for k, v in values.items():
             if isinstance(v, str | bool):
@@ -599,8 +476,8 @@ class TensorBoardTarget:
         ssi = bytes(pb.SerializeToString())
         data = (
             version.SerializeToString(),
-            _event(run.created, 0, ssi),
-            _event(run.created, 0, config),
+            event_record(run.created, 0, ssi),
+            event_record(run.created, 0, config),
         )
         atomic_write(self.path / HPARAMS_FILE, records(list(data)), mode=0o644)
         return ssi
@@ -609,7 +486,7 @@ class TensorBoardTarget:
         """The params and metric names the hparams file lists (after a restart)."""
         params: dict[str, ParamValue] = {}
         metrics: set[str] = set()
-        path, tb = self.path / HPARAMS_FILE, _tb()
+        path, tb = self.path / HPARAMS_FILE, tb_protos()
         data = path.read_bytes() if path.is_file() else b""
         for a, b in spans(data, len(data)):
             for v in tb.event_pb2.Event.FromString(data[a:b]).summary.value:

@@ -60,6 +60,7 @@ Online, the step comes from the resumed run (``starting_step``).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import netrc
@@ -72,7 +73,7 @@ from pathlib import Path
 from typing import Any, Final, NamedTuple
 
 from ranklog.errors import ExtraMissingError, TargetError, TransientTargetError
-from ranklog.schemas import ParamValue
+from ranklog.schemas import ParamScalar, ParamValue
 from ranklog.shippers._held import ALL_NAMES, Holding, StepSet, refuse_other
 from ranklog.shippers._registry import Option, TargetContext, TargetKind
 from ranklog.shippers._target import ShippedStep
@@ -84,6 +85,7 @@ from ranklog.shippers.targets._media import (
     TAGS_HELP,
 )
 from ranklog.shippers.targets._wandb_config import (
+    META_KEY,
     RUN_KEY,
     config_set,
     flat_params,
@@ -265,6 +267,9 @@ class WandbTarget:
         self._held: dict[int | None, _Held] = {}
         self._late_warned = False
         self._config: dict[str, Any] = {}  # every param known: passed to each new init
+        #: run records known (docs/producer.md), but the diff: kept in the config (META_KEY)
+        #: so each new session (and a restarted shipper) gives them to W&B again
+        self._meta: dict[str, ParamScalar] = {}
         self._exit_code: int | None = None  # how the job ended (end()): finish() says so
 
     # -- open -------------------------------------------------------------------------
@@ -288,6 +293,7 @@ class WandbTarget:
         self._wait_forwriters(base)
         mark: dict[str, Any] = {}
         steps, self._config = scan_offline(self.root, base, mark)
+        self._meta = _meta_of(self._config.pop(META_KEY, None))
         theirs = Holding(str(mark.get("run_id", run.run_id)), "", str(mark.get("names", ALL_NAMES)))
         refuse_other(
             f"W&B run {base} ({self.root / 'wandb'})", theirs,
@@ -338,6 +344,66 @@ class WandbTarget:
         else:
             self._call(main.run.config.update, nest(params), allow_val_change=True)
         main.config_wait.update(flat_params(params))
+
+    def write_meta(self, meta: dict[str, ParamScalar]) -> None:
+        """Run records: ``define_metric`` calls, summary values, the code's git state.
+
+        Definitions and summary values go to the live run, and to every later session of
+        it; the code's diff is a ``git-diffs`` artifact (as NeMo RL's W&B logger logs it).
+        All but the diff are kept in the run's hidden config ``_ranklog_meta``, which
+        :meth:`flush` waits for: durable as the config is.
+        """
+        main = self._require(None)
+        kept = {k: v for k, v in meta.items() if k != "code/diff"}
+        self._meta.update(kept)
+        if main.run is None:
+            self._start(main)  # gives every record known to the new run
+        else:
+            self._apply_meta(main, kept)
+            if kept:
+                self._call(main.run.config.update, {META_KEY: self._meta_json()},
+                           allow_val_change=True)  # fmt: skip
+                main.config_wait[META_KEY] = self._meta_json()
+        if meta.get("code/diff"):
+            self._log_diff(main, meta)
+
+    def _init_config(self) -> dict[str, Any]:
+        config = {**nest(self._config), RUN_KEY: self._mark()}
+        if self._meta:
+            config[META_KEY] = self._meta_json()
+        return config
+
+    def _meta_json(self) -> str:
+        return json.dumps(self._meta, sort_keys=True)
+
+    def _apply_meta(self, held: _Held, meta: Mapping[str, ParamScalar]) -> None:
+        """Give ``meta``'s definitions and summary values to the live run of ``held``."""
+        summary: dict[str, Any] = {}
+        for key, value in meta.items():
+            kind, _, name = key.partition("/")
+            if kind == "define" and isinstance(value, str):
+                self._call(held.run.define_metric, name, **json.loads(value))
+                held.defined.add(name)
+            elif kind == "summary":
+                summary[name] = value
+        if summary:
+            self._call(held.run.summary.update, summary)
+
+    def _log_diff(self, held: _Held, meta: Mapping[str, ParamScalar]) -> None:
+        """The diff against HEAD as NeMo RL logs it: artifact ``git-diffs-<project>-<id>``
+        of type ``git-diffs`` holding ``uncommitted_changes_diff.txt``, with the commit,
+        branch and dirty flag as its metadata."""
+        wandb, run = _wandb(), held.run
+        files = Path(run.dir)
+        files.mkdir(parents=True, exist_ok=True)
+        path = files / "uncommitted_changes_diff.txt"
+        path.write_text(str(meta["code/diff"]))
+        info = {k.split("/", 1)[1]: v for k, v in self._meta.items() if k.startswith("code/")}
+        artifact = wandb.Artifact(
+            name=f"git-diffs-{self.project}-{held.wid}", type="git-diffs", metadata=info
+        )
+        artifact.add_file(str(path), name="uncommitted_changes_diff.txt", policy="immutable")
+        self._call(run.log_artifact, artifact)
 
     def write(self, steps: list[ShippedStep]) -> None:
         main = self._require(None)
@@ -417,7 +483,7 @@ class WandbTarget:
             tags=self.tags, notes=self.notes,
             name=(self.run_name or run.name) if rank is None else f"rank{rank:05d}",
             job_type=None if rank is None else "rank",
-            config={**nest(self._config), RUN_KEY: self._mark()} if rank is None else None,
+            config=self._init_config() if rank is None else None,
             settings=wandb.Settings(**{k: v for k, v in _QUIET.items() if k in names}),
         )  # fmt: skip
         held.run = started
@@ -435,7 +501,12 @@ class WandbTarget:
         if self.mode == "online" and held.durable < 0 and started.starting_step > 0:
             held.durable = held.sent = int(started.starting_step) - 1
         if rank is None:
+            if self.mode == "online" and not self._meta:  # a resumed run holds them
+                self._meta = _meta_of(started.config.get(META_KEY))
             held.config_wait.update(flat_params(self._config))
+            if self._meta:
+                held.config_wait[META_KEY] = self._meta_json()
+                self._apply_meta(held, self._meta)
 
     def _say_where(self, folder: Path, wid: str) -> None:
         """Once per process: where the offline run is, and the command that uploads it."""
@@ -570,6 +641,17 @@ class MetricDef(NamedTuple):
 
 #: NeMo RL's definition of its GPU monitor's series (``--gpu-names nemo``)
 NEMO_GPU_DEFINITIONS: Final = (MetricDef("ray/*", "ray/ray_step"),)
+
+
+def _meta_of(raw: Any) -> dict[str, ParamScalar]:
+    """The run records a W&B config's ``_ranklog_meta`` holds ({} when none or unreadable)."""
+    if not isinstance(raw, str):
+        return {}
+    try:
+        meta = json.loads(raw)
+    except ValueError:
+        return {}
+    return dict(meta) if isinstance(meta, dict) else {}
 
 
 def escape_dots(name: str) -> str:

@@ -1,0 +1,52 @@
+"""Run records on their way to a target: hyperparameters and records parted.
+
+Run records (metric definitions, summary values, the code's git state: see
+:mod:`ranklog.producer._records`) travel with the hyperparameters, keyed with a leading
+``@``, so they are read, ordered, committed, compacted and replayed exactly as params
+are. Here, at the target, they part: params to ``write_params``, records (keys without
+the ``@``) to the target's optional ``write_meta``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Final
+
+from ranklog.schemas import ParamValue, split_meta
+from ranklog.shippers._target import Target
+
+__all__ = ["write_params"]
+
+log = logging.getLogger("ranklog.ship")
+
+#: run records by kind, as said when a target has no place for them
+KINDS: Final = {
+    "summary": "summary values",
+    "code": "the code's git state",
+    "define": "metric definitions",
+}
+
+
+def write_params(target: Target, group: dict[str, ParamValue], said: set[str]) -> None:
+    """Hand ``group`` to ``target``: params to ``write_params``, records to ``write_meta``.
+
+    ``write_meta(meta)`` returns the keys it has no place for (None: it took them all); a
+    target without it has no place for any. Records left out are said once per kind
+    (``said`` keeps which): summary values with a warning (training logged them), the
+    code's git state and metric definitions at INFO (ranklog's own, or display only).
+    """
+    params, meta = split_meta(group)
+    if params:
+        target.write_params(params)
+    if not meta:
+        return
+    write_meta = getattr(target, "write_meta", None)
+    left = list(meta) if not callable(write_meta) else list(write_meta(meta) or ())
+    for kind in sorted({k.split("/", 1)[0] for k in left} - said):
+        said.add(kind)
+        keys = sorted(k.split("/", 1)[1] for k in left if k.startswith(kind + "/"))
+        shown = ", ".join(keys[:5]) + (" ..." if len(keys) > 5 else "")
+        level = logging.WARNING if kind == "summary" else logging.INFO
+        log.log(level, "%s: %s left out (%s): %s has no place for them; JSONL and Parquet "
+                "keep them (docs/producer.md, run records)", target.spec,
+                KINDS.get(kind, kind), shown, target.kind)  # fmt: skip
