@@ -26,6 +26,7 @@ from ranklog.errors import (
     TargetError,
     TargetHeldError,
     TransientTargetError,
+    UnsupportedError,
 )
 from ranklog.producer import Durability, Run, init
 
@@ -49,6 +50,7 @@ __all__ = [
     "TargetError",
     "TargetHeldError",
     "TransientTargetError",
+    "UnsupportedError",
     "__version__",
     "init",
 ]

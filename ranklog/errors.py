@@ -28,6 +28,8 @@ catches ``TypeError`` or ``ValueError`` keeps working::
     │                                              this one it cannot take again (W&B below
     │                                              its last step): refused before writing
     ├── ExtraMissingError(ImportError)    exit 6   an optional dependency is not installed
+    ├── UnsupportedError(AttributeError)  -        an attribute of a backend's client that
+    │                                              ranklog.nemo's stand-in does not offer
     └── TailRestartedError                -        internal: a reader actor restarted during
                                                    a round; the shipper reads again
 
@@ -62,6 +64,7 @@ __all__ = [
     "TargetError",
     "TargetHeldError",
     "TransientTargetError",
+    "UnsupportedError",
 ]
 
 
@@ -145,6 +148,11 @@ class ExtraMissingError(RanklogError, ImportError):
     def __init__(self, module: str, extra: str) -> None:
         super().__init__(f"{module} is not installed: pip install 'ranklog[{extra}]'", name=module)
         self.extra = extra
+
+
+class UnsupportedError(RanklogError, AttributeError):
+    """What a backend's client offers and ranklog.nemo's stand-in for it does not (the
+    client lives in a shipper process): the message names the attribute and what to use."""
 
 
 class TailRestartedError(RanklogError):

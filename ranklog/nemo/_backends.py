@@ -27,6 +27,7 @@ from ranklog.nemo._config import (
     TensorboardConfig,
     WandbConfig,
 )
+from ranklog.nemo._objects import SummaryWriter, SwanlabRun, WandbRun
 from ranklog.nemo._session import Session, ship_command
 
 __all__ = [
@@ -115,6 +116,7 @@ class _BackendLogger(OnSession):
 
         self.cfg = dict(cfg)
         backend_dir = Path(log_dir or self.SECTION)
+        self._backend_dir = backend_dir
         flags = target_kinds()[self.SECTION].nemo_backend_command(self.cfg, backend_dir)
         spool = backend_dir / ".ranklog-spool"
         own = self.cfg.get("ranklog") or {}
@@ -123,12 +125,13 @@ class _BackendLogger(OnSession):
         print(f"Initialized {type(self).__name__} at {backend_dir} (ranklog spool {spool})")
 
     @classmethod
-    def _attached(cls, session: Session, cfg: Mapping[str, Any]) -> Any:
+    def _attached(cls, session: Session, cfg: Mapping[str, Any], log_dir: str | None = None) -> Any:
         """The view of this backend inside a Logger that owns ``session``."""
         self = cls.__new__(cls)
         self.cfg = dict(cfg)
         self._session = session
         self._own_session = False
+        self._backend_dir = Path(log_dir or cls.SECTION)
         return self
 
     def finish(self) -> None:
@@ -144,9 +147,13 @@ class TensorboardLogger(_BackendLogger):
 
     def __init__(self, cfg: TensorboardConfig, log_dir: str | None = None) -> None:
         super().__init__(cfg, log_dir)
+        self.writer = SummaryWriter(self._session, str(self._backend_dir))
 
-    #: NeMo's in-process ``SummaryWriter``: the shipper holds the writer here
-    writer: Any = None
+    @classmethod
+    def _attached(cls, session: Session, cfg: Mapping[str, Any], log_dir: str | None = None) -> Any:
+        self = super()._attached(session, cfg, log_dir)
+        self.writer = SummaryWriter(session, str(self._backend_dir))
+        return self
 
     @staticmethod
     def _coerce_to_scalar(value: Any) -> int | float | bool | str | None:
@@ -163,31 +170,21 @@ class TensorboardLogger(_BackendLogger):
         return None
 
 
-class _RunInfo(NamedTuple):
-    """What is known in-process of the W&B run the shipper writes (``wandb_logger.run``)."""
-
-    id: str | None
-    project: str | None
-    name: str | None
-    dir: str | None
-
-
 class _RunLogger(_BackendLogger):
     """A backend whose NeMo logger has a ``run`` (W&B, SwanLab): what is known of it here."""
 
+    #: the class of ``run``
+    RUN: ClassVar[type[WandbRun] | type[SwanlabRun]]
+
     def __init__(self, cfg: Mapping[str, Any], log_dir: str | None = None) -> None:
         super().__init__(cfg, log_dir)
-        self.run: _RunInfo | None = self._info(log_dir)
+        self.run: Any = self.RUN(self._session, self.cfg, str(self._backend_dir))
 
     @classmethod
     def _attached(cls, session: Session, cfg: Mapping[str, Any], log_dir: str | None = None) -> Any:
-        self = super()._attached(session, cfg)
-        self.run = self._info(log_dir)
+        self = super()._attached(session, cfg, log_dir)
+        self.run = cls.RUN(session, self.cfg, str(self._backend_dir))
         return self
-
-    def _info(self, log_dir: str | None) -> _RunInfo:
-        c = self.cfg
-        return _RunInfo(c.get("id"), c.get("project"), c.get("name"), log_dir)
 
     def finish(self) -> None:
         super().finish()
@@ -198,19 +195,15 @@ class WandbLogger(_RunLogger):
     """A W&B run (``cfg`` as NeMo passes it to ``wandb.init``: id, resume, tags, notes ...)."""
 
     SECTION = "wandb"
+    RUN = WandbRun
 
     def __init__(self, cfg: WandbConfig, log_dir: str | None = None) -> None:
         super().__init__(cfg, log_dir)
 
     def define_metric(self, name: str, step_metric: str | None = None) -> None:
-        """NeMo's GPU x-axis (``ray/*`` against ``ray/ray_step``) is defined by the shipper.
-
-        Other definitions cannot reach the W&B run from here; they are reported once.
-        """
-        if (name, step_metric) != ("ray/*", "ray/ray_step"):
-            log.warning("ranklog.nemo: define_metric(%r, step_metric=%r) is not forwarded to "
-                        "W&B; every value is plotted against the training step", name,
-                        step_metric)  # fmt: skip
+        """W&B's ``define_metric`` (a glob such as ``ray/*``, any step metric): recorded in
+        the spool, given to the W&B run by its shipper (and to each later session of it)."""
+        self._session.run.define_metric(name, step_metric)
 
 
 class MLflowLogger(_BackendLogger):
@@ -218,19 +211,38 @@ class MLflowLogger(_BackendLogger):
 
     SECTION = "mlflow"
 
+    #: how long ``run_id`` waits for the shipper to create the run
+    FIND_TIMEOUT: ClassVar[float] = 60.0
+
     def __init__(self, cfg: MLflowConfig, log_dir: str | None = None) -> None:
         super().__init__(cfg, log_dir)
-        self.run_id: str | None = self._run_id()
+        self._found: str | None = None
 
     @classmethod
-    def _attached(cls, session: Session, cfg: Mapping[str, Any]) -> Any:
-        self = super()._attached(session, cfg)
-        self.run_id = self._run_id()
+    def _attached(cls, session: Session, cfg: Mapping[str, Any], log_dir: str | None = None) -> Any:
+        self = super()._attached(session, cfg, log_dir)
+        self._found = None
         return self
 
-    def _run_id(self) -> str | None:
-        """The run id when the config or ``MLFLOW_RUN_ID`` names one (else the shipper's)."""
-        return self.cfg.get("run_id") or os.environ.get("MLFLOW_RUN_ID") or None
+    @property
+    def run_id(self) -> str:
+        """The MLflow run's id: the config's or ``MLFLOW_RUN_ID``, else the run the shipper
+        created for this ranklog run, found in the tracking store by its ``ranklog.run_id``
+        tag (imports mlflow; waits up to :attr:`FIND_TIMEOUT` s for the shipper)."""
+        if self._found is None:
+            named = self.cfg.get("run_id") or os.environ.get("MLFLOW_RUN_ID")
+            self._found = str(named) if named else find_mlflow_run(
+                self._session, self.cfg, self._backend_dir, self.FIND_TIMEOUT
+            )  # fmt: skip
+        return self._found
+
+    @property
+    def run(self) -> Any:
+        """MLflow's ``Run`` (``.info.run_id``, ``.info.experiment_id``, ``.data.params`` ...),
+        read from the tracking store now: a snapshot; log through the logger."""
+        from mlflow import MlflowClient
+
+        return MlflowClient(tracking_uri(self.cfg, self._backend_dir)).get_run(self.run_id)
 
     def __del__(self) -> None:
         session = getattr(self, "_session", None)
@@ -246,9 +258,51 @@ class SwanlabLogger(_RunLogger):
     Logger: ``<log_dir>/swanlab``) for ``swanlab sync``."""
 
     SECTION = "swanlab"
+    RUN = SwanlabRun
 
     def __init__(self, cfg: SwanlabConfig, log_dir: str | None = None) -> None:
         super().__init__(cfg, log_dir)
+
+
+def tracking_uri(cfg: Mapping[str, Any], backend_dir: Path) -> str:
+    """The tracking URI the MLflow shipper of this config writes to."""
+    from ranklog.shippers import target_kinds
+
+    uri = target_kinds()["mlflow"].nemo_arg
+    assert uri is not None  # the MLflow target declares its NeMo section
+    return str(uri(cfg, backend_dir))
+
+
+def find_mlflow_run(
+    session: Session, cfg: Mapping[str, Any], backend_dir: Path, timeout: float
+) -> str:
+    """The id of the MLflow run the shipper made for ``session``'s ranklog run (by its tag)."""
+    from mlflow import MlflowClient
+
+    from ranklog.errors import TargetError
+    from ranklog.shippers import target_kinds
+    from ranklog.shippers.targets._mlflow_runs import oldest, search
+
+    options = target_kinds()["mlflow"].nemo_options
+    assert options is not None  # the MLflow target declares its NeMo section
+    uri = tracking_uri(cfg, backend_dir)
+    name = options(cfg, backend_dir).get("experiment") or session.run.info.name
+    client = MlflowClient(tracking_uri=uri)
+    deadline = time.monotonic() + timeout
+    while True:
+        exp = client.get_experiment_by_name(name)
+        if exp is not None:
+            runs = search(client, exp.experiment_id, session.run.info.run_id)
+            mains = [r for r in runs if r.data.tags.get("ranklog.role") == "main"]
+            if mains:
+                return str(oldest(mains).info.run_id)
+        if time.monotonic() > deadline:
+            raise TargetError(
+                f"MLflowLogger.run_id: no MLflow run of ranklog run {session.run.info.run_id} "
+                f"in experiment {name!r} at {uri} after {timeout:.0f}s: is its shipper running? "
+                f"(ranklog inspect {session.spool})"
+            )
+        time.sleep(0.2)
 
 
 class GpuSamplerMonitor:

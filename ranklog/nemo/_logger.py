@@ -84,8 +84,11 @@ class Logger(OnSession):
                 self.loggers.append(self.swanlab_logger)
             else:
                 cls = TensorboardLogger if section == "tensorboard" else MLflowLogger
-                self.loggers.append(cls._attached(self._session, section_cfg))
+                self.loggers.append(cls._attached(self._session, section_cfg, str(backend_dir)))
         if monitor:
+            if self.wandb_logger is not None:  # NeMo's x-axis of its GPU series
+                prefix = GpuSamplerMonitor.metric_prefix
+                self.wandb_logger.define_metric(f"{prefix}/*", GpuSamplerMonitor.step_metric)
             self.gpu_monitor = GpuSamplerMonitor(self._session, collect, flush)
         if not self.loggers:
             print("No loggers initialized")

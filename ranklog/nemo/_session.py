@@ -78,6 +78,8 @@ class Session:
         self.open: int | None = None  # the step values went to, not closed yet
         self.closed = -1  # the highest step closed
         self._skipped: set[str] = set()
+        #: the hyperparameters logged here, as given (``wandb_logger.run.config`` reads them)
+        self.config: dict[str, Any] = {}
         self._shippers: list[subprocess.Popen[bytes]] = []
         if self.run.rank == int(own.get("owner_rank", 0)):
             spool.parent.mkdir(parents=True, exist_ok=True)
@@ -104,6 +106,10 @@ class Session:
             self.open = step
         return step
 
+    def current_step(self) -> int:
+        """The step a value logged now without one goes to: the open step, else the next."""
+        return self._at(0, moves=False)
+
     def _close(self, step: int) -> None:
         if not self.run.closed:
             self.run.step_end(step)
@@ -122,7 +128,7 @@ class Session:
         step_finished: bool = False,
     ) -> None:
         """NeMo's ``log_metrics``: every value by its kind (module docstring)."""
-        got = self._sort(metrics, prefix or "")
+        got = self._sort(metrics, prefix or "", step_metric)
         at = self._at(step, moves=not step_metric)
         run = self.run
         if got.numbers:
@@ -138,17 +144,22 @@ class Session:
         if step_finished or (prefix and prefix in self.close_after):
             self._close(at)
 
-    def _sort(self, metrics: Mapping[str, Any], prefix: str) -> _Sorted:
+    def _sort(
+        self, metrics: Mapping[str, Any], prefix: str, step_metric: str | None = None
+    ) -> _Sorted:
         """The values by kind and full name; others skipped, with one warning per name.
 
         Every name and number is checked here, before anything of the call is written.
+        The ``step_metric`` key keeps its name, unprefixed (NeMo's W&B rule: the GPU
+        monitor's ``ray/ray_step`` under prefix ``ray``).
         """
         if not isinstance(metrics, Mapping):
             raise InvalidValueError(f"metrics must be a dict, got {type(metrics).__name__}")
         merged = merge_generation_logger_workers(dict(metrics))
         out = _Sorted({}, {}, {}, {}, {})
         for key, value in flatten_dict(merged, sep="/", expand_lists=False).items():
-            name = check_name("metric", f"{prefix}/{key}" if prefix else key)
+            full = f"{prefix}/{key}" if prefix and key != step_metric else key
+            name = check_name("metric", full)
             why = _LOGGED
             if isinstance(value, bool | int | float) or is_scalar(value):
                 out.numbers[name] = as_float(name, value)
@@ -177,6 +188,11 @@ class Session:
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         """Params flattened as NeMo's TensorBoard and MLflow loggers do (lists by index)."""
         self.run.log_hyperparams(flatten_dict(params))
+        self.config.update(params)
+
+    def log_text(self, name: str, text: str, step: int) -> None:
+        """A text at ``step``."""
+        self.run.log_text(name, text, self._at(step))
 
     def log_histogram(self, histogram: Any, step: int, name: str) -> None:
         """A distribution at ``step`` (an empty one as the value 0, as NeMo's W&B logger)."""

@@ -45,8 +45,9 @@ SUMMARIES: Final = frozenset({"min", "max", "mean", "best", "last", "first", "no
 
 
 def definition(
-    name: str, step_metric: str | None, summary: str | None, hidden: bool
-) -> tuple[str, str]:
+    name: str, step_metric: str | None, summary: str | None, hidden: bool,
+    goal: str | None = None,
+) -> tuple[str, str]:  # fmt: skip
     """The record of one ``define_metric`` call: (``define/<name>``, options as JSON)."""
     check_name("metric definition", name)
     if "*" in name[:-1]:
@@ -67,6 +68,12 @@ def definition(
         options["summary"] = summary
     if hidden:
         options["hidden"] = True
+    if goal is not None:
+        if goal not in ("minimize", "maximize"):
+            raise InvalidValueError(
+                f"metric definition {name!r}: goal {goal!r} is not 'minimize' or 'maximize'"
+            )
+        options["goal"] = goal
     return f"define/{name}", json.dumps(options, sort_keys=True)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import re
 import signal
 import socket
 import sys
@@ -13,16 +12,17 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any, Final, Literal
 
 from ranklog._version import __version__
-from ranklog.errors import ConfigError, InvalidValueError, RanklogWarning
+from ranklog.errors import ConfigError, RanklogWarning
 from ranklog.producer._dupes import claim_rank, other_host_writer, running_writer
+from ranklog.producer._media import RunValues
 from ranklog.producer._names import NameBook
-from ranklog.producer._records import CODE_ENV, code_record, definition, summary_values
+from ranklog.producer._records import CODE_ENV
 from ranklog.producer._sink import DURABILITY_LEVELS, DeadSink, SpoolSink
 from ranklog.producer._values import (
     MAX_STEP,
@@ -30,20 +30,13 @@ from ranklog.producer._values import (
     as_float,
     check_name,
     check_step,
-    check_table,
-    flatten_params,
     op_spec,
 )
 from ranklog.schemas import (
     Gpu,
-    Histogram,
-    Image,
     Metrics,
-    Params,
     RankEnd,
     RankStart,
-    Table,
-    Text,
     Timer,
 )
 from ranklog.spool import IncarnationWriter, SpoolLayout, ensure_run
@@ -54,10 +47,7 @@ Durability = Literal["buffered", "step", "fsync"]
 #: a cross-rank reduction: one op, several, or per name (names left out: ``mean``)
 Reduce = str | tuple[str, ...] | Mapping[str, str | tuple[str, ...]]
 SPOOL_ENV: Final = "RANKLOG_SPOOL"
-MAX_TEXT_BYTES: Final = 8 * 1024 * 1024
-MAX_HISTOGRAM_VALUES: Final = 1_000_000
 _NAME_CACHE_MAX: Final = 100_000
-_FORMAT: Final = re.compile(r"[A-Za-z0-9]{1,16}")
 _live_runs: weakref.WeakSet[Run] = weakref.WeakSet()
 
 
@@ -86,7 +76,7 @@ class _Timer:
         )
 
 
-class Run:
+class Run(RunValues):
     """One incarnation of one rank, appending events to its own segment files.
 
     Create it with :func:`ranklog.init`. Logging methods never perform I/O in
@@ -385,113 +375,6 @@ class Run:
         if len(self._timer_names) < _NAME_CACHE_MAX:  # bounded, as the metric names
             self._timer_names.add(name)
 
-    def log_text(self, name: str, text: str, step: int) -> None:
-        """Log a piece of text (a validation sample, say) for ``step``."""
-        step = check_step(step)
-        check_name("text", name)
-        if not isinstance(text, str):
-            raise InvalidValueError(f"text {name!r}: expected str, got {type(text).__name__}")
-        if len(text) > MAX_TEXT_BYTES // 4 and len(text.encode()) > MAX_TEXT_BYTES:
-            raise InvalidValueError(f"text {name!r} is larger than {MAX_TEXT_BYTES} bytes")
-        self._sink.append(Text(time.time(), step, name, text), step=step)
-
-    def log_table(self, name: str, columns: Any, rows: Any, step: int) -> None:
-        """Log a table (W&B's ``wandb.Table``: column names, rows of cells) for ``step``.
-
-        Cells are strings, numbers, bools or None. W&B gets a ``wandb.Table``, MLflow a
-        table artifact, TensorBoard a text table, JSONL the rows as they were logged.
-        """
-        step = check_step(step)
-        check_name("table", name)
-        cols, cells = check_table(name, columns, rows)
-        self._sink.append(Table(time.time(), step, name, cols, cells), step=step)
-
-    def log_histogram(self, name: str, values: Any, step: int) -> None:
-        """Log a distribution (a list or array of real numbers) for ``step``.
-
-        Shipped as a histogram (TensorBoard, W&B) or its summary (MLflow, JSONL); the
-        values of every rank are pooled.
-        """
-        step = check_step(step)
-        check_name("histogram", name)
-        if hasattr(values, "tolist"):  # numpy arrays, torch tensors
-            values = (
-                values.detach().cpu().tolist() if hasattr(values, "detach") else values.tolist()
-            )
-        if isinstance(values, str | bytes) or not hasattr(values, "__iter__"):
-            raise InvalidValueError(f"histogram {name!r}: expected a sequence of numbers")
-        flat = [as_float(name, v) for v in _flatten(values)]
-        if len(flat) > MAX_HISTOGRAM_VALUES:
-            raise InvalidValueError(
-                f"histogram {name!r} has {len(flat)} values, more than {MAX_HISTOGRAM_VALUES}"
-            )
-        self._sink.append(Histogram(time.time(), step, name, flat), step=step)
-
-    def log_image(self, name: str, image: Any, step: int, *, format: str = "png") -> None:
-        """Log an image for ``step``: encoded bytes, or a matplotlib figure (saved as PNG)."""
-        step = check_step(step)
-        check_name("image", name)
-        if not isinstance(format, str) or not _FORMAT.fullmatch(format):
-            raise InvalidValueError(f"image {name!r}: format {format!r} is not a file extension")
-        if hasattr(image, "savefig"):  # a matplotlib Figure
-            import io
-
-            buf = io.BytesIO()
-            image.savefig(buf, format="png", bbox_inches="tight")
-            data, format = buf.getvalue(), "png"
-        elif isinstance(image, bytes | bytearray | memoryview):
-            data = bytes(image)
-        else:
-            raise InvalidValueError(
-                f"image {name!r}: expected encoded bytes or a matplotlib figure, "
-                f"got {type(image).__name__}"
-            )
-        if len(data) > MAX_TEXT_BYTES:
-            raise InvalidValueError(f"image {name!r} is larger than {MAX_TEXT_BYTES} bytes")
-        self._sink.append(Image(time.time(), step, name, data, format), step=step)
-
-    def log_hyperparams(self, params: Mapping[str, Any] | Any) -> None:
-        """Log hyperparameters: nested dicts flattened with ``.``, secrets redacted (the
-        rule: docs/producer.md), lists of scalars kept as lists."""
-        flat = flatten_params(params, redactor=self._redactor)
-        lists = {k: v for k, v in flat.items() if isinstance(v, list)}
-        values = {k: v for k, v in flat.items() if not isinstance(v, list)}
-        self._sink.append(Params(time.time(), values, lists))
-
-    def define_metric(
-        self, name: str, step_metric: str | None = None, *, summary: str | None = None,
-        hidden: bool = False,
-    ) -> None:  # fmt: skip
-        """Say how a metric is shown (W&B's ``define_metric``): ``name``, a key or a glob
-        ending in ``*``, plotted against ``step_metric`` (a metric logged with it), with a
-        ``summary`` (``min``, ``max``, ``mean``, ``last``, ...), or ``hidden``.
-
-        A run record (docs/producer.md): W&B gets the definition, JSONL and Parquet keep
-        it; TensorBoard, MLflow, SwanLab and trackio have no such setting.
-        """
-        key, options = definition(name, step_metric, summary, hidden)
-        self._sink.append(Params(time.time(), {}, {}, {key: options}))
-
-    def log_summary(self, values: Mapping[str, Any]) -> None:
-        """Set summary values of the run (W&B's ``run.summary[key] = value``).
-
-        Numbers, strings, bools or None; a later value of a key replaces it. A run record:
-        W&B's summary gets them, JSONL and Parquet keep them; the other backends have no
-        run summary and are told once that they are left out.
-        """
-        self._sink.append(Params(time.time(), {}, {}, summary_values(values)))
-
-    def _record_code(self) -> None:
-        """Record the git commit, branch, dirty flag and diff of the code (rank 0, at init)."""
-        try:
-            record = code_record()
-        except Exception as exc:  # provenance never stops a run from starting
-            warnings.warn(f"ranklog: the code's git state was not recorded: {exc}",
-                          RanklogWarning, stacklevel=3)  # fmt: skip
-            return
-        if record:
-            self._sink.append(Params(time.time(), {}, {}, record))
-
     def step_end(self, step: int) -> None:
         """Close every step up to ``step``: the shipper may reduce and ship them.
 
@@ -655,14 +538,6 @@ def _died_of() -> type[BaseException] | None:
         return _uncaught
     last = getattr(sys, "last_value", None)
     return None if last is None else type(last)
-
-
-def _flatten(values: Any) -> Iterator[Any]:
-    for v in values:
-        if isinstance(v, list | tuple):
-            yield from _flatten(v)
-        else:
-            yield v
 
 
 def _after_fork_in_child() -> None:

@@ -149,8 +149,18 @@ def _media(s: ShippedStep) -> dict[str, Any]:
             log.warning("Pillow is not installed: images are not sent to W&B")
             return out
         for tag, img in zip(rank_tags(s.images), s.images, strict=True):
-            out[tag] = wandb.Image(PILImage.open(io.BytesIO(img.data)))
+            chart = _plotly(img.plotly) if img.plotly else None
+            out[tag] = wandb.Image(PILImage.open(io.BytesIO(img.data))) if chart is None else chart
     return out
+
+
+def _plotly(text: str) -> Any:
+    """A ``wandb.Plotly`` of a Plotly figure's JSON; None without plotly (the image is sent)."""
+    try:
+        import plotly.io
+    except ImportError:
+        return None
+    return _wandb().Plotly(plotly.io.from_json(text))
 
 
 def _build(arg: str, context: TargetContext, options: Mapping[str, Any]) -> WandbTarget:
