@@ -152,7 +152,7 @@ class Shipper:
         self._opened = False
         self._late_warned = False
         self._said_names: set[str] = set()
-        self._meta_said: set[str] = set()  # kinds of run records said left out
+        self._meta_said: set[str] = set()  # keys of run records said left out
         self._collisions: dict[int, int] = {}  # step -> names renamed in it, until shipped
         #: the job ended and everything was shipped: the target was told (Target.end)
         self.ended: str | None = None

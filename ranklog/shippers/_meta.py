@@ -31,9 +31,10 @@ def write_params(target: Target, group: dict[str, ParamValue], said: set[str]) -
     """Hand ``group`` to ``target``: params to ``write_params``, records to ``write_meta``.
 
     ``write_meta(meta)`` returns the keys it has no place for (None: it took them all); a
-    target without it has no place for any. Records left out are said once per kind
-    (``said`` keeps which): summary values with a warning (training logged them), the
-    code's git state and metric definitions at INFO (ranklog's own, or display only).
+    target without it has no place for any. Records left out are said once per key
+    (``said`` keeps which), a line per kind: summary values with a warning (training
+    logged them), the code's git state and metric definitions at INFO (ranklog's own, or
+    display only).
     """
     params, meta = split_meta(group)
     if params:
@@ -42,9 +43,10 @@ def write_params(target: Target, group: dict[str, ParamValue], said: set[str]) -
         return
     write_meta = getattr(target, "write_meta", None)
     left = list(meta) if not callable(write_meta) else list(write_meta(meta) or ())
-    for kind in sorted({k.split("/", 1)[0] for k in left} - said):
-        said.add(kind)
-        keys = sorted(k.split("/", 1)[1] for k in left if k.startswith(kind + "/"))
+    new = [k for k in left if k not in said]
+    said.update(new)
+    for kind in sorted({k.split("/", 1)[0] for k in new}):
+        keys = sorted(k.split("/", 1)[1] for k in new if k.startswith(kind + "/"))
         shown = ", ".join(keys[:5]) + (" ..." if len(keys) > 5 else "")
         level = logging.WARNING if kind == "summary" else logging.INFO
         log.log(level, "%s: %s left out (%s): %s has no place for them; JSONL and Parquet "
