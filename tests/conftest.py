@@ -1,10 +1,11 @@
 """Shared fixtures: a fresh spool directory, and a helper to run Python in a subprocess.
 
 The suite is hermetic: before anything runs, HOME points at an empty directory of
-this session's, ``RANKLOG_CODE=0`` (tests that check code provenance ask for it), and
-every RAY_*, WANDB_*, MLFLOW_* and launcher variable of the caller is removed, so that a token file in the user's ``~/.ray``, a W&B key in
-``~/.netrc`` or an exported ``MLFLOW_TRACKING_URI`` never changes what a test sees
-(``tests/test_hermetic.py`` plants all of them and runs backend and Ray tests).
+this session's, ``RANKLOG_CODE=0`` (tests of code provenance ask for it), and every
+RAY_*, WANDB_*, MLFLOW_* and launcher variable of the caller is removed, so that a
+token file in the user's ``~/.ray``, a W&B key in ``~/.netrc`` or an exported
+``MLFLOW_TRACKING_URI`` never changes what a test sees (``tests/test_hermetic.py`` plants
+all of them and runs backend and Ray tests).
 """
 
 from __future__ import annotations
