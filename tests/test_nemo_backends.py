@@ -144,9 +144,12 @@ class TestMLflow:
         assert [(m.step, m.value) for m in history] == [(20, pytest.approx(0.7))]
 
     def test_lists_summarised_as_nemo(self, mlrun: tuple[Any, Any]) -> None:
-        """Per-worker lists merged, then /mean, /p50, /p90, /max (NeMo's MLflow summary)."""
+        """Per-worker lists merged, then /mean, /p50, /p90, /max (NeMo's MLflow summary), and
+        no other statistic (``--histogram-stats``, NeMo's set under ranklog.nemo)."""
         client, run = mlrun
         base = "train/generation_logger_metrics/kv_cache"
+        keys = {k for k in run.data.metrics if k.startswith(base + "/")}
+        assert keys == {f"{base}/{s}" for s in ("mean", "p50", "p90", "max")}
         got = {s: client.get_metric_history(run.info.run_id, f"{base}/{s}")[0].value
                for s in ("mean", "p50", "p90", "max")}  # fmt: skip
         assert got == pytest.approx({"mean": 0.25, "p50": 0.25, "p90": 0.37, "max": 0.4})

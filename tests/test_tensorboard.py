@@ -333,13 +333,21 @@ class TestHparams:
         ]  # (the slowest rank is a text: no hparams metric)
 
     def test_types_and_domains(self, tmp_path: Path) -> None:
-        """Strings, bools, numbers and None become typed hparams with their one value."""
+        """Strings, bools and numbers become typed hparams with their one value; None is left
+        out, as TensorBoard's own writer (torch's ``SummaryWriter.add_hparams``) leaves it."""
         params = {"name": "adam", "flag": True, "lr": 0.5, "n": 3, "none": None, "big": math.inf}
         _session(tmp_path, [_step(0)], params)
         ssi, exp = _hparams(tmp_path)
         got = {k: getattr(v, v.WhichOneof("kind")) for k, v in ssi.hparams.items()}
-        assert got == {"name": "adam", "flag": True, "lr": 0.5, "n": 3.0, "none": "None",
-                       "big": math.inf}  # fmt: skip
+        assert got == {"name": "adam", "flag": True, "lr": 0.5, "n": 3.0, "big": math.inf}
+        torch_summary = pytest.importorskip("torch.utils.tensorboard.summary")
+        _, theirs, _ = torch_summary.hparams(params, {})
+        from tensorboard.plugins.hparams import plugin_data_pb2
+
+        data = plugin_data_pb2.HParamsPluginData.FromString(
+            theirs.value[0].metadata.plugin_data.content
+        )
+        assert set(data.session_start_info.hparams) == set(got)
         infos = {h.name: h for h in exp.hparam_infos}
         assert infos["lr"].domain_interval.min_value == infos["lr"].domain_interval.max_value == 0.5
         assert infos["flag"].domain_discrete.values[0].bool_value is True

@@ -28,7 +28,7 @@ from ranklog.nemo._config import (
     WandbConfig,
 )
 from ranklog.nemo._objects import SummaryWriter, SwanlabRun, WandbRun
-from ranklog.nemo._session import Session, ship_command
+from ranklog.nemo._session import Session, leave_out_flags, ship_command
 
 __all__ = [
     "GpuSamplerMonitor",
@@ -120,6 +120,7 @@ class _BackendLogger(OnSession):
         flags = target_kinds()[self.SECTION].nemo_backend_command(self.cfg, backend_dir)
         spool = backend_dir / ".ranklog-spool"
         own = self.cfg.get("ranklog") or {}
+        flags += leave_out_flags(own, self.SECTION)
         self._session = Session(spool, [[*ship_command(spool, own), *flags]], own)
         self._own_session = True
         print(f"Initialized {type(self).__name__} at {backend_dir} (ranklog spool {spool})")

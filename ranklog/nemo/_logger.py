@@ -8,8 +8,10 @@ when ``num_val_samples_to_print`` > 0, a console shipper printing validation sam
 Training never waits on a backend; a crash loses nothing already closed.
 
 ranklog's own keys go in an optional ``ranklog`` section of the logger config:
-``durability``, ``owner_rank``, ``rank``, ``world_size``, ``shutdown_timeout`` and
-``close_after`` (the prefixes whose call ends a step; default ``["timing/train"]``).
+``durability``, ``owner_rank``, ``rank``, ``world_size``, ``shutdown_timeout``,
+``close_after`` (the prefixes whose call ends a step; default ``["timing/train"]``),
+``late`` and ``leave_out`` (per backend section, the kinds of values it is not given:
+``{"tensorboard": ["histograms", "texts"]}``; docs/nemo.md).
 """
 
 from __future__ import annotations
@@ -32,7 +34,13 @@ from ranklog.nemo._backends import (
 )
 from ranklog.nemo._config import LoggerConfig
 from ranklog.nemo._plots import plot_per_worker_timeline, plot_token_mult_prob_error
-from ranklog.nemo._session import Session, ship_command, write_batched_jsonl, write_string_lines
+from ranklog.nemo._session import (
+    Session,
+    leave_out_flags,
+    ship_command,
+    write_batched_jsonl,
+    write_string_lines,
+)
 
 __all__ = ["Logger"]
 
@@ -107,10 +115,11 @@ class Logger(OnSession):
         log_dir = Path(cfg["log_dir"])
         base = ship_command(log_dir / "spool", cfg.get("ranklog") or {})
         cmds: list[list[str]] = []
+        own = cfg.get("ranklog") or {}
         for kind in target_kinds().values():
             flags = kind.nemo_command(cfg, log_dir)
             if flags is not None:
-                cmds.append([*base, *flags])
+                cmds.append([*base, *flags, *leave_out_flags(own, kind.nemo_section)])
         samples = int(cfg.get("num_val_samples_to_print") or 0)
         if samples > 0:  # every step with text (validation samples) and every partial step
             cmds.append([*base, "--to", f"console:{10**9}", "--samples", str(samples)])

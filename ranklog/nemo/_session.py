@@ -39,7 +39,9 @@ from ranklog.producer import Run
 from ranklog.producer._values import as_float, check_name, check_step, check_table
 from ranklog.schemas import TableCell
 
-__all__ = ["Session", "ship_command", "write_batched_jsonl", "write_string_lines"]
+__all__ = [
+    "Session", "leave_out_flags", "ship_command", "write_batched_jsonl", "write_string_lines",
+]  # fmt: skip
 
 log = logging.getLogger("ranklog.nemo")
 
@@ -316,6 +318,18 @@ def write_string_lines(lines: Sequence[str], path: Path) -> None:
         for line in lines:
             f.write(line + "\n")
     print(f"Logged data to {path}")
+
+
+def leave_out_flags(own: Mapping[str, Any], section: str | None) -> list[str]:
+    """``--leave-out KINDS`` for a backend section from ``ranklog.leave_out``: a mapping of
+    section to kinds, or a list of kinds for every backend ([] when none)."""
+    spec = own.get("leave_out")
+    if isinstance(spec, Mapping):
+        spec = spec.get(section or "")
+    if not spec:
+        return []
+    kinds = [spec] if isinstance(spec, str) else [str(k) for k in spec]
+    return ["--leave-out", ",".join(kinds)]
 
 
 def ship_command(spool: Path, own: Mapping[str, Any]) -> list[str]:

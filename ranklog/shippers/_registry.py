@@ -23,9 +23,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from ranklog.errors import ConfigError
+from ranklog.shippers._leave_out import parse_leave_out
 from ranklog.shippers._target import Target
 
 __all__ = [
@@ -76,6 +77,15 @@ class Option:
         if self.choices is not None and value not in self.choices:
             raise ConfigError(f"{self.flag} {text!r}: expected one of {', '.join(self.choices)}")
         return value
+
+
+#: the option every target takes: kinds of values it is not given (:mod:`._leave_out`)
+LEAVE_OUT: Final = Option(
+    "leave_out",
+    "kinds of values this target is not given, comma-separated: histograms, texts, tables, "
+    "images, derived (slowest_rank, ranks_reporting), code (default: none)",
+    metavar="KINDS",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +173,14 @@ class TargetKind:
             value = mine[o.name]
             if value is not None and o.choices is not None and value not in o.choices:
                 raise ConfigError(f"{o.flag} {value!r}: expected one of {', '.join(o.choices)}")
-        return self.build(arg, context, mine)
+        leave_out = values.get(LEAVE_OUT.name)
+        kinds = parse_leave_out(leave_out) if isinstance(leave_out, str) else frozenset()
+        target = self.build(arg, context, mine)
+        if not kinds:
+            return target
+        from ranklog.shippers._leave_out import LeaveOut
+
+        return LeaveOut(target, kinds)
 
 
 @functools.cache
@@ -200,7 +217,9 @@ def all_options() -> dict[str, tuple[Option, list[str]]]:
 
     Kinds that share an option name must declare the same type and choices.
     """
-    out: dict[str, tuple[Option, list[str]]] = {}
+    out: dict[str, tuple[Option, list[str]]] = {
+        LEAVE_OUT.name: (LEAVE_OUT, [k.kind for k in target_kinds().values()])
+    }
     for kind in target_kinds().values():
         for opt in kind.options:
             seen = out.get(opt.name)

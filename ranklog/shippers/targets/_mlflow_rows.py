@@ -15,16 +15,19 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
+from ranklog.errors import ConfigError
 from ranklog.schemas import ParamScalar
 from ranklog.shippers._target import ShippedStep, TextItem
 
 __all__ = [
+    "HISTOGRAM_STATS",
     "MARKER",
     "chunk_text",
     "code_tags_and_files",
     "decode_steps",
     "encode_steps",
     "held_by",
+    "histogram_stat_list",
     "sanitize_key",
 ]
 
@@ -132,9 +135,28 @@ def _rank_rows(
                 yield metric(keys[name], value, ts, step)
 
 
+#: the statistics a distribution can become in MLflow (:func:`~._media.summary`'s)
+HISTOGRAM_STATS: Final = ("count", "min", "max", "mean", "std", "p50", "p90")
+
+
+def histogram_stat_list(text: str | None) -> tuple[str, ...]:
+    """The statistics ``--histogram-stats`` names (every one when None)."""
+    if text is None:
+        return HISTOGRAM_STATS
+    stats = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+    bad = [s for s in stats if s not in HISTOGRAM_STATS]
+    if bad:
+        raise ConfigError(
+            f"--histogram-stats {text!r}: {', '.join(bad)} is not one of "
+            f"{', '.join(HISTOGRAM_STATS)}"
+        )
+    return stats
+
+
 def _with_histograms(
-    step: ShippedStep, gpu_names: str = "ranklog", started: float | None = None
-) -> dict[str, float]:
+    step: ShippedStep, gpu_names: str = "ranklog", started: float | None = None,
+    stats: tuple[str, ...] = HISTOGRAM_STATS,
+) -> dict[str, float]:  # fmt: skip
     """The step's metrics plus each histogram's summary (``name/count``, ``/min``, ...)."""
     if not step.histograms and not step.gpu:
         return step.metrics
@@ -143,7 +165,8 @@ def _with_histograms(
     style = "nemo" if gpu_names == "nemo" else "mlflow"
     out = {**step.metrics, **gpu_metrics(step, style, started=started)}
     for name, values in step.histograms.items():
-        out.update({f"{name}/{stat}": v for stat, v in summary(values).items()})
+        got = summary(values)
+        out.update({f"{name}/{stat}": got[stat] for stat in stats if stat in got})
     return out
 
 

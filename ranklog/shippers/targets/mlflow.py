@@ -85,6 +85,7 @@ from ranklog.shippers._registry import Option, TargetContext, TargetKind
 from ranklog.shippers._target import ShippedStep
 from ranklog.shippers.targets._media import GPU_NAMES_OPTION
 from ranklog.shippers.targets._mlflow_rows import (
+    HISTOGRAM_STATS,
     MARKER,
     _chunks,
     _late,
@@ -99,6 +100,7 @@ from ranklog.shippers.targets._mlflow_rows import (
     decode_steps,
     encode_steps,
     held_by,
+    histogram_stat_list,
     sanitize_key,
 )
 from ranklog.shippers.targets._mlflow_runs import adopt, create, experiment, oldest, search
@@ -175,8 +177,11 @@ class MlflowTarget:
         image_layout: str = "steps",
         gpu_names: str = "ranklog",
         names: str = ALL_NAMES,
+        histogram_stats: str | None = None,
     ) -> None:
         self.spec = spec or f"mlflow:{uri}"
+        #: the statistics a distribution becomes (``name/<stat>``), in this order
+        self.histogram_stats = histogram_stat_list(histogram_stats)
         self.names = names
         self.uri, self._db = uri, None
         db = uri.removeprefix("sqlite:///")
@@ -370,7 +375,8 @@ class MlflowTarget:
             self._last_ts = steps[-1].ts if math.isfinite(steps[-1].ts) else self._last_ts
             client = self._client
             started = self._started
-            values_of = [_with_histograms(s, self.gpu_names, started) for s in steps]
+            stats = self.histogram_stats
+            values_of = [_with_histograms(s, self.gpu_names, started, stats) for s in steps]
             names: set[str] = set()
             for values in values_of:
                 names.update(values)
@@ -520,6 +526,7 @@ def _build(arg: str, context: TargetContext, options: Mapping[str, Any]) -> Mlfl
         image_layout=options.get("image_layout") or "steps",
         gpu_names=options.get("gpu_names") or "ranklog",
         names=names,
+        histogram_stats=options.get("histogram_stats"),
     )
 
 
@@ -545,6 +552,7 @@ def _nemo_options(section: Mapping[str, Any], backend_dir: Path) -> dict[str, An
         "artifact_location": section.get("artifact_location") or backend_dir.resolve().as_uri(),
         "image_layout": "latest",
         "gpu_names": "nemo",
+        "histogram_stats": "mean,p50,p90,max",  # NeMo's summary of a list
     }
 
 
@@ -573,6 +581,12 @@ TARGET = TargetKind(
             choices=("steps", "latest"),
         ),
         GPU_NAMES_OPTION,
+        Option(
+            "histogram_stats",
+            "MLflow: the statistics each distribution becomes (NAME/STAT), comma-separated "
+            f"from {','.join(HISTOGRAM_STATS)} (default: all; under NeMo: mean,p50,p90,max)",
+            metavar="STATS",
+        ),
     ),
     extra="mlflow",
     nemo_section="mlflow",

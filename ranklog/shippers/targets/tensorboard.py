@@ -33,6 +33,7 @@ run); ``flush()`` fsyncs.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import mmap
 import os
@@ -69,6 +70,8 @@ if TYPE_CHECKING:
     pass
 
 __all__ = ["HPARAMS_FILE", "TARGET", "TensorBoardTarget", "crc32c"]
+
+log = logging.getLogger("ranklog.ship")
 
 HPARAMS_FILE: Final = "events.out.tfevents.0000000000.ranklog.hparams"
 _RUN_TAG: Final = "ranklog run "
@@ -331,6 +334,7 @@ class TensorBoardTarget:
         self._ranks: dict[int, _Run] = {}
         self._templates: dict[tuple[bool, tuple[str, ...]], Scalars] = {}
         self._params: dict[str, ParamValue] = {}
+        self._nulls: set[str] = set()  # params whose None value was said left out
         self._metrics: set[str] = set()
         self._mine = Holding("")
 
@@ -462,7 +466,17 @@ class TensorBoardTarget:
             return b""
         tb, run, infos = tb_protos(), self._run, []
         hp = tb.hparams_summary_v2
-        values = {k: hparam_value(v) for k, v in sorted(self._params.items())}
+        # None as TensorBoard's own writer (SummaryWriter.add_hparams) takes it: left out,
+        # the HParams dashboard has no null (said once per key; other backends keep it)
+        values = {k: hparam_value(v) for k, v in sorted(self._params.items()) if v is not None}
+        nulls = sorted(k for k, v in self._params.items() if v is None and k not in self._nulls)
+        if nulls:
+            self._nulls.update(nulls)
+            log.info("%s: hyperparameters whose value is None left out of the HParams "
+                     "dashboard, as SummaryWriter.add_hparams leaves them: %s", self.spec,
+                     ", ".join(nulls[:10]) + (" ..." if len(nulls) > 10 else ""))  # fmt: skip
+        if not values:
+            return b""
         pb = hp.hparams_pb(values, trial_id=self.name or run.name, start_time_secs=run.created)
         for k, v in values.items():
             if isinstance(v, str | bool):
