@@ -57,6 +57,40 @@ class TestDocs:
         assert not bad
 
 
+class TestNemoDifferences:
+    """docs/nemo.md's additions and differences: each line names the test that checks it."""
+
+    SECTIONS = ("## What ranklog adds", "## Differences from NeMo RL")
+    _REF = re.compile(r"`(tests/[\w/]+\.py)::([\w:]+)`")
+
+    def lines(self) -> list[str]:
+        text = (ROOT / "docs" / "nemo.md").read_text()
+        out = []
+        for head in self.SECTIONS:
+            body = text[text.index(head) :].split("\n## ", 1)[0]
+            out += [ln for ln in body.splitlines() if ln.startswith("- ")]
+        return out
+
+    def test_each_line_names_a_test_that_exists(self) -> None:
+        """Every bullet ends with ``tests/FILE.py::Class::test`` naming a test of that file."""
+        import ast
+
+        lines = self.lines()
+        assert len(lines) >= 20
+        for line in lines:
+            refs = self._REF.findall(line)
+            assert refs, f"no test named: {line[:80]}"
+            for path, name in refs:
+                tree = ast.parse((ROOT / path).read_text())
+                scope: list[ast.stmt] = tree.body
+                for part in name.split("::"):
+                    found = [n for n in scope if isinstance(n, ast.ClassDef | ast.FunctionDef)
+                             and n.name == part]  # fmt: skip
+                    assert found, f"{path}::{name} does not exist ({line[:60]})"
+                    scope = found[0].body
+                assert name.split("::")[-1].startswith("test_"), name
+
+
 # -- the code blocks: each says what it is; the runnable ones run ---------------------------
 
 #: what a fenced block may be: code that runs (python, sh), data that parses (json, toml),

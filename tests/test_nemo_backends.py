@@ -228,6 +228,16 @@ class TestWandb:
             {"reward": rows[2]["_step"] / 20, "turns": i} for i in range(2)
         ]
 
+    def test_plots_are_plotly_charts(self, wandb_file: Path) -> None:
+        """With plotly installed, NeMo's plots are interactive charts in W&B, as its W&B
+        logger's ``run.log({name: figure})`` makes them."""
+        pytest.importorskip("plotly")
+        from ranklog.shippers.targets._wandb_log import history_rows
+
+        key = "train/token_mult_prob_error_plot_sample._type"
+        types = [r[key] for r in history_rows(wandb_file) if key in r]
+        assert types == ["plotly-file", "plotly-file"]
+
     def test_a_value_after_step_finished_is_dropped(self, wandb_file: Path) -> None:
         """As wandb.log after commit=True: a step below the run's current one is not kept."""
         from ranklog.shippers.targets._wandb_log import history_rows
@@ -280,6 +290,15 @@ class TestSwanlab:
         assert sorted(seen["validation/accuracy"]) == VAL_STEPS
         plot = "train/token_mult_prob_error_plot_sample"
         assert sorted(seen[plot]) == [7, 14]  # plots are swanlab.Image, as NeMo logs them
+
+    def test_a_value_after_step_finished_is_left_out(self, grpo: Run) -> None:
+        """A value logged at step 20 after its step was shipped does not reach SwanLab (a
+        synced session cannot take a step back); NeMo's SwanLab logger writes it."""
+        from ranklog.shippers.targets.swanlab import read_session
+
+        keys = {k for f in self.sessions(grpo) for v in read_session(f)[0].values() for k in v}
+        assert "validation/accuracy" in keys
+        assert "validation/final_accuracy" not in keys
 
     def test_config_nested_as_nemo_gives_it(self, grpo: Run) -> None:
         """The hyperparameters are the run's config, nested as NeMo's dict."""
