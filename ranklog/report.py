@@ -432,7 +432,15 @@ def write_report(dataset: Path, out: Path) -> Path:
         samples = text_samples(dataset)
         ranks, firsts, m = step_time_matrix(dataset, timer)
         params = _read(dataset, "params", ["name", "value"]).group_by(["name", "value"])
-        pairs = params.aggregate([]).sort_by("name").to_pylist()
+        rows = params.aggregate([]).sort_by("name").to_pylist()
+        pairs = [p for p in rows if not p["name"].startswith("@")]  # "@": run records
+        code = {p["name"][6:]: json.loads(p["value"]) for p in rows
+                if p["name"].startswith("@code/")}  # fmt: skip
+        if code.get("commit"):
+            where = f" on {code['branch']}" if code.get("branch") else ""
+            cards["code"] = f"{str(code['commit'])[:10]}{where}" + (
+                " (uncommitted changes)" if code.get("dirty") else ""
+            )
         none = "<p class=none>No {} in this run.</p>".format
         sections = {
             "Metrics": _metrics_html(curves) if curves else none("finite metric values"),

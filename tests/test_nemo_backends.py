@@ -137,6 +137,13 @@ class TestMLflow:
         assert sorted(m.step for m in history) == list(STEPS)
         assert {m.step: m.value for m in history} == pytest.approx({s: loss(s) for s in STEPS})
 
+    def test_the_run_ends_finished(self, mlrun: tuple[Any, Any]) -> None:
+        """After the program ends, the MLflow run is FINISHED with an end time, as NeMo's
+        logger leaves it (never RUNNING for ever)."""
+        _, run = mlrun
+        assert run.info.status == "FINISHED"
+        assert run.info.end_time and run.info.end_time >= run.info.start_time
+
     def test_a_value_after_step_finished_lands(self, mlrun: tuple[Any, Any]) -> None:
         """The value logged after step 20 was finished is at step 20, once."""
         client, run = mlrun

@@ -159,6 +159,32 @@ class TestPage:
         assert page.count("data-plot=") == page.count("<img") == 3
         assert page.count("No GPU samples in this run.") == 1
 
+    def test_code_card_and_no_run_records_among_params(self, spool: Path, tmp_path: Path) -> None:
+        """The code's commit, branch and dirty flag are a card; run records (``@`` rows:
+        the diff, summary values) are not listed as params."""
+        run = ranklog.init(spool, rank=0, world_size=1, handle_signals=False)
+        run.log_hyperparams({"lr": 0.1})
+        run.log_summary({"best": 0.5})
+        run._sink.append(
+            Params(
+                1.0,
+                {},
+                {},
+                {
+                    "code/commit": "4f1c2e9d8b7a6",
+                    "code/branch": "main",
+                    "code/dirty": True,
+                    "code/diff": "+x",
+                },
+            )
+        )
+        log_steps(run, range(3))
+        run.close()
+        compact(spool, tmp_path / "pq")
+        page = write_report(tmp_path / "pq", tmp_path / "r.html").read_text()
+        assert "<b>code</b><span>4f1c2e9d8b on main (uncommitted changes)</span>" in page
+        assert ">lr<" in page and "@" not in page.split("<h2>Params</h2>")[1]
+
     @pytest.mark.slow
     def test_wide_job(self, spool: Path, tmp_path: Path) -> None:
         """512 ranks and 24 GPUs render (GPUs as heatmaps); the slow rank is the hottest row."""
