@@ -25,6 +25,7 @@ import pyarrow.dataset as ds
 
 from ranklog.archive import MANIFEST, SCHEMAS, TABLES, load_manifest
 from ranklog.errors import ConfigError, ExtraMissingError
+from ranklog.schemas import is_meta_key
 
 try:
     import numpy as np
@@ -378,7 +379,8 @@ def _params_html(pairs: list[dict[str, str]]) -> str:
     values: dict[str, list[str]] = {}
     for p in pairs:
         v = json.loads(p["value"])
-        values.setdefault(p["name"], []).append(v if isinstance(v, str) else json.dumps(v))
+        name = p["name"][1:] if p["name"][:2] == "@@" else p["name"]  # "@@x": param "@x"
+        values.setdefault(name, []).append(v if isinstance(v, str) else json.dumps(v))
     body = "".join(f"<tr><td>{html.escape(k)}<td class=v>{html.escape(' | '.join(v))}"
                    f"{' <i>(differs across ranks)</i>' if len(v) > 1 else ''}</tr>"
                    for k, v in values.items())  # fmt: skip
@@ -433,7 +435,7 @@ def write_report(dataset: Path, out: Path) -> Path:
         ranks, firsts, m = step_time_matrix(dataset, timer)
         params = _read(dataset, "params", ["name", "value"]).group_by(["name", "value"])
         rows = params.aggregate([]).sort_by("name").to_pylist()
-        pairs = [p for p in rows if not p["name"].startswith("@")]  # "@": run records
+        pairs = [p for p in rows if not is_meta_key(p["name"])]  # "@...": run records
         code = {p["name"][6:]: json.loads(p["value"]) for p in rows
                 if p["name"].startswith("@code/")}  # fmt: skip
         if code.get("commit"):

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +64,21 @@ class TestLeaveOut:
         assert l0["metrics"] == {k: v for k, v in f0["metrics"].items() if k not in derived}
         assert l1["metrics"] == {k: v for k, v in f1["metrics"].items() if k not in derived}
         assert (l1["complete"], l1["ranks"]) == (f1["complete"], f1["ranks"])
+
+    def test_derived_means_ranklogs_not_a_logged_name(self, tmp_path: Path) -> None:
+        """A logged ``timing/t/slowest_rank`` is the user's and stays; the derived value,
+        shipped as ``timing/t/slowest_rank.derived`` beside it, is the one left out."""
+        spool, out = tmp_path / "spool", tmp_path / "o.jsonl"
+        run = ranklog.init(spool, rank=0, world_size=1, handle_signals=False)
+        run.log_timing("t", 0.5, step=0)
+        run.log_metrics({"timing/t/slowest_rank": 7.0}, step=0)
+        run.step_end(0)
+        run.close()
+        done = ranklog_cmd("ship", str(spool), "--to", f"jsonl:{out}", "--once",
+                           "--leave-out", "derived")  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        (step,) = steps_of(out)
+        assert step["metrics"] == {"timing/t": 0.5, "timing/t/slowest_rank": 7.0}
 
     def test_code_left_out(self, tmp_path: Path) -> None:
         """--leave-out code: no ``code/*`` record reaches the target; other records do."""
@@ -147,4 +161,3 @@ class TestNemo:
             assert cmd[cmd.index("--leave-out") + 1] == "histograms"
         finally:
             logger.finish()
-        assert json.dumps(cmd)

@@ -166,6 +166,155 @@ class TestProducer:
         assert records(spool) == {}
 
 
+class TestReviewed:
+    """What a review of run records found, each fixed."""
+
+    def test_a_repository_path_with_spaces(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A repository whose path holds spaces is recorded (git's output split by line)."""
+        r = tmp_path / "My Projects" / "repo"
+        r.mkdir(parents=True)
+        git(r, "init", "-q", "-b", "main")
+        (r / "a.py").write_text("x = 1\n")
+        git(r, "add", "a.py")
+        git(r, "commit", "-qm", "c")
+        logged_run(tmp_path / "spool", r, monkeypatch, code=True)
+        assert records(tmp_path / "spool")["code/root"] == str(r.resolve())
+
+    def test_a_token_in_the_diff_is_redacted(
+        self, repo: Path, spool: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A credential-shaped token in a tracked file's diff never leaves the machine."""
+        token = "hf_" + "a1B2c3D4e5F6g7H8i9J0k1L2m3"
+        (repo / "train.py").write_text(f"lr = 0.2\nHF = '{token}'\n")
+        logged_run(spool, repo, monkeypatch, code=True)
+        got = records(spool)
+        assert token not in got["code/diff"] and "HF = '<redacted>'" in got["code/diff"]
+        assert got["code/diff_redacted"] == 1
+
+    def test_an_old_hyperparameter_named_with_at_stays_one(
+        self, spool: Path, tmp_path: Path
+    ) -> None:
+        """A hyperparameter named ``@x`` in a spool of an older release (legal then) ships
+        as the hyperparameter ``@x``, not as a run record."""
+        run = ranklog.init(spool, rank=0, world_size=1, handle_signals=False)
+        run._sink.append(Params(1.0, {"@x": 1, "lr": 0.1}, {"@l": [1, 2]}))
+        run.log_metrics({"a": 1.0}, step=0)
+        run.close()
+        out = tmp_path / "o.jsonl"
+        assert ranklog_cmd("ship", str(spool), "--to", f"jsonl:{out}", "--once").returncode == 0
+        lines = read_jsonl(out)
+        assert [x["params"] for x in lines if "params" in x] == [{"@x": 1, "lr": 0.1, "@l": [1, 2]}]
+        assert not [x for x in lines if "meta" in x]
+
+    def test_the_cursor_keeps_a_digest_of_a_long_diff(
+        self, repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A long diff is kept in the cursor by its digest (the cursor, rewritten at every
+        commit, stays small), and a restarted shipper still sends it once."""
+        spool, out = tmp_path / "spool", tmp_path / "o.jsonl"
+        (repo / "train.py").write_text("".join(f"line {i}\n" for i in range(20000)))
+        logged_run(spool, repo, monkeypatch, code=True)
+        assert len(records(spool)["code/diff"]) > 100_000
+        assert ranklog_cmd("ship", str(spool), "--to", f"jsonl:{out}", "--once").returncode == 0
+        (cursor,) = (spool / "cursors").glob("*.json")
+        assert cursor.stat().st_size < 20_000
+        assert ranklog_cmd("ship", str(spool), "--to", f"jsonl:{out}", "--once").returncode == 0
+        assert sum("code/diff" in x.get("meta", {}) for x in read_jsonl(out)) == 1
+
+    def test_several_ranks_replay_on_columns(
+        self, repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Rank 0's run records beside every rank's same config keep the replay on columns
+        (not event by event), and it writes what live shipping wrote."""
+        monkeypatch.chdir(repo)
+        spool = tmp_path / "spool"
+        for r in (0, 1):
+            run = ranklog.init(spool, rank=r, world_size=2, handle_signals=False, code=r == 0)
+            run.log_hyperparams({"lr": 0.1})
+            if r == 0:
+                run.log_summary({"best": 1.0})
+            for step in range(3):
+                run.log_metrics({"loss": step + r}, step=step)
+                run.step_end(step)
+            run.close()
+        live, again = tmp_path / "live.jsonl", tmp_path / "replay.jsonl"
+        assert ranklog_cmd("ship", str(spool), "--to", f"jsonl:{live}", "--once").returncode == 0
+        assert ranklog_cmd("compact", str(spool), "--out", str(tmp_path / "ds")).returncode == 0
+        done = ranklog_cmd("replay", str(tmp_path / "ds"), "--to", f"jsonl:{again}")
+        assert done.returncode == 0 and "event by event" not in done.stderr, done.stderr
+        assert again.read_bytes() == live.read_bytes()
+
+    def test_tensorboard_code_text_is_no_step_and_written_once(self, tmp_path: Path) -> None:
+        """The code's text record holds no step: a reopened target holds none, and does not
+        write the same text again (a crash before the cursor was committed)."""
+        pytest.importorskip("tensorboard")
+        from ranklog.shippers.targets.tensorboard import TensorBoardTarget
+        from ranklog.spool import RunInfo
+
+        run = RunInfo("r" * 32, 0.0, "t")
+        meta = {"code/commit": "abc", "code/dirty": False, "code/root": "/r", "code/diff": ""}
+        for _ in range(2):
+            target = TensorBoardTarget(tmp_path / "tb")
+            assert not target.open(run)
+            target.write_meta(dict(meta))
+            target.flush()
+            target.close()
+        data = b"".join(p.read_bytes() for p in (tmp_path / "tb").glob("events.out.*"))
+        assert data.count(b"code/git") == 1
+
+    def test_wandb_sends_the_image_when_plotly_cannot_read_the_chart(self, tmp_path: Path) -> None:
+        """A chart the shipper's plotly refuses (another version wrote it) goes as its image,
+        said once; the shipper does not stop."""
+        pytest.importorskip("wandb")
+        pytest.importorskip("plotly")
+        from ranklog.schemas import Image
+
+        spool = tmp_path / "spool"
+        run = ranklog.init(spool, rank=0, world_size=1, handle_signals=False)
+        import io
+
+        from PIL import Image as PILImage
+
+        buf = io.BytesIO()
+        PILImage.new("RGB", (4, 4)).save(buf, format="png")
+        bad = json.dumps({"data": [{"type": "scatter", "no_such_property": 1}]})
+        run._sink.append(Image(1.0, 0, "plots/loss", buf.getvalue(), "png", bad), step=0)
+        run.log_metrics({"x": 1.0}, step=0)
+        run.close()
+        done = ranklog_cmd("ship", str(spool), "--to", "wandb:p", "--dir", str(tmp_path / "w"),
+                           "--mode", "offline", "--once")  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert "a Plotly chart this plotly cannot read is sent as its image" in done.stderr
+        assert media_types(tmp_path / "w") == ["image-file"]
+
+    def test_wandb_summary_replaced_by_a_logged_value_is_not_given_again(
+        self, tmp_path: Path
+    ) -> None:
+        """A summary key later logged as a metric takes W&B's own summary (its last value);
+        a later session is not given the older summary value."""
+        pytest.importorskip("wandb")
+        spool, root = tmp_path / "spool", tmp_path / "w"
+        run = ranklog.init(spool, rank=0, world_size=1, handle_signals=False)
+        run.log_summary({"loss": 9.0, "best": 1.0})
+        run.log_metrics({"loss": 0.5}, step=0)
+        run.step_end(0)
+        run.flush()
+        args = ("ship", str(spool), "--to", "wandb:p", "--dir", str(root), "--mode", "offline",
+                "--once")  # fmt: skip
+        assert ranklog_cmd(*args).returncode == 0
+        run.log_metrics({"loss": 0.25}, step=1)
+        run.step_end(1)
+        run.close()
+        assert ranklog_cmd(*args).returncode == 0
+        second = sorted(root.glob("wandb/offline-run-*/run-*.wandb"))[1]
+        updates = [r.summary.update for r in iter_records(second)
+                   if r.WhichOneof("record_type") == "summary"]  # fmt: skip
+        given = {u.key: json.loads(u.value_json) for ups in updates for u in ups if u.key}
+        assert given.get("best") == 1.0 and given.get("loss") != 9.0
+
+
 class TestJsonlAndReplay:
     def test_meta_lines_live_and_replayed_alike(
         self, repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

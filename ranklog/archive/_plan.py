@@ -41,11 +41,22 @@ import pyarrow.parquet as pq
 from ranklog.archive._manifest import Manifest
 from ranklog.archive._rows import COLUMNS, GroupCache, column_names, open_file
 from ranklog.archive._tables import TABLES
-from ranklog.schemas import ParamValue
+from ranklog.schemas import ParamValue, is_meta_key
 from ranklog.shippers._tail import ParamsRead
 from ranklog.spool import NO_STEP, SegmentId
 
-__all__ = ["ITEMS", "READ", "REDUCED", "Plan", "RankPlan", "RowGroup", "check", "plan", "scan"]
+__all__ = [
+    "ITEMS",
+    "LATER",
+    "READ",
+    "REDUCED",
+    "Plan",
+    "RankPlan",
+    "RowGroup",
+    "check",
+    "plan",
+    "scan",
+]
 
 #: tables reduced on columns (each row group is indexed by its steps)
 REDUCED: Final = ("metrics", "timers")
@@ -164,15 +175,32 @@ def check(found: Plan, manifest: Manifest, cache: GroupCache) -> str:
     return ""
 
 
+def _split_said(said: list[Any]) -> tuple[list[Any], bool]:
+    """(a rank's params events without their run records, whether it logged any record)."""
+    out, records = [], False
+    for effective, items in said:
+        kept = tuple((k, v) for k, v in items if not is_meta_key(k))
+        records = records or len(kept) < len(items)
+        if kept:
+            out.append((effective, kept))
+    return out, records
+
+
 def _one_config(ranks: list[RankPlan]) -> None:
-    """Params from several ranks: only the same ones everywhere, each key once; then the
-    lowest rank's stand for all (the others change nothing, whatever the read order)."""
+    """Params from several ranks: only the same ones everywhere, each key once, and run
+    records (``@`` keys: the code, definitions, summary values) from the first of them
+    only; then that rank's stand for all (the others change nothing, whatever the read
+    order)."""
     logging = [rp for rp in ranks if rp.said]
     if len(logging) < 2:
         return
-    first = logging[0].said
-    if any(rp.said != first for rp in logging[1:]):
-        raise _No(f"params differ across {len(logging)} ranks")
+    first, _ = _split_said(logging[0].said)
+    for rp in logging[1:]:
+        theirs, records = _split_said(rp.said)
+        if theirs != first:
+            raise _No(f"params differ across {len(logging)} ranks")
+        if records:
+            raise _No(f"run records logged by rank {rp.rank}, besides rank {logging[0].rank}")
     keys = [k for _, items in first for k, _ in items]
     if len(keys) != len(set(keys)):
         raise _No(f"params logged again, by {len(logging)} ranks")
@@ -327,6 +355,11 @@ READ: Final = {
 }
 
 
+#: columns added by a later release, read as nulls from a file without them (as the event
+#: path reads them): such a file stays on the columnar path
+LATER: Final[dict[str, set[str]]] = {"images": {"plotly"}}
+
+
 def _open(path: Path, table: str, cache: GroupCache) -> pq.ParquetFile:
     """``path`` opened; a file an older release wrote, without a column read here, is
     left to the event path (which reads absent columns as nulls).
@@ -338,7 +371,7 @@ def _open(path: Path, table: str, cache: GroupCache) -> pq.ParquetFile:
     if known is None and table not in _ONCE:  # parsed by this open: kept for the next
         cache.footer(path, pf.metadata)
     names = set(pf.schema_arrow.names)
-    missing = [c for c in ("seq", "idx", *READ[table]) if c not in names]
+    missing = [c for c in ("seq", "idx", *READ[table]) if c not in names | LATER.get(table, set())]
     if missing:
         raise _No(f"{path.name} has no {', '.join(missing)} (an older release wrote it)")
     return pf

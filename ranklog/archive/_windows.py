@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 from ranklog.archive._plan import ITEMS, READ, REDUCED, Plan, RowGroup
 from ranklog.archive._rows import column_names, frame_events, open_file
 from ranklog.archive._spill import ROW, Rest, Spill
+from ranklog.archive._tables import SCHEMAS
 from ranklog.schemas import Gpu, StepEvent
 from ranklog.shippers._steps import Contributed
 
@@ -340,9 +341,15 @@ class Loader:
             key = (str(g.path), g.index)
             t = cache.get(key)
             if t is None:
-                t = self._file(g.path).read_row_group(
-                    g.index, columns=columns, use_threads=g.nbytes > _THREADS
-                )
+                pf = self._file(g.path)
+                have = set(pf.schema_arrow.names)
+                t = pf.read_row_group(
+                    g.index, columns=[c for c in columns if c in have],
+                    use_threads=g.nbytes > _THREADS,
+                )  # fmt: skip
+                for c in (c for c in columns if c not in have):  # a column of a later release
+                    kind = SCHEMAS[g.table].field(c).type
+                    t = t.append_column(pa.field(c, kind), pa.nulls(t.num_rows, kind))
                 # ts as int, as frame_events takes it
                 t = t.set_column(t.schema.get_field_index("ts"), "ts", t["ts"].cast(pa.int64()))
             step = t["step"].to_numpy()

@@ -12,11 +12,12 @@ flushed to a parent logger); ``Logger`` samples through ranklog's GPU sampler in
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
@@ -241,9 +242,11 @@ class MLflowLogger(_BackendLogger):
     def run(self) -> Any:
         """MLflow's ``Run`` (``.info.run_id``, ``.info.experiment_id``, ``.data.params`` ...),
         read from the tracking store now: a snapshot; log through the logger."""
-        from mlflow import MlflowClient
+        run_id = self.run_id
+        with _mlflow_errors("MLflowLogger.run"):
+            from mlflow import MlflowClient
 
-        return MlflowClient(tracking_uri(self.cfg, self._backend_dir)).get_run(self.run_id)
+            return MlflowClient(tracking_uri(self.cfg, self._backend_dir)).get_run(run_id)
 
     def __del__(self) -> None:
         session = getattr(self, "_session", None)
@@ -278,6 +281,28 @@ def find_mlflow_run(
     session: Session, cfg: Mapping[str, Any], backend_dir: Path, timeout: float
 ) -> str:
     """The id of the MLflow run the shipper made for ``session``'s ranklog run (by its tag)."""
+    with _mlflow_errors("MLflowLogger.run_id"):
+        return _find_mlflow_run(session, cfg, backend_dir, timeout)
+
+
+@contextlib.contextmanager
+def _mlflow_errors(what: str) -> Iterator[None]:
+    """MLflow missing, or its store failing, as errors of ranklog's tree naming ``what``."""
+    from ranklog.errors import ExtraMissingError, RanklogError, TargetError
+
+    try:
+        yield
+    except ImportError:
+        raise ExtraMissingError("mlflow", "mlflow") from None
+    except RanklogError:
+        raise
+    except Exception as exc:  # MlflowException, a store that cannot be reached
+        raise TargetError(f"{what}: the MLflow store answered {exc}") from exc
+
+
+def _find_mlflow_run(
+    session: Session, cfg: Mapping[str, Any], backend_dir: Path, timeout: float
+) -> str:
     from mlflow import MlflowClient
 
     from ranklog.errors import TargetError

@@ -93,8 +93,8 @@ class RunValues:
             image.savefig(buf, format="png", bbox_inches="tight")
             data, format = buf.getvalue(), "png"
             plot = plotly_json(image)  # for W&B's interactive chart (the plots extra)
-            if len(plot) > MAX_TEXT_BYTES:
-                plot = ""  # too large to carry: the image alone, as for any figure
+            if plot and len(data) + len(plot.encode()) > MAX_TEXT_BYTES:
+                plot = ""  # too large to carry with the image: the image alone
         elif isinstance(image, bytes | bytearray | memoryview):
             data = bytes(image)
         else:

@@ -8,7 +8,8 @@ key once per run (a later one replaces it), shipped before the next step as para
 - ``code/<field>``: the code the run came from (:func:`code_record`), recorded by rank 0
   at ``init``: ``commit``, ``branch``, ``dirty``, ``remote``, ``root``, ``diff`` (against
   ``HEAD``, tracked files only, at most :data:`MAX_DIFF_BYTES`), ``diff_bytes`` (its whole
-  size) and ``diff_truncated``.
+  size) and ``diff_truncated``; credential-shaped tokens in the diff are ``<redacted>``
+  (``diff_redacted``: how many).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from ranklog.errors import InvalidValueError
+from ranklog.producer._redact import redact_text
 from ranklog.producer._values import check_name
 from ranklog.schemas import ParamScalar
 
@@ -129,7 +131,7 @@ def code_record(cwd: str | None = None) -> dict[str, ParamScalar]:
     top = _git(["rev-parse", "--show-toplevel", "HEAD"], where)
     if top is None:
         return {}
-    lines = top.split()
+    lines = top.splitlines()  # a path may hold spaces
     if len(lines) != 2:
         return {}  # a repository without a commit yet
     root, commit = lines
@@ -143,6 +145,7 @@ def code_record(cwd: str | None = None) -> dict[str, ParamScalar]:
         cut = raw[:MAX_DIFF_BYTES]
         end = cut.rfind(b"\n")
         diff = cut[: end + 1 if end >= 0 else len(cut)].decode("utf-8", "ignore")
+    diff, hidden = redact_text(diff)  # a token in a tracked file never leaves the machine
     out: dict[str, ParamScalar] = {
         "code/commit": commit,
         "code/branch": "" if branch == "HEAD" else branch,  # detached: no branch
@@ -154,4 +157,6 @@ def code_record(cwd: str | None = None) -> dict[str, ParamScalar]:
     }
     if remote:
         out["code/remote"] = _without_credentials(remote)
+    if hidden:
+        out["code/diff_redacted"] = hidden
     return out

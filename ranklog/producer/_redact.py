@@ -36,7 +36,7 @@ import re
 from collections.abc import Iterable
 from typing import Final
 
-__all__ = ["REDACT_ENV", "Redactor"]
+__all__ = ["REDACT_ENV", "Redactor", "redact_text"]
 
 #: the environment variable with more globs of keys to redact (comma-separated)
 REDACT_ENV: Final = "RANKLOG_REDACT"
@@ -66,6 +66,13 @@ _LOOKS_SECRET: Final = re.compile(
     r"|github_pat_\w{20,}|xox[abposr]-[A-Za-z0-9\-]{10,}|eyJ[\w\-]{10,}\.[\w\-]{10,}\.[\w\-]+"
 )
 _HEX40: Final = re.compile(r"[0-9a-f]{40}")
+
+
+def redact_text(text: str) -> tuple[str, int]:
+    """``text`` with every credential-shaped token (``hf_...``, ``sk-...``, ``ghp_...``, a
+    JWT ...; not 40 hex digits, which in code are mostly git objects) replaced by
+    ``<redacted>``, and how many were."""
+    return re.subn(rf"(?<![\w-])(?:{_LOOKS_SECRET.pattern})", "<redacted>", text)
 
 
 def _words(component: str) -> list[str]:

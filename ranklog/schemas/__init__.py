@@ -39,6 +39,7 @@ from ranklog.schemas._events import (
     TableCell,
     Text,
     Timer,
+    is_meta_key,
     params_event,
     split_meta,
 )
@@ -75,6 +76,7 @@ __all__ = [
     "decode_events",
     "decode_events_raw",
     "encoder",
+    "is_meta_key",
     "metrics_values",
     "params_event",
     "split_meta",

@@ -47,6 +47,7 @@ __all__ = [
     "TableCell",
     "Text",
     "Timer",
+    "is_meta_key",
     "params_event",
     "split_meta",
 ]
@@ -165,13 +166,25 @@ class Params(EventBase, tag="params", frozen=True):
     meta: dict[str, ParamScalar] = msgspec.field(default_factory=dict)
 
     def all(self) -> dict[str, ParamValue]:
-        """Every value of the event: scalars, lists and records (``@``-prefixed keys)."""
-        if not self.lists and not self.meta:
+        """Every value of the event: scalars, lists and records (``@``-prefixed keys).
+
+        A hyperparameter whose own name starts with ``@`` (legal before schema 6; the
+        producer now refuses one) is given one more ``@``, so it is never taken for a record.
+        """
+        if not self.lists and not self.meta and not any(k[:1] == META_PREFIX for k in self.values):
             return dict(self.values)
-        out: dict[str, ParamValue] = {**self.values, **self.lists}
+        out: dict[str, ParamValue] = {}
+        for k, v in (*self.values.items(), *self.lists.items()):
+            out[META_PREFIX + k if k[:1] == META_PREFIX else k] = v
         for k, v in self.meta.items():
             out[META_PREFIX + k] = v
         return out
+
+
+def is_meta_key(key: str) -> bool:
+    """Whether a key of :meth:`Params.all` names a run record (``@code/commit``), not a
+    hyperparameter (``lr``, or ``@@x``: a hyperparameter named ``@x``)."""
+    return key[:1] == META_PREFIX and key[1:2] != META_PREFIX
 
 
 def params_event(ts: float, flat: dict[str, ParamValue]) -> Params:
@@ -180,26 +193,33 @@ def params_event(ts: float, flat: dict[str, ParamValue]) -> Params:
     lists: dict[str, list[ParamScalar]] = {}
     meta: dict[str, ParamScalar] = {}
     for k, v in flat.items():
-        if k.startswith(META_PREFIX):
+        if is_meta_key(k):
             if not isinstance(v, list):
                 meta[k[1:]] = v
-        elif isinstance(v, list):
-            lists[k] = v
+            continue
+        name = k[1:] if k[:1] == META_PREFIX else k  # "@@x": the hyperparameter "@x"
+        if isinstance(v, list):
+            lists[name] = v
         else:
-            values[k] = v
+            values[name] = v
     return Params(ts, values, lists, meta)
 
 
 def split_meta(
     params: dict[str, ParamValue],
 ) -> tuple[dict[str, ParamValue], dict[str, ParamScalar]]:
-    """Hyperparameters and run records (keys without their ``@``) of one params map."""
-    if not any(k.startswith(META_PREFIX) for k in params):
+    """Hyperparameters (by their own names) and run records (keys without their ``@``) of
+    one map as :meth:`Params.all` gives it."""
+    if not any(k[:1] == META_PREFIX for k in params):
         return params, {}
-    user = {k: v for k, v in params.items() if not k.startswith(META_PREFIX)}
-    meta = {
-        k[1:]: v for k, v in params.items() if k.startswith(META_PREFIX) and not isinstance(v, list)
-    }
+    user: dict[str, ParamValue] = {}
+    meta: dict[str, ParamScalar] = {}
+    for k, v in params.items():
+        if is_meta_key(k):
+            if not isinstance(v, list):
+                meta[k[1:]] = v
+        else:
+            user[k[1:] if k[:1] == META_PREFIX else k] = v
     return user, meta
 
 

@@ -46,7 +46,7 @@ from ranklog.shippers._cursor import (
     save_cursor,
 )
 from ranklog.shippers._lease import DEFAULT_TTL, Lease
-from ranklog.shippers._meta import write_params
+from ranklog.shippers._meta import fingerprint, write_params
 from ranklog.shippers._progress import Progress, Status
 from ranklog.shippers._registry import default_name
 from ranklog.shippers._retry import RetryClock, describe, is_permanent, permanent_error
@@ -132,6 +132,8 @@ class Shipper:
         self.pending: set[int] = set()
         self.lag_bytes = 0
         self.stats = EngineStats()
+        #: every param (and run record) known, and those shipped: long texts (a diff) as
+        #: their :func:`fingerprint`, so that the cursor holding them stays small
         self.params: dict[str, ParamValue] = {}
         self.params_shipped: dict[str, ParamValue] = {}
         #: new or changed params, in log order: (step before which to ship, key, value)
@@ -265,8 +267,9 @@ class Shipper:
             # new incarnation): written before the next step shipped, never dropped
             effective = max(effective, self.shipped_upto + 1)
             for k, v in read.values.items():
-                if k not in self.params or self.params[k] != v:
-                    self.params[k] = v
+                kept = fingerprint(v)
+                if k not in self.params or self.params[k] != kept:
+                    self.params[k] = kept
                     self.params_due.append((effective, k, v))
         return res.progressed
 
@@ -412,7 +415,7 @@ class Shipper:
         self.target.flush()
         # accepted: move on
         for _, k, v in due[:sent]:
-            self.params_shipped[k] = v
+            self.params_shipped[k] = fingerprint(v)
         done = set(map(id, due[:sent]))
         self.params_due = [d for d in self.params_due if id(d) not in done]
         for s in steps:

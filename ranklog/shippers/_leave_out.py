@@ -47,8 +47,18 @@ def parse_leave_out(text: str) -> frozenset[str]:
     return kinds
 
 
-def _derived(name: str) -> bool:
-    return name == _REPORTING or (name.startswith("timing/") and name.endswith(_SLOWEST))
+def _derived(metrics: dict[str, float]) -> set[str]:
+    """The names ranklog derived in a step: ``ranklog/ranks_reporting`` and each timer's
+    ``timing/<name>/slowest_rank``, which is ``...slowest_rank.derived`` where a logged
+    value holds the plain name (that one is the user's, and kept)."""
+    out = {_REPORTING} & metrics.keys()
+    for name in metrics:
+        if not name.startswith("timing/"):
+            continue
+        renamed = name.endswith(_SLOWEST + ".derived")
+        if renamed or (name.endswith(_SLOWEST) and name + ".derived" not in metrics):
+            out.add(name)
+    return out
 
 
 class LeaveOut:
@@ -91,8 +101,8 @@ class LeaveOut:
             changes["tables"] = []
         if "images" in k and s.images:
             changes["images"] = []
-        if "derived" in k and any(_derived(n) for n in s.metrics):
-            changes["metrics"] = {n: v for n, v in s.metrics.items() if not _derived(n)}
+        if "derived" in k and (derived := _derived(s.metrics)):
+            changes["metrics"] = {n: v for n, v in s.metrics.items() if n not in derived}
         return msgspec.structs.replace(s, **changes) if changes else s
 
     def flush(self) -> None:

@@ -15,7 +15,7 @@ from typing import Final
 from ranklog.schemas import ParamValue, split_meta
 from ranklog.shippers._target import Target
 
-__all__ = ["write_params"]
+__all__ = ["fingerprint", "write_params"]
 
 log = logging.getLogger("ranklog.ship")
 
@@ -25,6 +25,20 @@ KINDS: Final = {
     "code": "the code's git state",
     "define": "metric definitions",
 }
+
+
+#: a text longer than this is kept in the engine and its cursor by its digest
+FINGERPRINT_OVER: Final = 1024
+
+
+def fingerprint(value: ParamValue) -> ParamValue:
+    """``value``, or for a long text (the code's diff: up to 1 MiB) a short stand-in that
+    is equal exactly when the texts are: what the engine compares and the cursor keeps."""
+    if isinstance(value, str) and len(value) > FINGERPRINT_OVER:
+        import hashlib
+
+        return "\x00sha256:" + hashlib.sha256(value.encode()).hexdigest()
+    return value
 
 
 def write_params(target: Target, group: dict[str, ParamValue], said: set[str]) -> None:

@@ -24,8 +24,9 @@ if TYPE_CHECKING:
     from collections.abc import Collection, Iterable
 
 __all__ = [
-    "LATE_SOURCE", "LATE_WRITER", "SLOWEST", "Scalars", "event_record", "hparam_value",
-    "media_values", "split_slowest", "table_values", "tb_protos", "text_value", "text_values",
+    "LATE_SOURCE", "LATE_WRITER", "META_LENGTH", "SLOWEST", "Scalars", "event_record",
+    "hparam_value", "media_values", "meta_digest", "meta_source", "split_slowest",
+    "table_values", "tb_protos", "text_value", "text_values",
 ]  # fmt: skip
 
 _F32, _F64 = (struct.Struct(f) for f in ("<f", "<d"))
@@ -47,14 +48,17 @@ def tb_protos() -> Any:
                               for k, v in mods.items()})  # fmt: skip
 
 
-def event_record(wall: float, step: int, summary: bytes, *, late: bool = False) -> bytes:
+def event_record(
+    wall: float, step: int, summary: bytes, *, late: bool = False, source: bytes = b""
+) -> bytes:
     """A serialized ``Event{1: wall_time, 2: step, 5: summary}``.
 
     ``late``: the record holds late values; ``source_metadata.writer`` (field 10) says so
-    (:data:`LATE_WRITER`), which readers ignore and :func:`_scan` uses.
+    (:data:`LATE_WRITER`), which readers ignore and the target's scan uses. ``source``:
+    another such ``source_metadata`` (:func:`meta_source`).
     """
     head = b"\x09" + _F64.pack(wall if math.isfinite(wall) else time.time()) + b"\x10"
-    tail = LATE_SOURCE if late else b""
+    tail = LATE_SOURCE if late else source
     return b"".join((head, varint(step), b"\x2a", varint(len(summary)), summary, tail))
 
 
@@ -63,6 +67,30 @@ LATE_WRITER: Final = "ranklog late"
 LATE_SOURCE: Final = (
     b"\x52" + bytes([len(LATE_WRITER) + 2, 0x0A, len(LATE_WRITER)]) + (LATE_WRITER.encode())
 )
+
+
+#: ``source_metadata.writer`` of a run record (the code's text) is this and a 12-hex digest
+#: of its text: a record of no step, which a restarted target does not write again
+META_WRITER: Final = "ranklog meta "
+META_LENGTH: Final = len(META_WRITER) + 12
+
+
+def meta_source(digest: str) -> bytes:
+    """The ``source_metadata`` of a run record whose text has ``digest`` (12 hex digits)."""
+    writer = (META_WRITER + digest).encode()
+    assert len(writer) == META_LENGTH
+    return b"\x52" + bytes([len(writer) + 2, 0x0A, len(writer)]) + writer
+
+
+def meta_digest(record_tail: bytes) -> str | None:
+    """The digest of a run record, from the last bytes of its record (None: not one)."""
+    writer = record_tail[-META_LENGTH:]
+    if len(record_tail) < META_LENGTH + 4 or not writer.startswith(META_WRITER.encode()):
+        return None
+    head = record_tail[-META_LENGTH - 4 : -META_LENGTH]
+    if head != b"\x52" + bytes([META_LENGTH + 2, 0x0A, META_LENGTH]):
+        return None
+    return writer[len(META_WRITER) :].decode("ascii", "replace")
 
 
 class Scalars:

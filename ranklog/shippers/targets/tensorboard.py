@@ -33,6 +33,7 @@ run); ``flush()`` fsyncs.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import math
 import mmap
@@ -53,10 +54,13 @@ from ranklog.shippers._target import ShippedStep
 from ranklog.shippers.targets._media import GPU_NAMES_OPTION
 from ranklog.shippers.targets._tb_values import (
     LATE_SOURCE,
+    META_LENGTH,
     Scalars,
     event_record,
     hparam_value,
     media_values,
+    meta_digest,
+    meta_source,
     split_slowest,
     table_values,
     tb_protos,
@@ -105,11 +109,13 @@ TARGET = TargetKind(
 
 
 class _File(NamedTuple):
-    """One session file of a run: its name, the ranklog run it holds, its steps."""
+    """One session file of a run: its name, the ranklog run it holds, its steps, and the
+    digests of the run records it holds (:func:`meta_source`)."""
 
     name: str
     holding: Holding | None
     steps: StepSet
+    metas: frozenset[str] = frozenset()
 
 
 def _owner(msg: str) -> Holding | None:
@@ -133,6 +139,7 @@ def _scan(path: Path) -> _File:
     Another writer's file (no ranklog ``SessionLog``) holds nothing.
     """
     event, holding, steps = tb_protos().event_pb2.Event, None, StepSet()
+    metas: set[str] = set()
     with open(path, "r+b") as f:
         size = os.fstat(f.fileno()).st_size
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else memoryview(b"") as mm:
@@ -152,6 +159,9 @@ def _scan(path: Path) -> _File:
                 if mm[b - len(LATE_SOURCE) : b] == LATE_SOURCE:
                     late_from = a if late_from is None else late_from
                     continue
+                if (digest := meta_digest(bytes(mm[max(a, b - META_LENGTH - 4) : b]))) is not None:
+                    metas.add(digest)  # a run record (the code's text): no step
+                    continue
                 late_from = None
                 steps.add(step)
             if late_from is not None:  # late values whose carrier never made it: cut
@@ -160,7 +170,7 @@ def _scan(path: Path) -> _File:
             f.truncate(good)
             f.flush()
             os.fsync(f.fileno())
-    return _File(path.name, holding, steps)
+    return _File(path.name, holding, steps, frozenset(metas))
 
 
 def _step_of(mm: Any, a: int, b: int) -> int | None:
@@ -205,6 +215,9 @@ class _Run:
         names = [p for p in sorted(path.glob("events.out.tfevents.*")) if p.name != HPARAMS_FILE]
         files = [_scan(p) for p in names if p.is_file()]
         self.files = [f for f in files if f.holding is not None and f.steps]
+        #: digests of the run records this run's files hold (written once)
+        self.metas = {d for f in files if f.holding is not None
+                      and f.holding.run_id == mine.run_id for d in f.metas}  # fmt: skip
         for f in self.files:  # another ranklog run, or this one with another --names
             refuse_other(
                 where, f.holding, mine, f.steps,
@@ -362,9 +375,14 @@ class TensorBoardTarget:
         are returned (left out, said once)."""
         from ranklog.shippers.targets._media import code_markdown
 
+        main = self._require()
         if text := code_markdown(meta):
-            record = event_record(time.time(), 0, text_value("code/git", text))
-            self._require().append([record], [None])
+            digest = hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:12]
+            if digest not in main.metas:  # written before a crash, the cursor not committed
+                value = text_value("code/git", text)
+                main.append([event_record(time.time(), 0, value, source=meta_source(digest))],
+                            [None])  # fmt: skip
+                main.metas.add(digest)
         return [k for k in meta if not k.startswith("code/")]
 
     def write(self, steps: list[ShippedStep]) -> None:

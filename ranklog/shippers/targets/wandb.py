@@ -60,7 +60,6 @@ Online, the step comes from the resumed run (``starting_step``).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import netrc
@@ -70,9 +69,9 @@ import time
 import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Final, NamedTuple
+from typing import Any, Final
 
-from ranklog.errors import ExtraMissingError, TargetError, TransientTargetError
+from ranklog.errors import TargetError, TransientTargetError
 from ranklog.schemas import ParamScalar, ParamValue
 from ranklog.shippers._held import ALL_NAMES, Holding, StepSet, refuse_other
 from ranklog.shippers._registry import Option, TargetContext, TargetKind
@@ -93,6 +92,15 @@ from ranklog.shippers.targets._wandb_config import (
     scan_offline,
 )
 from ranklog.shippers.targets._wandb_log import LogReader, fsync_log, writers
+from ranklog.shippers.targets._wandb_media import (
+    GPU_STEP,
+    NEMO_GPU_DEFINITIONS,
+    MetricDef,
+    gpu_definitions,
+    media_values,
+)
+from ranklog.shippers.targets._wandb_media import wandb_module as _wandb
+from ranklog.shippers.targets._wandb_meta import SUMMARY, WandbRecords, meta_of
 from ranklog.spool import RunInfo
 
 __all__ = [
@@ -114,53 +122,10 @@ _QUIET: Final = {
     "save_code": False, "x_transaction_log_flush_interval": FLUSH_INTERVAL,
     "reinit": "create_new",
 }  # fmt: skip
-#: the X axis of the GPU series: seconds since the ranklog run was created (no dot in it:
-#: wandb-core splits step metric names at dots when it tracks their latest value)
-GPU_STEP: Final = "gpu/runtime"
-#: the summary of each GPU series, by the last dotted part of its W&B name
-GPU_SUMMARY: Final = {
-    "gpu": "mean", "memoryAllocatedBytes": "max", "memoryAllocatedBytesMax": "max",
-    "temp": "max", "powerWatts": "mean",
-}  # fmt: skip
 #: W&B runs of this process, by (root, id): a target that died leaves its runs here
 _LIVE: dict[tuple[str, str], Any] = {}
 #: offline runs whose folder and ``wandb sync`` command this process said
 _SAID: set[str] = set()
-
-
-def _media(s: ShippedStep) -> dict[str, Any]:
-    """Histograms as ``wandb.Histogram``, tables as ``wandb.Table``, images as ``wandb.Image``."""
-    import io
-
-    from ranklog.shippers.targets._media import rank_tags
-
-    wandb, out = _wandb(), dict[str, Any]()
-    for name, values in s.histograms.items():
-        finite = [v for v in values if math.isfinite(v)]
-        if finite:
-            out[name] = wandb.Histogram(finite)
-    for tag, t in zip(rank_tags(s.tables), s.tables, strict=True):
-        # as logged; mixed cell types in a column are the logger's choice, not an error here
-        out[tag] = wandb.Table(columns=t.columns, data=t.rows, allow_mixed_types=True)
-    if s.images:
-        try:
-            from PIL import Image as PILImage
-        except ImportError:  # pragma: no cover - pillow comes with wandb's media extras
-            log.warning("Pillow is not installed: images are not sent to W&B")
-            return out
-        for tag, img in zip(rank_tags(s.images), s.images, strict=True):
-            chart = _plotly(img.plotly) if img.plotly else None
-            out[tag] = wandb.Image(PILImage.open(io.BytesIO(img.data))) if chart is None else chart
-    return out
-
-
-def _plotly(text: str) -> Any:
-    """A ``wandb.Plotly`` of a Plotly figure's JSON; None without plotly (the image is sent)."""
-    try:
-        import plotly.io
-    except ImportError:
-        return None
-    return _wandb().Plotly(plotly.io.from_json(text))
 
 
 def _build(arg: str, context: TargetContext, options: Mapping[str, Any]) -> WandbTarget:
@@ -201,14 +166,6 @@ TARGET = TargetKind(
 )
 
 
-def _wandb() -> Any:
-    try:
-        import wandb
-    except ImportError:
-        raise ExtraMissingError("wandb", "wandb") from None
-    return wandb
-
-
 def default_mode() -> str:
     """``offline`` unless ``WANDB_MODE`` says online or an API key is configured."""
     env = os.environ.get("WANDB_MODE", "")
@@ -247,7 +204,7 @@ class _Held:
         self.gpu_keys: set[str] = set()
 
 
-class WandbTarget:
+class WandbTarget(WandbRecords):
     """Logs shipped steps to W&B runs; durable after :meth:`flush` (see the module docstring)."""
 
     kind = "wandb"
@@ -303,7 +260,7 @@ class WandbTarget:
         self._wait_forwriters(base)
         mark: dict[str, Any] = {}
         steps, self._config = scan_offline(self.root, base, mark)
-        self._meta = _meta_of(self._config.pop(META_KEY, None))
+        self._meta = meta_of(self._config.pop(META_KEY, None))
         theirs = Holding(str(mark.get("run_id", run.run_id)), "", str(mark.get("names", ALL_NAMES)))
         refuse_other(
             f"W&B run {base} ({self.root / 'wandb'})", theirs,
@@ -355,66 +312,6 @@ class WandbTarget:
             self._call(main.run.config.update, nest(params), allow_val_change=True)
         main.config_wait.update(flat_params(params))
 
-    def write_meta(self, meta: dict[str, ParamScalar]) -> None:
-        """Run records: ``define_metric`` calls, summary values, the code's git state.
-
-        Definitions and summary values go to the live run, and to every later session of
-        it; the code's diff is a ``git-diffs`` artifact (as NeMo RL's W&B logger logs it).
-        All but the diff are kept in the run's hidden config ``_ranklog_meta``, which
-        :meth:`flush` waits for: durable as the config is.
-        """
-        main = self._require(None)
-        kept = {k: v for k, v in meta.items() if k != "code/diff"}
-        self._meta.update(kept)
-        if main.run is None:
-            self._start(main)  # gives every record known to the new run
-        else:
-            self._apply_meta(main, kept)
-            if kept:
-                self._call(main.run.config.update, {META_KEY: self._meta_json()},
-                           allow_val_change=True)  # fmt: skip
-                main.config_wait[META_KEY] = self._meta_json()
-        if meta.get("code/diff"):
-            self._log_diff(main, meta)
-
-    def _init_config(self) -> dict[str, Any]:
-        config = {**nest(self._config), RUN_KEY: self._mark()}
-        if self._meta:
-            config[META_KEY] = self._meta_json()
-        return config
-
-    def _meta_json(self) -> str:
-        return json.dumps(self._meta, sort_keys=True)
-
-    def _apply_meta(self, held: _Held, meta: Mapping[str, ParamScalar]) -> None:
-        """Give ``meta``'s definitions and summary values to the live run of ``held``."""
-        summary: dict[str, Any] = {}
-        for key, value in meta.items():
-            kind, _, name = key.partition("/")
-            if kind == "define" and isinstance(value, str):
-                self._call(held.run.define_metric, name, **json.loads(value))
-                held.defined.add(name)
-            elif kind == "summary":
-                summary[name] = value
-        if summary:
-            self._call(held.run.summary.update, summary)
-
-    def _log_diff(self, held: _Held, meta: Mapping[str, ParamScalar]) -> None:
-        """The diff against HEAD as NeMo RL logs it: artifact ``git-diffs-<project>-<id>``
-        of type ``git-diffs`` holding ``uncommitted_changes_diff.txt``, with the commit,
-        branch and dirty flag as its metadata."""
-        wandb, run = _wandb(), held.run
-        files = Path(run.dir)
-        files.mkdir(parents=True, exist_ok=True)
-        path = files / "uncommitted_changes_diff.txt"
-        path.write_text(str(meta["code/diff"]))
-        info = {k.split("/", 1)[1]: v for k, v in self._meta.items() if k.startswith("code/")}
-        artifact = wandb.Artifact(
-            name=f"git-diffs-{self.project}-{held.wid}", type="git-diffs", metadata=info
-        )
-        artifact.add_file(str(path), name="uncommitted_changes_diff.txt", policy="immutable")
-        self._call(run.log_artifact, artifact)
-
     def write(self, steps: list[ShippedStep]) -> None:
         main = self._require(None)
         for s in steps:
@@ -437,7 +334,7 @@ class WandbTarget:
                     data=[[t.rank, t.name, t.text] for t in s.texts],
                 )
             if (s.histograms or s.images or s.tables) and s.step > main.sent:
-                row.update(_media(s))
+                row.update(media_values(s))
             gpu: dict[str, float] = {}
             if s.gpu:
                 from ranklog.shippers.targets._media import gpu_metrics
@@ -450,6 +347,8 @@ class WandbTarget:
                 if gpu and math.isfinite(runtime) and not nemo:
                     row[GPU_STEP] = round(runtime, 3)
             self._log(main, row, s.step, gpu=(s, gpu) if gpu else None)
+            if self._meta and any(SUMMARY + k in self._meta for k in row):
+                self._summary_logged(main, row)
 
     def _late_left_out(self, s: ShippedStep) -> None:
         """Late values for a step the run has passed: W&B cannot take them (warned once)."""
@@ -512,7 +411,7 @@ class WandbTarget:
             held.durable = held.sent = int(started.starting_step) - 1
         if rank is None:
             if self.mode == "online" and not self._meta:  # a resumed run holds them
-                self._meta = _meta_of(started.config.get(META_KEY))
+                self._meta = meta_of(started.config.get(META_KEY))
             held.config_wait.update(flat_params(self._config))
             if self._meta:
                 held.config_wait[META_KEY] = self._meta_json()
@@ -627,64 +526,6 @@ class WandbTarget:
         if rank not in self._held:
             raise TargetError(f"{self.spec} is not open")
         return self._held[rank]
-
-
-class MetricDef(NamedTuple):
-    """One ``run.define_metric`` call."""
-
-    name: str
-    step_metric: str | None = None
-    summary: str | None = None
-    hidden: bool = False
-
-    def options(self) -> dict[str, Any]:
-        """The keyword arguments of the call (only those set)."""
-        out: dict[str, Any] = {}
-        if self.step_metric:
-            out["step_metric"] = self.step_metric
-        if self.summary:
-            out["summary"] = self.summary
-        if self.hidden:
-            out["hidden"] = True
-        return out
-
-
-#: NeMo RL's definition of its GPU monitor's series (``--gpu-names nemo``)
-NEMO_GPU_DEFINITIONS: Final = (MetricDef("ray/*", "ray/ray_step"),)
-
-
-def _meta_of(raw: Any) -> dict[str, ParamScalar]:
-    """The run records a W&B config's ``_ranklog_meta`` holds ({} when none or unreadable)."""
-    if not isinstance(raw, str):
-        return {}
-    try:
-        meta = json.loads(raw)
-    except ValueError:
-        return {}
-    return dict(meta) if isinstance(meta, dict) else {}
-
-
-def escape_dots(name: str) -> str:
-    """A key as a defined name that wandb-core does not split into nested parts."""
-    return name.replace(".", "\\.")
-
-
-def gpu_definitions(step: ShippedStep, keys: dict[str, float]) -> list[MetricDef]:
-    """The definitions a run needs before a row with these GPU ``keys`` (see the module doc).
-
-    The X axis first, then one glob per host (``<host>/gpu.*``, ``gpu.all.*``), then
-    each key's summary. Names are stable, so a caller skips those it already gave.
-    """
-    out = [MetricDef(GPU_STEP, hidden=True)]
-    prefixes = {f"{g.host}/gpu." for g in step.gpu}
-    if any(k.startswith("gpu.all.") for k in keys):
-        prefixes.add("gpu.all.")
-    # W&B allows "*" only as a glob's last character: a host named with one gets no glob
-    out += [MetricDef(p + "*", GPU_STEP) for p in sorted(prefixes) if "*" not in p]
-    for key in sorted(k for k in keys if "*" not in k):
-        summary = GPU_SUMMARY.get(key.rsplit(".", 1)[-1])
-        out.append(MetricDef(escape_dots(key), GPU_STEP, summary))
-    return out
 
 
 def _own_service() -> None:
