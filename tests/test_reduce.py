@@ -265,3 +265,56 @@ class TestSignedZero:
         for p in (one, a.merge(b)):
             lo, hi = p.result("min"), p.result("max")
             assert math.copysign(1.0, lo) < 0 and math.copysign(1.0, hi) > 0, (lo, hi)
+
+
+def _bits(metrics: dict[str, float]) -> dict[str, bytes]:
+    """Each value's float64 bits (NaN, -0.0 and 0.0 told apart exactly)."""
+    import struct
+
+    return {k: struct.pack("<d", v) for k, v in metrics.items()}
+
+
+class TestUsualStepColumns:
+    """The usual step (one Metrics event per rank, one spec of mean, sum or count) is reduced
+    on columns, without an object per name: the same bits as the general path."""
+
+    @settings(max_examples=300, deadline=None)
+    @given(
+        st.lists(
+            st.dictionaries(st.sampled_from(["a", "b", "c/d", "e"]), FLOATS | st.floats(),
+                            min_size=1, max_size=4),
+            min_size=1, max_size=5,
+        ),
+        st.sampled_from(["mean", "sum", "count"]),
+        st.booleans(),
+    )  # fmt: skip
+    def test_same_bits_as_the_general_path(
+        self, ranks: list[dict[str, float]], spec: str, same_names: bool
+    ) -> None:
+        """For any values (NaN, infinities, -0.0, huge), any number of ranks, the same or
+        other names per rank: the columns give what the general path gives, bit for bit."""
+        from ranklog.shippers._steps import StepPartial
+
+        if same_names:
+            ranks = [{k: r.get(k, 1.0) for k in ranks[0]} for r in ranks]
+        acc = _acc({i: [Metrics(1.0 + i, 0, dict(v), spec)] for i, v in enumerate(ranks)})
+        fast = StepPartial.build(0, acc)
+        general = StepPartial.build(0, acc, specs={})  # specs given: the general path
+        n = len(ranks)
+        got = fast.finish(closed=n, world_size=n)
+        want = general.finish(closed=n, world_size=n)
+        assert _bits(got.metrics) == _bits(want.metrics)
+        assert general.summed is None
+        merged = fast.merge(StepPartial(0)).finish(closed=n, world_size=n)
+        assert _bits(merged.metrics) == _bits(want.metrics)
+
+    def test_the_usual_step_takes_the_columns(self) -> None:
+        """One rank or several, finite values: the step is kept as columns (no Named)."""
+        from ranklog.shippers._steps import StepPartial
+
+        for n in (1, 3):
+            acc = _acc({r: [Metrics(1.0, 0, {"a": 1.0, "b": -0.0}, "mean")] for r in range(n)})
+            part = StepPartial.build(0, acc)
+            assert part.summed is not None and part.metrics == {}
+            shipped = part.finish(closed=n, world_size=n).metrics
+            assert shipped["a"] == 1.0 and math.copysign(1.0, shipped["b"]) < 0

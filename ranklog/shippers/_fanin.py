@@ -96,7 +96,7 @@ def _spec_votes(
         if part is None:
             continue
         for prefix, one in [("", part), *((f"late:{s}:", p) for s, p in part.late.items())]:
-            for name, named in one.metrics.items():
+            for name, named in one.named().items():
                 seen.setdefault(f"{prefix}m:{name}", []).append((named.rank, named.spec))
             for name, named in one.timers.items():
                 seen.setdefault(f"{prefix}t:{name}", []).append((named.rank, named.spec))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter, itemgetter
+from operator import attrgetter, itemgetter, truediv
 from typing import Any, Final
 
 from ranklog.schemas import (
@@ -137,6 +137,50 @@ class Named:
 
 
 @dataclass(slots=True)
+class Summed:
+    """The metrics of the usual step, kept as columns: every name asked for one spec of
+    ``mean``, ``sum`` or ``count``, each total finite (what ``Named(first, spec,
+    Partial(count, total))`` per name would hold, without an object per name)."""
+
+    first: int
+    spec: str
+    names: list[str]
+    counts: list[int]
+    totals: list[float]
+
+    def named(self) -> dict[str, Named]:
+        """The same, one :class:`Named` per name."""
+        first, spec = self.first, self.spec
+        return {
+            name: Named(first, spec, Partial(count, total))
+            for name, count, total in zip(self.names, self.counts, self.totals, strict=True)
+        }
+
+    def results(self) -> Iterable[float]:
+        """Each name's reduced value, as ``Partial.result(spec)`` gives it."""
+        if self.spec == "mean":
+            return map(truediv, self.totals, self.counts)
+        if self.spec == "sum":
+            return self.totals
+        return map(float, self.counts)
+
+
+def _summed(first: int, spec: str, values: dict[str, Sequence[float]]) -> Summed | None:
+    """The columns of a step whose names all share ``spec`` (mean, sum or count) and
+    whose totals are finite; None when any is not (the general path then takes it)."""
+    cols = list(values.values())
+    try:
+        totals = list(map(math.fsum, cols))
+    except (ValueError, OverflowError):
+        return None
+    if not all(map(math.isfinite, totals)):  # inf or nan among them
+        return None
+    if 0.0 in totals:  # IEEE's sign of a zero sum (math.fsum gives +0.0)
+        totals = [zero_sign(t, c) if t == 0.0 else t for t, c in zip(totals, cols, strict=True)]
+    return Summed(first, spec, list(values), list(map(len, cols)), totals)
+
+
+@dataclass(slots=True)
 class StepPartial:
     """What a set of ranks logged for one step, summarised and mergeable."""
 
@@ -162,6 +206,15 @@ class StepPartial:
     late: dict[int, StepPartial] = field(default_factory=dict)
     #: (name, the name it shipped under) of derived names that met another (finish())
     renamed: list[tuple[str, str]] = field(default_factory=list)
+    #: the usual step's metrics as columns, in place of ``metrics`` (:class:`Summed`)
+    summed: Summed | None = None
+
+    def named(self) -> dict[str, Named]:
+        """``metrics``, with the usual step's columns (:attr:`summed`) as Named too."""
+        if self.summed is not None:
+            self.metrics = {**self.summed.named(), **self.metrics}
+            self.summed = None
+        return self.metrics
 
     @classmethod
     def build(
@@ -191,8 +244,21 @@ class StepPartial:
             dicts = list(map(_VALUES, logged))
             if out.per_rank is not None:
                 out.per_rank = {r: dict(d) for r, d in zip(order, dicts, strict=True) if d}
-            if not _columns(order[0], logged[0].reduce, dicts, values, named_specs):
+            reduce = logged[0].reduce
+            if (
+                len(dicts) == 1 and dicts[0] and not exact and specs is None and type(reduce) is str
+                and reduce in _SUMMED_SPECS and all(map(math.isfinite, dicts[0].values()))
+            ):  # fmt: skip
+                # one rank: each total is its value (the sign of a zero kept, as zero_sign)
+                names, totals = list(dicts[0]), list(dicts[0].values())
+                out.summed = Summed(order[0], reduce, names, [1] * len(names), totals)
+                return out
+            if not _columns(order[0], reduce, dicts, values, named_specs):
                 _rows(zip(order, logged, strict=True), values, named_specs)
+            elif not exact and specs is None and type(reduce) is str and reduce in _SUMMED_SPECS:
+                out.summed = _summed(order[0], reduce, values)
+                if out.summed is not None:
+                    return out  # the usual step: columns, no object per name
         else:
             order = out._gather(acc, timers, timer_specs, values, named_specs)
             if any(c.late for c in acc.ranks.values()):
@@ -289,8 +355,8 @@ class StepPartial:
         A step some rank lost frames of is never "only GPU": the loss must show.
         """
         return not (
-            self.metrics or self.timers or self.texts or self.histograms or self.images
-            or self.tables or self.damaged
+            self.metrics or self.summed or self.timers or self.texts or self.histograms
+            or self.images or self.tables or self.damaged
         )  # fmt: skip
 
     def shipped_late(self, world_size: int) -> list[ShippedStep]:
@@ -311,7 +377,7 @@ class StepPartial:
             self.step,
             ranks=self.ranks + other.ranks,
             ts=max(self.ts, other.ts),
-            metrics=_merge_named(self.metrics, other.metrics),
+            metrics=_merge_named(self.named(), other.named()),
             timers=_merge_named(self.timers, other.timers),
             slowest=dict(self.slowest),
             texts=sorted(self.texts + other.texts, key=lambda t: t.rank),
@@ -373,6 +439,8 @@ class StepPartial:
         below ``world_size``, and then ``ranklog/ranks_reporting`` is added.
         """
         out: dict[str, float] = {}
+        if self.summed is not None:
+            out.update(zip(self.summed.names, self.summed.results(), strict=True))
         several: list[tuple[str, Named]] = []
         for name, named in self.metrics.items():
             spec = named.spec
