@@ -245,6 +245,43 @@ class TestSameBytes:
         assert got == live.read_bytes()
         assert lines(live)
 
+    def test_usual_steps_as_columns_beside_the_others(
+        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Usual steps (one summable spec, one lowest rank, finite totals: reduced as
+        columns) among steps that are not (a name only a later rank logs, a NaN, an
+        infinity, -0.0 everywhere, ``max``, a timer), in one window: the bytes of the event
+        path and of live shipping."""
+        import ranklog
+
+        runs = [ranklog.init(spool, rank=r, world_size=3, handle_signals=False) for r in range(3)]
+        for step in range(40):
+            for r, run in enumerate(runs):
+                values = {"a": step + r / 4, "b": 1e300 * (r + 1) if step == 21 else -r}
+                spec = "sum" if step % 7 == 0 else "max" if step == 11 else "mean"
+                if step == 5 and r == 1:
+                    values["c"] = 2.0  # its lowest rank is 1, not 0
+                if step == 9:
+                    values["a"] = math.nan
+                if step == 10:
+                    values["a"] = math.inf if r == 2 else 1.0
+                if step == 13:
+                    values = {"z": -0.0}
+                run.log_metrics(values, step=step, reduce=spec)
+                if step == 15:
+                    run.log_timing("fwd", 0.1 * r, step=step)
+                run.step_end(step)
+        for run in runs:
+            run.close()
+        compact(spool, tmp_path / "pq")
+        assert _planned(tmp_path / "pq") == (True, "")
+        got = _replays(tmp_path / "pq", tmp_path, monkeypatch)
+        live = tmp_path / "live.jsonl"
+        ship(spool, live)
+        assert got == live.read_bytes()
+        (z,) = [x["metrics"]["z"] for x in map(json.loads, got.splitlines()) if x.get("step") == 13]
+        assert math.copysign(1.0, z) < 0
+
     @pytest.mark.parametrize("seed", range(100, 108))
     def test_ranks_that_stop_early_die_or_are_signalled(
         self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Final
@@ -36,7 +37,7 @@ from ranklog.archive._windows import Loader, Window, Words
 from ranklog.errors import ArchiveError
 from ranklog.shippers._cursor import Cursor
 from ranklog.shippers._reduce import SUMMED_OPS, Partial, fsums, parse_ops
-from ranklog.shippers._steps import Named, StepPartial, _slower
+from ranklog.shippers._steps import Named, StepPartial, Summed, _slower
 from ranklog.shippers._tail import RankView, StepGap, TailCommit, TailPoll
 from ranklog.spool import RunInfo
 
@@ -153,6 +154,37 @@ class ColumnarTails:
         self._built = built
         self._done = window.last
 
+    def _columns(
+        self, built: dict[int, StepPartial], lo: int, groups: tuple[Any, Any, Any, Any],
+        firsts: list[int], group_specs: list[int], totals: list[float], summable: list[bool],
+    ) -> Any:  # fmt: skip
+        """The usual steps of a metrics window as columns (:class:`Summed`): every name of
+        the step with one summable spec, one lowest rank and a finite total, as the live
+        engine keeps them. ``groups``: each group's key, first rank, spec id and count (as
+        arrays). Returns which groups were so taken (a mask), or None: none."""
+        key, first, sid, count = groups
+        width = len(self._names.words)
+        steps = key // width
+        if not len(steps) or np.any(steps[1:] < steps[:-1]):
+            return None  # (groups come step by step; anything else: the general loop)
+        ok = np.asarray(summable, dtype=bool)[sid] & np.isfinite(np.array(totals))
+        bounds = np.concatenate(([0], np.flatnonzero(steps[1:] != steps[:-1]) + 1))
+        usual = np.logical_and.reduceat(ok, bounds) & _uniform(sid, bounds)
+        usual &= _uniform(first, bounds)
+        if not usual.any():
+            return None
+        stops = np.append(bounds[1:], len(steps))
+        counts, names = count.tolist(), (key % width).tolist()
+        words, specs = self._names.words, self._specs.words
+        for a, b, s in zip(bounds[usual].tolist(), stops[usual].tolist(),
+                           (steps[bounds[usual]] + lo).tolist(), strict=True):  # fmt: skip
+            part = built.get(s)
+            if part is None:
+                built[s] = part = StepPartial(s)
+            at = [words[j] for j in names[a:b]]
+            part.summed = Summed(firsts[a], specs[group_specs[a]], at, counts[a:b], totals[a:b])
+        return np.repeat(usual, stops - bounds)
+
     def _reduce(
         self, built: dict[int, StepPartial], lo: int, cols: tuple[Any, ...], *, timers: bool
     ) -> None:
@@ -176,9 +208,8 @@ class ColumnarTails:
         values = value[order].tolist()
         totals = fsums(values, begins, ends) or [math.nan] * len(ends)
         ranks = rank[order]
-        firsts = ranks[starts].tolist()
-        group_specs = spec[order][starts].tolist()
-        keys = key[starts].tolist()
+        first_g, sid_g, key_g = ranks[starts], spec[order][starts], key[starts]
+        firsts, group_specs, keys = first_g.tolist(), sid_g.tolist(), key_g.tolist()
         words, specs = self._names.words, self._specs.words
         ops_of = [parse_ops(x) for x in specs]
         #: specs whose partial is the count and the sum alone, when the values are finite
@@ -188,9 +219,18 @@ class ColumnarTails:
         part: StepPartial | None = None
         at = -1
         into: dict[str, Named] = {}
-        for k, a, b, first, sid, total in zip(
+        rest: Iterable[tuple[Any, ...]] = zip(
             keys, begins, ends, firsts, group_specs, totals, strict=True
-        ):
+        )
+        if not timers:
+            groups = (key_g, first_g, sid_g, stops - starts)
+            taken = self._columns(built, lo, groups, firsts, group_specs, totals, summable)
+            if taken is not None:  # only the groups of the other steps remain
+                left = np.flatnonzero(~taken).tolist()
+                cols = (keys, begins, ends, firsts, group_specs, totals)
+                cols_left = [list(map(col.__getitem__, left)) for col in cols]
+                rest = zip(*cols_left, strict=True)
+        for k, a, b, first, sid, total in rest:
             s, j = divmod(k, width)
             if s != at:
                 at = s
@@ -214,6 +254,11 @@ class ColumnarTails:
                     assert part is not None
                     part.slowest[words[j]] = _slowest(vals, rank_list[a:b])
             into[words[j]] = Named(first, specs[sid], Partial.of(vals, last=last, ops=ops))
+
+
+def _uniform(values: Any, bounds: Any) -> Any:
+    """Per run of ``values`` (runs start at ``bounds``): whether all of it is one value."""
+    return np.minimum.reduceat(values, bounds) == np.maximum.reduceat(values, bounds)
 
 
 def _last(stamps: list[int], ranks: list[int], values: list[float], a: int, b: int) -> Any:
