@@ -27,6 +27,10 @@ from _chaos_io import free_port
 __all__ = ["RayHeadProcess", "ray_env"]
 
 ROOT = Path(__file__).resolve().parent.parent
+#: seconds a head is given to stop on SIGTERM before its group is killed (``ray start
+#: --block`` on SIGTERM tears down for about 30 s; a test's or a benchmark's head holds
+#: nothing worth that wait)
+STOP_GRACE = 3.0
 
 
 def ray_env() -> dict[str, str]:
@@ -100,8 +104,8 @@ class RayHeadProcess:
         if proc is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
+            try:  # a head that takes longer to stop on SIGTERM is killed: it is a throwaway
+                proc.wait(timeout=STOP_GRACE)
             except subprocess.TimeoutExpired:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
