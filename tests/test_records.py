@@ -315,6 +315,22 @@ class TestReviewed:
         assert given.get("best") == 1.0 and given.get("loss") != 9.0
 
 
+class TestConsole:
+    def test_the_console_prints_the_code_and_summary(
+        self, repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The console prints the commit, branch and dirty flag, and the summary values, a
+        line each, and says nothing is left out."""
+        spool = tmp_path / "spool"
+        logged_run(spool, repo, monkeypatch, code=True)
+        done = ranklog_cmd("ship", str(spool), "--to", "console", "--once")
+        assert done.returncode == 0, done.stderr
+        commit = git(repo, "rev-parse", "HEAD")
+        assert f"code    {commit[:12]} on train (uncommitted changes)" in done.stdout
+        assert "summary best_acc=0.5" in done.stdout
+        assert "left out" not in done.stderr
+
+
 class TestJsonlAndReplay:
     def test_meta_lines_live_and_replayed_alike(
         self, repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
