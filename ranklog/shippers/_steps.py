@@ -439,8 +439,14 @@ class StepPartial:
         below ``world_size``, and then ``ranklog/ranks_reporting`` is added.
         """
         out: dict[str, float] = {}
-        if self.summed is not None:
-            out.update(zip(self.summed.names, self.summed.results(), strict=True))
+        summed = self.summed
+        if summed is not None:
+            if not (self.metrics or self.timers) and closed >= world_size and not self.gpus:
+                return self._shipped(  # the usual step: its names sorted once, with values
+                    dict(sorted(zip(summed.names, summed.results(), strict=True))),
+                    closed, world_size, closed >= world_size,
+                )  # fmt: skip
+            out.update(zip(summed.names, summed.results(), strict=True))
         several: list[tuple[str, Named]] = []
         for name, named in self.metrics.items():
             spec = named.spec
@@ -457,13 +463,23 @@ class StepPartial:
         gpus: dict[tuple[str, int], list[Gpu]] = {}
         for _, g in self.gpus:
             gpus.setdefault((g.host, g.index), []).append(g)
+        shipped = self._shipped({k: out[k] for k in sorted(out)}, closed, world_size, complete)
+        shipped.gpu = [
+            _gpu_stat(host, index, samples) for (host, index), samples in sorted(gpus.items())
+        ]
+        return shipped
+
+    def _shipped(
+        self, metrics: dict[str, float], closed: int, world_size: int, complete: bool
+    ) -> ShippedStep:
+        """The ShippedStep of this partial with ``metrics`` (sorted) and no GPU statistics."""
         per_rank = None
         if self.per_rank is not None:
             per_rank = {r: self.per_rank[r] for r in sorted(self.per_rank)}
         return ShippedStep(
             step=self.step,
-            metrics={k: out[k] for k in sorted(out)},
-            ranks=max(reporting, closed) if not complete else closed,
+            metrics=metrics,
+            ranks=max(self.ranks, closed) if not complete else closed,
             world_size=world_size,
             complete=complete,
             ts=self.ts if self.ts > 0 else math.nan,
@@ -472,9 +488,6 @@ class StepPartial:
                 k: [v for _, vs in self.histograms[k] for v in vs] for k in sorted(self.histograms)
             },
             images=self.images,
-            gpu=[
-                _gpu_stat(host, index, samples) for (host, index), samples in sorted(gpus.items())
-            ],
             per_rank=per_rank,
             tables=self.tables,
         )
