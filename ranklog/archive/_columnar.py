@@ -36,8 +36,9 @@ from ranklog.archive._plan import REDUCED, Plan
 from ranklog.archive._windows import Loader, Window, Words
 from ranklog.errors import ArchiveError
 from ranklog.shippers._cursor import Cursor
+from ranklog.shippers._gather import Named, Summed
 from ranklog.shippers._reduce import SUMMED_OPS, Partial, fsums, parse_ops
-from ranklog.shippers._steps import Named, StepPartial, Summed, _slower
+from ranklog.shippers._steps import StepPartial, _slower
 from ranklog.shippers._tail import RankView, StepGap, TailCommit, TailPoll
 from ranklog.spool import RunInfo
 

@@ -13,13 +13,12 @@ so the result never depends on which reader held which rank, nor on timing.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter, itemgetter, truediv
+from operator import attrgetter
 from typing import Any, Final
 
 from ranklog.schemas import (
-    DEFAULT_METRIC_REDUCE,
     REDUCE_OPS,
     Gpu,
     Histogram,
@@ -30,7 +29,16 @@ from ranklog.schemas import (
     Text,
     Timer,
 )
-from ranklog.shippers._reduce import SUMMED_OPS, Partial, output_names, parse_ops, zero_sign
+from ranklog.shippers._gather import (
+    SUMMED_SPECS,
+    Named,
+    Summed,
+    by_columns,
+    by_rows,
+    merge_named,
+    summed_columns,
+)
+from ranklog.shippers._reduce import Partial, output_names, parse_ops, zero_sign
 from ranklog.shippers._target import GpuStat, ImageItem, ShippedStep, TableItem, TextItem
 
 __all__ = ["Contributed", "Contribution", "StepAcc", "StepPartial"]
@@ -70,8 +78,6 @@ _METRICS_ONLY: Final = {Metrics}
 #: appended to a derived name (``m/max`` of ``m`` logged with mean and max, ``timing/t`` of
 #: a timer) that meets a name as logged, or an earlier derived one, in the same step
 DERIVED: Final = ".derived"
-#: specs whose partial is the count and the sum of the values alone, when they are finite
-_SUMMED_SPECS: Final = frozenset(op for (op,) in SUMMED_OPS)
 
 
 def _gpu_stat(host: str, index: int, samples: list[Gpu]) -> GpuStat:
@@ -120,64 +126,6 @@ def _last(acc: StepAcc, order: list[int], name: str, *, timer: bool) -> tuple[fl
             elif type(ev) is Metrics and name in ev.values and (ev.ts, rank) >= best[:2]:
                 best = (ev.ts, rank, ev.values[name])
     return best
-
-
-@dataclass(slots=True)
-class Named:
-    """One name's values in a step: its partial, and the reduce spec of its lowest rank."""
-
-    rank: int
-    spec: str
-    part: Partial
-
-    def merge(self, other: Named) -> Named:
-        """Both together; the lower rank's spec wins (as in one reader, going in rank order)."""
-        first = self if self.rank <= other.rank else other
-        return Named(first.rank, first.spec, self.part.merge(other.part))
-
-
-@dataclass(slots=True)
-class Summed:
-    """The metrics of the usual step, kept as columns: every name asked for one spec of
-    ``mean``, ``sum`` or ``count``, each total finite (what ``Named(first, spec,
-    Partial(count, total))`` per name would hold, without an object per name)."""
-
-    first: int
-    spec: str
-    names: list[str]
-    counts: list[int]
-    totals: list[float]
-
-    def named(self) -> dict[str, Named]:
-        """The same, one :class:`Named` per name."""
-        first, spec = self.first, self.spec
-        return {
-            name: Named(first, spec, Partial(count, total))
-            for name, count, total in zip(self.names, self.counts, self.totals, strict=True)
-        }
-
-    def results(self) -> Iterable[float]:
-        """Each name's reduced value, as ``Partial.result(spec)`` gives it."""
-        if self.spec == "mean":
-            return map(truediv, self.totals, self.counts)
-        if self.spec == "sum":
-            return self.totals
-        return map(float, self.counts)
-
-
-def _summed(first: int, spec: str, values: dict[str, Sequence[float]]) -> Summed | None:
-    """The columns of a step whose names all share ``spec`` (mean, sum or count) and
-    whose totals are finite; None when any is not (the general path then takes it)."""
-    cols = list(values.values())
-    try:
-        totals = list(map(math.fsum, cols))
-    except (ValueError, OverflowError):
-        return None
-    if not all(map(math.isfinite, totals)):  # inf or nan among them
-        return None
-    if 0.0 in totals:  # IEEE's sign of a zero sum (math.fsum gives +0.0)
-        totals = [zero_sign(t, c) if t == 0.0 else t for t, c in zip(totals, cols, strict=True)]
-    return Summed(first, spec, list(values), list(map(len, cols)), totals)
 
 
 @dataclass(slots=True)
@@ -247,16 +195,16 @@ class StepPartial:
             reduce = logged[0].reduce
             if (
                 len(dicts) == 1 and dicts[0] and not exact and specs is None and type(reduce) is str
-                and reduce in _SUMMED_SPECS and all(map(math.isfinite, dicts[0].values()))
+                and reduce in SUMMED_SPECS and all(map(math.isfinite, dicts[0].values()))
             ):  # fmt: skip
                 # one rank: each total is its value (the sign of a zero kept, as zero_sign)
                 names, totals = list(dicts[0]), list(dicts[0].values())
                 out.summed = Summed(order[0], reduce, names, [1] * len(names), totals)
                 return out
-            if not _columns(order[0], reduce, dicts, values, named_specs):
-                _rows(zip(order, logged, strict=True), values, named_specs)
-            elif not exact and specs is None and type(reduce) is str and reduce in _SUMMED_SPECS:
-                out.summed = _summed(order[0], reduce, values)
+            if not by_columns(order[0], reduce, dicts, values, named_specs):
+                by_rows(zip(order, logged, strict=True), values, named_specs)
+            elif not exact and specs is None and type(reduce) is str and reduce in SUMMED_SPECS:
+                out.summed = summed_columns(order[0], reduce, values)
                 if out.summed is not None:
                     return out  # the usual step: columns, no object per name
         else:
@@ -271,7 +219,7 @@ class StepPartial:
                 first, spec = found_specs[name]
                 if specs is not None:
                     spec = specs.get(f"{'t' if timer else 'm'}:{name}", spec)
-                if spec in _SUMMED_SPECS and not exact:  # mean, sum or count: the usual spec
+                if spec in SUMMED_SPECS and not exact:  # mean, sum or count: the usual spec
                     try:
                         total = math.fsum(lst)
                         if total == 0.0:
@@ -328,11 +276,11 @@ class StepPartial:
                     self.per_rank[rank] = own
         self.ts = ts
         if len(logged) < 2 or len({rank for rank, _ in logged}) < len(logged):
-            _rows(logged, values, named_specs)
+            by_rows(logged, values, named_specs)
             return order
         ranks, evs = zip(*logged, strict=True)
-        if not _columns(ranks[0], evs[0].reduce, list(map(_VALUES, evs)), values, named_specs):
-            _rows(logged, values, named_specs)
+        if not by_columns(ranks[0], evs[0].reduce, list(map(_VALUES, evs)), values, named_specs):
+            by_rows(logged, values, named_specs)
         return order
 
     def add(self, rank: int, ev: Contributed) -> None:
@@ -377,8 +325,8 @@ class StepPartial:
             self.step,
             ranks=self.ranks + other.ranks,
             ts=max(self.ts, other.ts),
-            metrics=_merge_named(self.named(), other.named()),
-            timers=_merge_named(self.timers, other.timers),
+            metrics=merge_named(self.named(), other.named()),
+            timers=merge_named(self.timers, other.timers),
             slowest=dict(self.slowest),
             texts=sorted(self.texts + other.texts, key=lambda t: t.rank),
             images=sorted(self.images + other.images, key=lambda t: t.rank),
@@ -526,11 +474,6 @@ def _late_partials(
     }
 
 
-def _spec(reduce: str | dict[str, str], name: str) -> str:
-    """The reduce spec a Metrics event asks for ``name``."""
-    return reduce if type(reduce) is str else reduce.get(name, DEFAULT_METRIC_REDUCE)  # type: ignore[union-attr]
-
-
 def _one_each(acc: StepAcc) -> tuple[list[int], list[Metrics]] | None:
     """(ranks in order, their events) when every rank logged one Metrics event and nothing
     else, none damaged, no late value (the usual step); None otherwise. C loops only."""
@@ -548,56 +491,6 @@ def _one_each(acc: StepAcc) -> tuple[list[int], list[Metrics]] | None:
     return order, logged  # Metrics only, checked above
 
 
-def _rows(
-    logged: Iterable[tuple[int, Metrics]],
-    values: dict[str, Sequence[float]],
-    specs: dict[str, tuple[int, str]],
-) -> None:
-    """Fill ``values`` event by event, in rank order (the spec: of the lowest rank)."""
-    for rank, ev in logged:
-        reduce = ev.reduce
-        for name, v in ev.values.items():
-            lst = values.get(name)
-            if lst is None:
-                values[name] = lst = []
-                specs[name] = (rank, _spec(reduce, name))
-            lst.append(v)  # type: ignore[attr-defined]  # a list, made here
-
-
-def _columns(
-    first_rank: int,
-    reduce: str | dict[str, str],
-    dicts: list[dict[str, float]],
-    values: dict[str, Sequence[float]],
-    specs: dict[str, tuple[int, str]],
-) -> bool:
-    """Fill ``values`` column-wise when every rank logged the same names once (the usual step).
-
-    ``dicts`` are the values of one Metrics event per rank, in rank order, the first one
-    of ``first_rank`` logged with ``reduce``: when all hold the first one's names, each
-    name's values come out in rank order, as :func:`_rows` would give them, but
-    transposed in C. False (nothing filled) otherwise.
-    """
-    names = list(dicts[0])
-    n = len(names)
-    if n == 0 or list(map(len, dicts)).count(n) != len(dicts):
-        return False
-    try:
-        if n == 1:
-            (name,) = names
-            values[name] = list(map(itemgetter(name), dicts))
-            specs[name] = (first_rank, _spec(reduce, name))
-            return True
-        rows = list(map(itemgetter(*names), dicts))
-    except KeyError:
-        return False
-    same = (first_rank, reduce) if type(reduce) is str else None  # one spec for every name
-    for name, column in zip(names, zip(*rows, strict=True), strict=True):
-        values[name] = column
-        specs[name] = same or (first_rank, _spec(reduce, name))
-    return True
-
-
 def _slower(a: float, b: float) -> bool:
     """Whether time ``a`` beats ``b`` for the slowest rank: larger, and any number beats NaN."""
     return a > b or (b != b and a == a)
@@ -605,11 +498,3 @@ def _slower(a: float, b: float) -> bool:
 
 def _same(a: float, b: float) -> bool:
     return a == b or (a != a and b != b)
-
-
-def _merge_named(a: dict[str, Named], b: dict[str, Named]) -> dict[str, Named]:
-    out = dict(a)
-    for name, named in b.items():
-        mine = out.get(name)
-        out[name] = named if mine is None else mine.merge(named)
-    return out

@@ -1,0 +1,148 @@
+"""How a step's values are gathered across ranks: per name, by rows or by columns.
+
+:class:`Named` is one name's partial aggregate; :class:`Summed` holds the usual step's
+names as columns instead (one Named per name costs more than the step's reduction).
+:func:`by_columns` transposes ranks' value dicts in C when they hold the same names;
+:func:`by_rows` takes them event by event otherwise. Used by
+:class:`~ranklog.shippers._steps.StepPartial` and the columnar replay.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from operator import itemgetter, truediv
+from typing import Final
+
+from ranklog.schemas import DEFAULT_METRIC_REDUCE, Metrics
+from ranklog.shippers._reduce import SUMMED_OPS, Partial, zero_sign
+
+__all__ = [
+    "SUMMED_SPECS", "Named", "Summed", "by_columns", "by_rows", "merge_named", "spec_of",
+    "summed_columns",
+]  # fmt: skip
+
+#: specs whose partial is the count and the sum of the values alone, when they are finite
+SUMMED_SPECS: Final = frozenset(op for (op,) in SUMMED_OPS)
+
+
+@dataclass(slots=True)
+class Named:
+    """One name's values in a step: its partial, and the reduce spec of its lowest rank."""
+
+    rank: int
+    spec: str
+    part: Partial
+
+    def merge(self, other: Named) -> Named:
+        """Both together; the lower rank's spec wins (as in one reader, going in rank order)."""
+        first = self if self.rank <= other.rank else other
+        return Named(first.rank, first.spec, self.part.merge(other.part))
+
+
+@dataclass(slots=True)
+class Summed:
+    """The metrics of the usual step, kept as columns: every name asked for one spec of
+    ``mean``, ``sum`` or ``count``, each total finite (what ``Named(first, spec,
+    Partial(count, total))`` per name would hold, without an object per name)."""
+
+    first: int
+    spec: str
+    names: list[str]
+    counts: list[int]
+    totals: list[float]
+
+    def named(self) -> dict[str, Named]:
+        """The same, one :class:`Named` per name."""
+        first, spec = self.first, self.spec
+        return {
+            name: Named(first, spec, Partial(count, total))
+            for name, count, total in zip(self.names, self.counts, self.totals, strict=True)
+        }
+
+    def results(self) -> Iterable[float]:
+        """Each name's reduced value, as ``Partial.result(spec)`` gives it."""
+        if self.spec == "mean":
+            return map(truediv, self.totals, self.counts)
+        if self.spec == "sum":
+            return self.totals
+        return map(float, self.counts)
+
+
+def summed_columns(first: int, spec: str, values: dict[str, Sequence[float]]) -> Summed | None:
+    """The columns of a step whose names all share ``spec`` (mean, sum or count) and
+    whose totals are finite; None when any is not (the general path then takes it)."""
+    cols = list(values.values())
+    try:
+        totals = list(map(math.fsum, cols))
+    except (ValueError, OverflowError):
+        return None
+    if not all(map(math.isfinite, totals)):  # inf or nan among them
+        return None
+    if 0.0 in totals:  # IEEE's sign of a zero sum (math.fsum gives +0.0)
+        totals = [zero_sign(t, c) if t == 0.0 else t for t, c in zip(totals, cols, strict=True)]
+    return Summed(first, spec, list(values), list(map(len, cols)), totals)
+
+
+def spec_of(reduce: str | dict[str, str], name: str) -> str:
+    """The reduce spec a Metrics event asks for ``name``."""
+    return reduce if type(reduce) is str else reduce.get(name, DEFAULT_METRIC_REDUCE)  # type: ignore[union-attr]
+
+
+def by_rows(
+    logged: Iterable[tuple[int, Metrics]],
+    values: dict[str, Sequence[float]],
+    specs: dict[str, tuple[int, str]],
+) -> None:
+    """Fill ``values`` event by event, in rank order (the spec: of the lowest rank)."""
+    for rank, ev in logged:
+        reduce = ev.reduce
+        for name, v in ev.values.items():
+            lst = values.get(name)
+            if lst is None:
+                values[name] = lst = []
+                specs[name] = (rank, spec_of(reduce, name))
+            lst.append(v)  # type: ignore[attr-defined]  # a list, made here
+
+
+def by_columns(
+    first_rank: int,
+    reduce: str | dict[str, str],
+    dicts: list[dict[str, float]],
+    values: dict[str, Sequence[float]],
+    specs: dict[str, tuple[int, str]],
+) -> bool:
+    """Fill ``values`` column-wise when every rank logged the same names once (the usual step).
+
+    ``dicts`` are the values of one Metrics event per rank, in rank order, the first one
+    of ``first_rank`` logged with ``reduce``: when all hold the first one's names, each
+    name's values come out in rank order, as :func:`_rows` would give them, but
+    transposed in C. False (nothing filled) otherwise.
+    """
+    names = list(dicts[0])
+    n = len(names)
+    if n == 0 or list(map(len, dicts)).count(n) != len(dicts):
+        return False
+    try:
+        if n == 1:
+            (name,) = names
+            values[name] = list(map(itemgetter(name), dicts))
+            specs[name] = (first_rank, spec_of(reduce, name))
+            return True
+        rows = list(map(itemgetter(*names), dicts))
+    except KeyError:
+        return False
+    same = (first_rank, reduce) if type(reduce) is str else None  # one spec for every name
+    for name, column in zip(names, zip(*rows, strict=True), strict=True):
+        values[name] = column
+        specs[name] = same or (first_rank, spec_of(reduce, name))
+    return True
+
+
+def merge_named(a: dict[str, Named], b: dict[str, Named]) -> dict[str, Named]:
+    out = dict(a)
+    for name, named in b.items():
+        mine = out.get(name)
+        out[name] = named if mine is None else mine.merge(named)
+    return out
