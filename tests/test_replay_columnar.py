@@ -844,3 +844,66 @@ class TestMoreDepartures:
         got = [x["metrics"] for x in map(json.loads, out.splitlines()) if "metrics" in x]
         assert [m["x/max"] for m in got] == [5.0, 7.0, 9.0]
         assert [m.get("x/max.derived") for m in got] == [None, 1.0, 2.0]
+
+
+class TestUsualStepsReduced:
+    """The columnar replay's usual steps (:class:`~ranklog.shippers._gather.Summed`),
+    reduced straight from a window's rows, against the live engine's steps."""
+
+    @staticmethod
+    def replay(rows: list[tuple[int, int, str, float, str]], grow: bool = False) -> Any:
+        """(rank, step, name, value, spec) rows reduced as one window; ``grow``: the loader
+        thread meets a new name (for a later window) while this one is reduced."""
+        from ranklog.archive._windows import Words
+
+        tails = object.__new__(columnar_mod.ColumnarTails)
+        tails._names, tails._specs = Words(), Words()
+        names = np.array([tails._names.code(r[2]) for r in rows])
+        specs = np.array([tails._specs.code(r[4]) for r in rows])
+        cols = (
+            np.array([r[0] for r in rows]), np.ones(len(rows), np.int64),
+            np.array([r[1] for r in rows]), names, np.array([r[3] for r in rows], float), specs,
+        )  # fmt: skip
+        real = columnar_mod.fsums
+
+        def fsums(*args: Any) -> Any:
+            if grow:
+                tails._names.code("later/name")
+            return real(*args)
+
+        built: dict[int, Any] = {}
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(columnar_mod, "fsums", fsums)
+            tails._reduce(built, 0, cols, timers=False)
+        for part in built.values():
+            part.ranks = 1
+        return {s: built[s].finish(closed=1, world_size=1).metrics for s in sorted(built)}
+
+    @staticmethod
+    def live(rows: list[tuple[int, int, str, float, str]]) -> Any:
+        from ranklog.shippers._steps import Contribution, StepAcc, StepPartial
+
+        out = {}
+        for s in sorted({r[1] for r in rows}):
+            acc = StepAcc()
+            for rank, step, name, value, spec in rows:
+                if step == s:
+                    acc.ranks.setdefault(rank, Contribution(0)).events.append(
+                        Metrics(1.0, s, {name: value}, spec)
+                    )
+            out[s] = StepPartial.build(s, acc).finish(closed=1, world_size=1).metrics
+        return out
+
+    def test_a_name_met_meanwhile_changes_nothing(self) -> None:
+        """The loader thread adding a name while a window is reduced moves no value to
+        another step or name (the window keeps the names' count its keys were made with)."""
+        rows = [(0, s, n, float(s * 10 + i), "mean") for s in range(3)
+                for i, n in enumerate(["a", "b"])]  # fmt: skip
+        assert self.replay(rows, grow=True) == self.live(rows) == self.replay(rows)
+
+    @pytest.mark.parametrize("spec", ["bogus", "sum,sum", "mean, mean", ""])
+    def test_a_spec_not_written_as_one_op_is_reduced_as_live(self, spec: str) -> None:
+        """A spec that is not exactly mean, sum or count (a foreign spool's) is reduced as the
+        live engine reduces it, not taken for a count."""
+        rows = [(0, 0, "a", 2.0, spec), (0, 0, "a", 4.0, spec), (0, 0, "b", 4.0, spec)]
+        assert self.replay(rows) == self.live(rows)

@@ -36,7 +36,7 @@ from ranklog.archive._plan import REDUCED, Plan
 from ranklog.archive._windows import Loader, Window, Words
 from ranklog.errors import ArchiveError
 from ranklog.shippers._cursor import Cursor
-from ranklog.shippers._gather import Named, Summed
+from ranklog.shippers._gather import SUMMED_SPECS, Named, Summed
 from ranklog.shippers._reduce import SUMMED_OPS, Partial, fsums, parse_ops
 from ranklog.shippers._steps import StepPartial, _slower
 from ranklog.shippers._tail import RankView, StepGap, TailCommit, TailPoll
@@ -156,19 +156,23 @@ class ColumnarTails:
         self._done = window.last
 
     def _columns(
-        self, built: dict[int, StepPartial], lo: int, groups: tuple[Any, Any, Any, Any],
-        firsts: list[int], group_specs: list[int], totals: list[float], summable: list[bool],
+        self, built: dict[int, StepPartial], lo: int, width: int,
+        groups: tuple[Any, Any, Any, Any], firsts: list[int], group_specs: list[int],
+        totals: list[float],
     ) -> Any:  # fmt: skip
         """The usual steps of a metrics window as columns (:class:`Summed`): every name of
         the step with one summable spec, one lowest rank and a finite total, as the live
-        engine keeps them. ``groups``: each group's key, first rank, spec id and count (as
-        arrays). Returns which groups were so taken (a mask), or None: none."""
+        engine keeps them. ``width``: the names' count the keys were made with (the loader
+        thread may add names meanwhile); ``groups``: each group's key, first rank, spec id
+        and count (as arrays). Returns which groups were so taken (a mask), or None."""
         key, first, sid, count = groups
-        width = len(self._names.words)
         steps = key // width
         if not len(steps) or np.any(steps[1:] < steps[:-1]):
             return None  # (groups come step by step; anything else: the general loop)
-        ok = np.asarray(summable, dtype=bool)[sid] & np.isfinite(np.array(totals))
+        # the spec as written is mean, sum or count (as the live engine asks: "sum,sum" or
+        # an unknown spec takes the general path there, and here)
+        exact = np.array([w in SUMMED_SPECS for w in self._specs.words[: int(sid.max()) + 1]])
+        ok = exact[sid] & np.isfinite(np.array(totals))
         bounds = np.concatenate(([0], np.flatnonzero(steps[1:] != steps[:-1]) + 1))
         usual = np.logical_and.reduceat(ok, bounds) & _uniform(sid, bounds)
         usual &= _uniform(first, bounds)
@@ -225,7 +229,7 @@ class ColumnarTails:
         )
         if not timers:
             groups = (key_g, first_g, sid_g, stops - starts)
-            taken = self._columns(built, lo, groups, firsts, group_specs, totals, summable)
+            taken = self._columns(built, lo, width, groups, firsts, group_specs, totals)
             if taken is not None:  # only the groups of the other steps remain
                 left = np.flatnonzero(~taken).tolist()
                 cols = (keys, begins, ends, firsts, group_specs, totals)

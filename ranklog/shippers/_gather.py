@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from operator import itemgetter, truediv
 from typing import Final
 
+from ranklog.errors import ConfigError
 from ranklog.schemas import DEFAULT_METRIC_REDUCE, Metrics
 from ranklog.shippers._reduce import SUMMED_OPS, Partial, zero_sign
 
@@ -67,7 +68,9 @@ class Summed:
             return map(truediv, self.totals, self.counts)
         if self.spec == "sum":
             return self.totals
-        return map(float, self.counts)
+        if self.spec == "count":
+            return map(float, self.counts)
+        raise ConfigError(f"columns of a step with spec {self.spec!r}: not mean, sum or count")
 
 
 def summed_columns(first: int, spec: str, values: dict[str, Sequence[float]]) -> Summed | None:

@@ -225,7 +225,7 @@ def fsums(values: list[float], starts: list[int], ends: list[int]) -> list[float
     With such a sum, :meth:`Partial.summed` may be all a group's partial needs.
     """
     if len(starts) == len(values):  # a value a group (one rank): each is its own sum
-        return list(map(values.__getitem__, starts))  # (fsum's -0.0 is +0.0: zero_sign's)
+        return list(map(float, map(values.__getitem__, starts)))  # (zero_sign keeps -0.0)
     try:
         out = list(map(math.fsum, map(values.__getitem__, map(slice, starts, ends))))
     except (ValueError, OverflowError):

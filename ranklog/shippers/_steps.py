@@ -198,7 +198,7 @@ class StepPartial:
                 and reduce in SUMMED_SPECS and all(map(math.isfinite, dicts[0].values()))
             ):  # fmt: skip
                 # one rank: each total is its value (the sign of a zero kept, as zero_sign)
-                names, totals = list(dicts[0]), list(dicts[0].values())
+                names, totals = list(dicts[0]), list(map(float, dicts[0].values()))
                 out.summed = Summed(order[0], reduce, names, [1] * len(names), totals)
                 return out
             if not by_columns(order[0], reduce, dicts, values, named_specs):
