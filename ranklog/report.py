@@ -26,6 +26,7 @@ import pyarrow.dataset as ds
 from ranklog.archive import MANIFEST, SCHEMAS, TABLES, load_manifest
 from ranklog.errors import ConfigError, ExtraMissingError
 from ranklog.schemas import is_meta_key
+from ranklog.shippers._meta import code_line, records
 
 try:
     import numpy as np
@@ -436,13 +437,9 @@ def write_report(dataset: Path, out: Path) -> Path:
         params = _read(dataset, "params", ["name", "value"]).group_by(["name", "value"])
         rows = params.aggregate([]).sort_by("name").to_pylist()
         pairs = [p for p in rows if not is_meta_key(p["name"])]  # "@...": run records
-        code = {p["name"][6:]: json.loads(p["value"]) for p in rows
-                if p["name"].startswith("@code/")}  # fmt: skip
-        if code.get("commit"):
-            where = f" on {code['branch']}" if code.get("branch") else ""
-            cards["code"] = f"{str(code['commit'])[:10]}{where}" + (
-                " (uncommitted changes)" if code.get("dirty") else ""
-            )
+        meta = {p["name"][1:]: json.loads(p["value"]) for p in rows if is_meta_key(p["name"])}
+        if line := code_line(records(meta, "code")):
+            cards["code"] = line
         none = "<p class=none>No {} in this run.</p>".format
         sections = {
             "Metrics": _metrics_html(curves) if curves else none("finite metric values"),

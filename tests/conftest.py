@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,6 +43,24 @@ def pytest_configure(config: pytest.Config) -> None:
     # a run records the code's git state only where a test asks for it (init(code=True)):
     # the checkout is a git repository, and git per init would add up over the suite
     os.environ["RANKLOG_CODE"] = "0"
+    if os.environ.get("CI"):  # every extra is installed there: a missing one is a failure
+        pytest.importorskip = _importorfail  # type: ignore[assignment]
+
+
+_importorskip = pytest.importorskip
+
+
+def _importorfail(modname: str, *args: Any, **kwargs: Any) -> Any:
+    """``pytest.importorskip`` in CI: ./tools/test installs every extra, so a module that
+    cannot be imported fails the test (a skipped backend test is not a passing one)."""
+    try:
+        return _importorskip(modname, *args, **kwargs)
+    except pytest.skip.Exception as exc:
+        pytest.fail(
+            f"CI: {modname} is not importable ({exc}): ./tools/test installs every "
+            "extra, so a skip here would hide a test that did not run",
+            pytrace=False,
+        )
 
 
 #: fixtures shared by several modules, registered once (one Ray head per session)

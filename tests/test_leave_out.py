@@ -109,7 +109,7 @@ class TestLeaveOut:
 class TestHistogramStats:
     def test_mlflow_gets_the_statistics_asked_for(self, tmp_path: Path) -> None:
         """--histogram-stats picks the MLflow series a distribution becomes; default: all 7."""
-        pytest.importorskip("mlflow")
+        pytest.importorskip("mlflow", reason="extra mlflow; ./tools/test installs it")
         from mlflow.tracking import MlflowClient
 
         spool = tmp_path / "spool"
@@ -127,7 +127,7 @@ class TestHistogramStats:
 
     def test_an_unknown_statistic_is_refused(self, tmp_path: Path) -> None:
         """A statistic MLflow is not given exits 2 naming it."""
-        pytest.importorskip("mlflow")
+        pytest.importorskip("mlflow", reason="extra mlflow; ./tools/test installs it")
         spool = tmp_path / "spool"
         every_kind(spool)
         done = ranklog_cmd("ship", str(spool), "--to", f"mlflow:sqlite:///{tmp_path / 'm.db'}",

@@ -22,10 +22,10 @@ from ranklog.testing import read_events
 from .conftest import ROOT
 
 pytest.importorskip("torch", reason="the stub GRPO loop passes torch tensors, as NeMo does")
-pytest.importorskip("tensorboard")
-pytest.importorskip("mlflow")
-pytest.importorskip("wandb")
-pytest.importorskip("swanlab")
+pytest.importorskip("tensorboard", reason="extra tensorboard; ./tools/test installs it")
+pytest.importorskip("mlflow", reason="extra mlflow; ./tools/test installs it")
+pytest.importorskip("wandb", reason="extra wandb; ./tools/test installs it")
+pytest.importorskip("swanlab", reason="extra swanlab; ./tools/test installs it")
 
 STUB = Path(__file__).parent / "nemo_rl_stub"
 STEPS = range(1, 21)
@@ -238,7 +238,7 @@ class TestWandb:
     def test_plots_are_plotly_charts(self, wandb_file: Path) -> None:
         """With plotly installed, NeMo's plots are interactive charts in W&B, as its W&B
         logger's ``run.log({name: figure})`` makes them."""
-        pytest.importorskip("plotly")
+        pytest.importorskip("plotly", reason="extra plots; ./tools/test installs it")
         from ranklog.shippers.targets._wandb_log import history_rows
 
         key = "train/token_mult_prob_error_plot_sample._type"

@@ -19,9 +19,9 @@ from ranklog.shippers.targets.tensorboard import HPARAMS_FILE
 
 from .test_nemo import no_backends
 
-pytest.importorskip("tensorboard")
-pytest.importorskip("mlflow")
-pytest.importorskip("wandb")
+pytest.importorskip("tensorboard", reason="extra tensorboard; ./tools/test installs it")
+pytest.importorskip("mlflow", reason="extra mlflow; ./tools/test installs it")
+pytest.importorskip("wandb", reason="extra wandb; ./tools/test installs it")
 
 #: every kind ranklog adds to TensorBoard and MLflow, taken away by ``ranklog.leave_out``
 EVERY_ADDITION = ["histograms", "texts", "tables", "derived", "code"]

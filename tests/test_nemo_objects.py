@@ -17,9 +17,9 @@ from ranklog.shippers.targets._wandb_log import history_rows, iter_records
 
 from .test_nemo import no_backends
 
-pytest.importorskip("tensorboard")
-pytest.importorskip("mlflow")
-pytest.importorskip("wandb")
+pytest.importorskip("tensorboard", reason="extra tensorboard; ./tools/test installs it")
+pytest.importorskip("mlflow", reason="extra mlflow; ./tools/test installs it")
+pytest.importorskip("wandb", reason="extra wandb; ./tools/test installs it")
 
 
 class Done:

@@ -249,7 +249,7 @@ class TestReviewed:
     def test_tensorboard_code_text_is_no_step_and_written_once(self, tmp_path: Path) -> None:
         """The code's text record holds no step: a reopened target holds none, and does not
         write the same text again (a crash before the cursor was committed)."""
-        pytest.importorskip("tensorboard")
+        pytest.importorskip("tensorboard", reason="extra tensorboard; ./tools/test installs it")
         from ranklog.shippers.targets.tensorboard import TensorBoardTarget
         from ranklog.spool import RunInfo
 
@@ -267,8 +267,8 @@ class TestReviewed:
     def test_wandb_sends_the_image_when_plotly_cannot_read_the_chart(self, tmp_path: Path) -> None:
         """A chart the shipper's plotly refuses (another version wrote it) goes as its image,
         said once; the shipper does not stop."""
-        pytest.importorskip("wandb")
-        pytest.importorskip("plotly")
+        pytest.importorskip("wandb", reason="extra wandb; ./tools/test installs it")
+        pytest.importorskip("plotly", reason="extra plots; ./tools/test installs it")
         from ranklog.schemas import Image
 
         spool = tmp_path / "spool"
@@ -294,7 +294,7 @@ class TestReviewed:
     ) -> None:
         """A summary key later logged as a metric takes W&B's own summary (its last value);
         a later session is not given the older summary value."""
-        pytest.importorskip("wandb")
+        pytest.importorskip("wandb", reason="extra wandb; ./tools/test installs it")
         spool, root = tmp_path / "spool", tmp_path / "w"
         run = ranklog.init(spool, rank=0, world_size=1, handle_signals=False)
         run.log_summary({"loss": 9.0, "best": 1.0})
@@ -402,7 +402,7 @@ class TestWandb:
     ) -> None:
         """W&B gets each define_metric, the summary values and, as NeMo RL logs it, a
         ``git-diffs`` artifact with ``uncommitted_changes_diff.txt`` and the commit."""
-        pytest.importorskip("wandb")
+        pytest.importorskip("wandb", reason="extra wandb; ./tools/test installs it")
         spool, root = tmp_path / "spool", tmp_path / "w"
         logged_run(spool, repo, monkeypatch, code=True)
         done = ranklog_cmd("ship", str(spool), "--to", "wandb:proj", "--dir", str(root),
@@ -429,7 +429,7 @@ class TestWandb:
     ) -> None:
         """A restarted shipper starts a new offline session: it gets the definitions and
         the summary again (kept in the hidden config), so a sync of every folder keeps them."""
-        pytest.importorskip("wandb")
+        pytest.importorskip("wandb", reason="extra wandb; ./tools/test installs it")
         spool, root = tmp_path / "spool", tmp_path / "w"
         run = ranklog.init(spool, rank=0, world_size=1, handle_signals=False)
         run.define_metric("eval/*", step_metric="eval/epoch")
@@ -459,7 +459,7 @@ class TestMlflowAndTensorBoard:
     ) -> None:
         """MLflow gets its own ``mlflow.source.git.*`` tags and ``code/`` artifacts; each
         summary key it cannot hold is said once on stderr."""
-        pytest.importorskip("mlflow")
+        pytest.importorskip("mlflow", reason="extra mlflow; ./tools/test installs it")
         from mlflow.tracking import MlflowClient
 
         spool = tmp_path / "spool"
@@ -484,7 +484,7 @@ class TestMlflowAndTensorBoard:
         self, repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """TensorBoard shows the code as a text entry ``code/git`` at step 0."""
-        pytest.importorskip("tensorboard")
+        pytest.importorskip("tensorboard", reason="extra tensorboard; ./tools/test installs it")
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
         spool, tb = tmp_path / "spool", tmp_path / "tb"
@@ -533,8 +533,8 @@ class TestPlotly:
     def test_a_figure_reaches_wandb_as_a_plotly_chart(self, tmp_path: Path) -> None:
         """With plotly installed, W&B shows a logged figure as an interactive chart (as
         ``wandb.log({name: figure})`` does); the replay of the dataset gives the same."""
-        pytest.importorskip("wandb")
-        pytest.importorskip("plotly")
+        pytest.importorskip("wandb", reason="extra wandb; ./tools/test installs it")
+        pytest.importorskip("plotly", reason="extra plots; ./tools/test installs it")
         spool = tmp_path / "spool"
         plots_spool(spool)
         args = ("--mode", "offline")
@@ -550,8 +550,8 @@ class TestPlotly:
 
     def test_a_shipper_without_plotly_ships_the_image(self, tmp_path: Path) -> None:
         """The chart is kept beside the PNG: a shipper that cannot import plotly sends the image."""
-        pytest.importorskip("wandb")
-        pytest.importorskip("plotly")
+        pytest.importorskip("wandb", reason="extra wandb; ./tools/test installs it")
+        pytest.importorskip("plotly", reason="extra plots; ./tools/test installs it")
         from .conftest import python_env
 
         spool = tmp_path / "spool"

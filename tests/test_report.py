@@ -182,7 +182,7 @@ class TestPage:
         run.close()
         compact(spool, tmp_path / "pq")
         page = write_report(tmp_path / "pq", tmp_path / "r.html").read_text()
-        assert "<b>code</b><span>4f1c2e9d8b on main (uncommitted changes)</span>" in page
+        assert "<b>code</b><span>4f1c2e9d8b7a on main (uncommitted changes)</span>" in page
         assert ">lr<" in page and "@" not in page.split("<h2>Params</h2>")[1]
 
     @pytest.mark.slow

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("tensorboard")
+pytest.importorskip("tensorboard", reason="extra tensorboard; ./tools/test installs it")
 
 from tensorboard.backend.event_processing import event_accumulator as ea
 from tensorboard.compat.proto import event_pb2, summary_pb2
@@ -340,7 +340,10 @@ class TestHparams:
         ssi, exp = _hparams(tmp_path)
         got = {k: getattr(v, v.WhichOneof("kind")) for k, v in ssi.hparams.items()}
         assert got == {"name": "adam", "flag": True, "lr": 0.5, "n": 3.0, "big": math.inf}
-        torch_summary = pytest.importorskip("torch.utils.tensorboard.summary")
+        torch_summary = pytest.importorskip(
+            "torch.utils.tensorboard.summary",
+            reason="torch, pinned by ./tools/test: TensorBoard's own writer",
+        )
         _, theirs, _ = torch_summary.hparams(params, {})
         from tensorboard.plugins.hparams import plugin_data_pb2
 

@@ -23,7 +23,7 @@ from typing import Any, Final
 
 from ranklog.errors import InvalidValueError
 from ranklog.producer._redact import redact_text
-from ranklog.producer._values import check_name
+from ranklog.producer._values import as_float, check_name
 from ranklog.schemas import ParamScalar
 
 __all__ = [
@@ -81,8 +81,6 @@ def definition(
 
 def summary_values(values: Mapping[str, Any]) -> dict[str, ParamScalar]:
     """``summary/<key>`` records of a summary update: numbers, strings, bools, None."""
-    from ranklog.producer._values import as_float
-
     if not isinstance(values, Mapping):
         raise InvalidValueError(f"summary must be a dict, got {type(values).__name__}")
     out: dict[str, ParamScalar] = {}

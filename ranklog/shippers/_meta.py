@@ -10,12 +10,13 @@ the ``@``) to the target's optional ``write_meta``.
 from __future__ import annotations
 
 import logging
-from typing import Final
+from collections.abc import Mapping
+from typing import Any, Final
 
 from ranklog.schemas import ParamValue, split_meta
 from ranklog.shippers._target import Target
 
-__all__ = ["fingerprint", "write_params"]
+__all__ = ["code_line", "fingerprint", "records", "write_params"]
 
 log = logging.getLogger("ranklog.ship")
 
@@ -25,6 +26,23 @@ KINDS: Final = {
     "code": "the code's git state",
     "define": "metric definitions",
 }
+
+
+def records(meta: Mapping[str, Any], kind: str) -> dict[str, Any]:
+    """The run records of one kind (``code``, ``summary``, ``define``), by their own key:
+    ``records({"code/commit": "4f1c"}, "code") == {"commit": "4f1c"}``."""
+    prefix = kind + "/"
+    return {k[len(prefix) :]: v for k, v in meta.items() if k.startswith(prefix)}
+
+
+def code_line(code: Mapping[str, Any]) -> str:
+    """A run's code in one line, ``4f1c2e9d8b7a on main (uncommitted changes)``, from its
+    ``code`` records ("" without a commit)."""
+    if not code.get("commit"):
+        return ""
+    where = f" on {code['branch']}" if code.get("branch") else ""
+    dirty = " (uncommitted changes)" if code.get("dirty") else ""
+    return f"{str(code['commit'])[:12]}{where}{dirty}"
 
 
 #: a text longer than this is kept in the engine and its cursor by its digest

@@ -224,7 +224,9 @@ _GPU_NAMES: dict[str, dict[str, str]] = {
 def code_markdown(meta: Mapping[str, ParamScalar]) -> str:
     """The ``code/*`` run records of ``meta`` as Markdown ("" when it has none): commit,
     branch, remote, whether the tree was dirty, then the diff against the commit."""
-    code = {k[5:]: v for k, v in meta.items() if k.startswith("code/")}
+    from ranklog.shippers._meta import records
+
+    code = records(meta, "code")
     if not code:
         return ""
     lines = [f"**commit** `{code.get('commit', '?')}`"]

@@ -233,7 +233,9 @@ def code_tags_and_files(meta: Mapping[str, ParamScalar]) -> tuple[dict[str, str]
     ``.branch``, ``.repoURL``; files ``code/git.json`` (every field but the diff) and
     ``code/uncommitted_changes_diff.txt`` when the tree differs from its commit.
     """
-    code = {k[5:]: v for k, v in meta.items() if k.startswith("code/")}
+    from ranklog.shippers._meta import records
+
+    code = records(meta, "code")
     if not code:
         return {}, {}
     tags: dict[str, str] = {}

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from ranklog.schemas import ParamScalar
+from ranklog.shippers._meta import records
 from ranklog.shippers.targets._wandb_config import META_KEY, RUN_KEY, nest
 from ranklog.shippers.targets._wandb_media import wandb_module
 
@@ -112,7 +113,7 @@ class WandbRecords:
         files.mkdir(parents=True, exist_ok=True)
         path = files / "uncommitted_changes_diff.txt"
         path.write_text(str(meta["code/diff"]))
-        info = {k.split("/", 1)[1]: v for k, v in self._meta.items() if k.startswith("code/")}
+        info = records(self._meta, "code")
         artifact = wandb.Artifact(
             name=f"git-diffs-{self.project}-{held.wid}", type="git-diffs", metadata=info
         )

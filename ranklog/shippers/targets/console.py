@@ -19,6 +19,7 @@ from typing import Any, Final, TextIO
 
 from ranklog.errors import ConfigError
 from ranklog.schemas import ParamScalar, ParamValue
+from ranklog.shippers._meta import code_line, records
 from ranklog.shippers._registry import Option, TargetContext, TargetKind
 from ranklog.shippers._target import ShippedStep, TextItem
 from ranklog.spool import RunInfo
@@ -74,13 +75,9 @@ class ConsoleTarget:
     def write_meta(self, meta: dict[str, ParamScalar]) -> list[str]:
         """Run records, a line each: the code (commit, branch, whether the tree was dirty)
         and summary values; metric definitions are for W&B's charts (nothing to print)."""
-        code = {k[5:]: v for k, v in meta.items() if k.startswith("code/")}
-        if code.get("commit"):
-            where = f" on {code['branch']}" if code.get("branch") else ""
-            dirty = " (uncommitted changes)" if code.get("dirty") else ""
-            print(f"code    {_safe(str(code['commit']))[:12]}{_safe(where)}{dirty}", file=self.out)
-        summary = {k[8:]: v for k, v in meta.items() if k.startswith("summary/")}
-        if summary:
+        if line := code_line(records(meta, "code")):
+            print(f"code    {_safe(line)}", file=self.out)
+        if summary := records(meta, "summary"):
             items = "  ".join(f"{k}={v}" for k, v in summary.items())
             print(f"summary {_safe(items)}", file=self.out)
         return []
