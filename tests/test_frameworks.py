@@ -48,14 +48,17 @@ def needs(module: str, extra: str) -> pytest.MarkDecorator:
 
 def job_env(tmp: Path, **extra: str) -> dict[str, str]:
     """A hermetic environment: no launcher, backend or SLURM variables, a private HOME and
-    Hugging Face cache, offline, one thread per process."""
+    Hugging Face cache, offline, one thread per process, and no code provenance (whether the
+    checkout under test is a git repository must not change what the jobs log)."""
     env = python_env(
         HOME=str(tmp / "home"), HF_HOME=str(tmp / "home" / "hf"), HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false",
         OMP_NUM_THREADS="1", **extra,
     )  # fmt: skip
     gone = ("MLFLOW_", "SLURM_", "MASTER_", "RANKLOG_", "NODE_RANK", "GROUP_RANK", "TORCHELASTIC")
-    return {k: v for k, v in env.items() if not k.startswith(gone) or k in extra}
+    env = {k: v for k, v in env.items() if not k.startswith(gone) or k in extra}
+    env.setdefault("RANKLOG_CODE", "0")
+    return env
 
 
 def torchrun(tmp: Path, script: str, *args: str, **env: str) -> tuple[int, str]:
