@@ -246,9 +246,9 @@ class TestCompaction:
         calls: list[bool] = []
         real = compaction._decode
 
-        def spy(path: str, frames: Any, *, raw: bool) -> Any:
+        def spy(path: str, frames: Any, layouts: Any, *, raw: bool) -> Any:
             calls.append(raw)
-            return real(path, frames, raw=raw)
+            return real(path, frames, layouts, raw=raw)
 
         monkeypatch.setattr(compaction, "_decode", spy)
         result = compact(spool, tmp_path / "out")

@@ -99,8 +99,8 @@ class TestRoundTrip:
         for t, n in counts.items():
             assert _table(out, t).num_rows == n, t
         assert sorted(set(_table(out, "ranks").column("kind").to_pylist())) == [
-            "rank_end", "rank_start", "step_end",
-        ]  # fmt: skip
+            "names", "rank_end", "rank_start", "step_end",
+        ]  # fmt: skip  # (names: a names frame of segment format 2)
 
     def test_types_and_values(self, spool: Path, tmp_path: Path) -> None:
         """Columns have the documented types; NaN, ops, params as JSON, bytes survive."""

@@ -42,11 +42,26 @@ from ranklog.archive._manifest import (
     load_manifest,
     save_manifest,
 )
-from ranklog.archive._tables import SCHEMAS, TABLES, raw_segment_tables, segment_tables
+from ranklog.archive._tables import (
+    SCHEMAS,
+    TABLES,
+    NamesRow,
+    names_row,
+    raw_segment_tables,
+    segment_tables,
+)
 from ranklog.errors import ConfigError, CursorError, RunMismatchError
-from ranklog.schemas import DecodeStats, Event, MetricsRaw, decode_events, decode_events_raw
+from ranklog.schemas import (
+    DecodeStats,
+    Event,
+    Layouts,
+    MetricsRaw,
+    decode_events,
+    decode_events_raw,
+)
 from ranklog.spool import (
     UNDECODABLE,
+    UNRESOLVED,
     BadRange,
     Frame,
     SegmentId,
@@ -314,10 +329,11 @@ def _compact_segment(
         )  # fmt: skip
         tables: dict[str, pa.Table] = {}
         if res.frames and not foreign:
-            decoded, undecodable = _decode(str(seg.path), res.frames, raw=True)
+            decoded, undecodable = _decode(str(seg.path), res.frames, reader.layouts, raw=True)
             built = raw_segment_tables(run_id, seg, decoded, upto, mark=mark, dictionary=True)
             if built is None:  # a values map Metrics refuses: the events as the reader has them
-                decoded, undecodable = _decode(str(seg.path), res.frames, raw=False)
+                decoded, undecodable = _decode(str(seg.path), res.frames, reader.layouts,
+                                               raw=False)  # fmt: skip
                 built = raw_segment_tables(run_id, seg, decoded, upto, mark=mark, dictionary=True)
             assert built is not None  # decoded Metrics: no map to refuse
             tables = built
@@ -362,16 +378,28 @@ class _Decoded:
     events: Sequence[Event | MetricsRaw]
 
 
-def _decode(path: str, frames: list[Frame], *, raw: bool) -> tuple[list[_Decoded], list[BadRange]]:
-    """The events of ``frames`` (read undecoded), and the frames some of whose events do not
-    decode, as the reader reports them. ``raw``: Metrics values left undecoded."""
+def _decode(
+    path: str, frames: list[Frame], layouts: Layouts, *, raw: bool
+) -> tuple[list[_Decoded | NamesRow], list[BadRange]]:
+    """The events of ``frames`` (read undecoded; ``layouts``: their segment's), and the frames
+    some of whose events do not decode, as the reader reports them. ``raw``: Metrics values
+    left undecoded."""
     stats = DecodeStats()
     decode = decode_events_raw if raw else decode_events
-    out, bad = [], []
+    out: list[_Decoded | NamesRow] = []
+    bad: list[BadRange] = []
     for frame in frames:
         assert frame.payload is not None  # read with decode=False
         before = stats.invalid_events
-        out.append(_Decoded(frame.seq, decode(frame.payload, frame.schema, stats)))
+        if frame.names_ts is not None:  # a row says the frame was there (replay counts frames)
+            out.append(names_row(frame))
+            continue
+        lost = stats.unresolved
+        events = decode(frame.payload, frame.schema, stats, layouts)
+        if stats.unresolved != lost:  # as the reader does: the frame is skipped whole
+            bad.append(BadRange(path, frame.offset, frame.end - frame.offset, UNRESOLVED))
+            continue
+        out.append(_Decoded(frame.seq, events))
         if stats.invalid_events != before:
             bad.append(BadRange(path, frame.offset, frame.end - frame.offset, UNDECODABLE))
     return out, bad

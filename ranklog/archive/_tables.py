@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from itertools import chain
 from operator import attrgetter
 from typing import Any, Final, Protocol, Self
@@ -30,6 +31,7 @@ from ranklog.schemas import (
     Image,
     Metrics,
     MetricsRaw,
+    Names,
     Params,
     RankEnd,
     RankStart,
@@ -47,6 +49,7 @@ __all__ = [
     "STEP_TABLES",
     "TABLES",
     "FrameEvents",
+    "names_row",
     "raw_segment_tables",
     "segment_tables",
 ]
@@ -140,7 +143,21 @@ class FrameEvents(Protocol):
     def seq(self) -> int: ...
 
     @property
-    def events(self) -> Sequence[Event | MetricsRaw]: ...
+    def events(self) -> Sequence[Event | MetricsRaw | Names]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class NamesRow:
+    """A names frame (segment format 2), as the one row of the ranks table that says it was
+    there: replay counts a segment's frames from its rows."""
+
+    seq: int
+    events: tuple[Names]
+
+
+def names_row(frame: Frame) -> NamesRow:
+    """The row of a names frame (``frame.names_ts`` set)."""
+    return NamesRow(frame.seq, (Names(frame.names_ts or 0.0, -1, []),))
 
 
 def segment_tables(
@@ -161,7 +178,8 @@ def segment_tables(
     table's strings are then dictionary-encoded, as its columns are built (compaction writes
     them so, and Parquet does not hash every string again).
     """
-    tables = raw_segment_tables(run_id, seg, frames, relogged_upto, mark=mark,
+    rows: list[FrameEvents] = [names_row(f) if f.names_ts is not None else f for f in frames]
+    tables = raw_segment_tables(run_id, seg, rows, relogged_upto, mark=mark,
                                 dictionary=dictionary)  # fmt: skip
     assert tables is not None  # decoded Metrics: no map to refuse
     return tables
@@ -519,4 +537,5 @@ _ADD: Final[dict[type, Callable[[dict[str, _Columns], Any, dict[str, Any]], None
     StepEnd: _rank_event("step_end"),
     Heartbeat: _rank_event("heartbeat"),
     RankEnd: _rank_event("rank_end"),
+    Names: _rank_event("names"),  # a names frame (format 2): a row, so replay counts the frame
 }

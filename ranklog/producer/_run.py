@@ -34,7 +34,6 @@ from ranklog.producer._values import (
 )
 from ranklog.schemas import (
     Gpu,
-    Metrics,
     RankEnd,
     RankStart,
     Timer,
@@ -275,7 +274,7 @@ class Run(RunValues):
             op = self._reduce(reduce, prefix, values)
         if step != self._next_step and self._next_step:  # (0: no step closed yet)
             self._off_step(step, next(iter(values), ""))
-        self._sink.append(Metrics(time.time(), step, values, op), step=step)
+        self._sink.append_metrics(time.time(), step, values, op)
 
     def _name(self, names: dict[str, str], prefix: str | None, key: object) -> str:
         """The name ``key`` logs under with ``prefix``, checked once and then cached."""

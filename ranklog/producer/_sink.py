@@ -6,6 +6,9 @@ writes sealed chunks every ``flush_interval`` (and sends heartbeats when the
 rank is quiet); :meth:`SpoolSink.flush` writes them at once in the caller's
 thread, which is what ``step_end`` does at durability ``step`` and ``fsync``.
 
+A metrics call is not encoded by the caller: the sink keeps the call's own values and
+whoever writes the chunk packs it (segment format 2, :mod:`ranklog.producer._pack`).
+
 Write errors (ENOSPC, EFBIG, EIO, ...) never reach the caller: the bytes stay
 in the buffer, a warning is issued once, and the background thread retries with
 backoff until the disk takes them. Past ``max_buffer_bytes`` of unwritten events
@@ -19,13 +22,14 @@ import threading
 import time
 import warnings
 from collections import deque
-from typing import Final
+from typing import Any, Final
 
 import msgspec
 
 from ranklog.errors import InvalidValueError, RanklogWarning, SpoolError
 from ranklog.producer._dupes import later_incarnation
-from ranklog.schemas import Event, Heartbeat, StepEnd
+from ranklog.producer._pack import PACK_MAX_NAMES, Call, Chunk, Packer, call_size
+from ranklog.schemas import Event, Heartbeat, Metrics, StepEnd
 from ranklog.spool import MAX_FRAME_BYTES, IncarnationWriter
 from ranklog.spool._format import msgpack_array_header
 
@@ -57,17 +61,18 @@ class SpoolSink:
         self._encode = msgspec.msgpack.Encoder().encode
         self._lock = threading.RLock()  # buffers; re-entrant for signal handlers
         self._io_lock = threading.RLock()  # the writer
-        self._cur: list[bytes] = []
+        self._cur = Chunk()
         self._cur_bytes = 0
         # the watermark rule, applied in stream order: highest step_end, highest step event
         self._closed_step = -1
         self._max_step = -1
         #: open step -> step events appended for it (not late by the watermark)
         self._counts: dict[int, int] = {}
-        self._chunks: deque[list[bytes]] = deque()
+        self._chunks: deque[Chunk] = deque()
         self._held_bytes = 0
         self._appended = 0
         self._written_events = 0
+        self._packer = Packer(writer, self._encode, _MAX_EVENT)
         self._error: OSError | None = None
         self._warned: set[str] = set()
         self._closed = False
@@ -99,15 +104,34 @@ class SpoolSink:
             )
         with self._lock:
             if step is not None:
-                top = self._max_step
-                if step > self._closed_step and step >= top:  # not late by the watermark
-                    self._counts[step] = self._counts.get(step, 0) + 1
-                if step > top:
-                    self._max_step = step
-            self._add_locked(data)
+                self._count_locked(step)
+            self._add_locked(data, len(data))
             over = self._held_bytes + self._cur_bytes > self.max_buffer_bytes
         if over and wait:
             self._backpressure()
+
+    def append_metrics(self, ts: float, step: int, values: dict[str, float], op: Any) -> None:
+        """Buffer the metrics of one call (``op``: its reduce spec): kept as they are, and
+        packed by whoever writes them (:mod:`ranklog.producer._pack`). ``values`` is the
+        call's own dict (never changed after). A reduce map, or a call of more than
+        ``PACK_MAX_NAMES`` names, is encoded at once as a Metrics event."""
+        if type(op) is not str or not 0 < len(values) <= PACK_MAX_NAMES:
+            self.append(Metrics(ts, step, values, op), step=step)
+            return
+        with self._lock:
+            self._count_locked(step)
+            self._add_locked((ts, step, values, op), call_size(values))
+            over = self._held_bytes + self._cur_bytes > self.max_buffer_bytes
+        if over:
+            self._backpressure()
+
+    def _count_locked(self, step: int) -> None:
+        """A step event of ``step``: counted for its step_end unless late by the watermark."""
+        top = self._max_step
+        if step > self._closed_step and step >= top:
+            self._counts[step] = self._counts.get(step, 0) + 1
+        if step > top:
+            self._max_step = step
 
     def append_step_end(self, ts: float, step: int) -> None:
         """Buffer ``StepEnd(step)``, with the count of ``step``'s events when it closes it."""
@@ -119,16 +143,17 @@ class SpoolSink:
                     del self._counts[s]  # closed too (by this step_end): never counted
             if step > self._closed_step:
                 self._closed_step = step
-            self._add_locked(self._encode(StepEnd(ts, step, count)))
+            data = self._encode(StepEnd(ts, step, count))
+            self._add_locked(data, len(data))
             over = self._held_bytes + self._cur_bytes > self.max_buffer_bytes
         if over:
             self._backpressure()
 
-    def _add_locked(self, data: bytes) -> None:
-        if self._cur_bytes + len(data) > _MAX_EVENT:
+    def _add_locked(self, item: bytes | Call, size: int) -> None:
+        if self._cur_bytes + size > _MAX_EVENT:
             self._seal_locked()  # a frame never exceeds the cap
-        self._cur.append(data)
-        self._cur_bytes += len(data)
+        self._cur.append(item)
+        self._cur_bytes += size
         self._appended += 1
         if self._cur_bytes >= FRAME_TARGET:
             self._seal_locked()
@@ -138,9 +163,10 @@ class SpoolSink:
         if not cur:
             return
         if not self._chunks or self._chunks[-1] is not cur:
+            cur.nbytes = self._cur_bytes
             self._chunks.append(cur)
             self._held_bytes += self._cur_bytes
-        self._cur = []
+        self._cur = Chunk()
         self._cur_bytes = 0
 
     def _backpressure(self) -> None:
@@ -192,13 +218,19 @@ class SpoolSink:
                     if not self._chunks:
                         break
                     chunk = self._chunks[0]
-                body = b"".join(chunk)
-                self.writer.write_events(len(chunk), [msgpack_array_header(len(chunk)), body])
-                wrote = True
+                frames = chunk.frames
+                if frames is None:  # packed once: a retry writes the same bytes
+                    frames = chunk.frames = self._packer.frames(chunk)
+                while chunk.written < len(frames):
+                    count, body, names = frames[chunk.written]
+                    self.writer.write_events(count, [msgpack_array_header(count), body],
+                                             names=names)  # fmt: skip
+                    chunk.written += 1
+                    wrote = True
                 with self._lock:
                     if self._chunks and self._chunks[0] is chunk:
                         self._chunks.popleft()
-                        self._held_bytes -= len(body)
+                        self._held_bytes -= chunk.nbytes
                         self._written_events += len(chunk)
             if sync and (wrote or self._error is not None):
                 self.writer.sync()
@@ -337,6 +369,9 @@ class DeadSink:
         self._warned = False
 
     def append(self, event: object, *, wait: bool = True, step: int | None = None) -> None:
+        self._warn()
+
+    def append_metrics(self, ts: float, step: int, values: object, op: object) -> None:
         self._warn()
 
     def append_step_end(self, ts: float, step: int) -> None:

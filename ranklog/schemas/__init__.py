@@ -1,7 +1,8 @@
 """Event schemas: what a rank writes into the spool.
 
-The kinds and their pinned tags are in :mod:`ranklog.schemas._events`; the
-reused encoder and the never-raising decoder in :mod:`ranklog.schemas._codec`.
+The kinds and their pinned tags are in :mod:`ranklog.schemas._events`; the records of
+segment format 2 that pack metrics (Names, Packed) in :mod:`ranklog.schemas._packed`;
+the reused encoder and the never-raising decoder in :mod:`ranklog.schemas._codec`.
 """
 
 from ranklog.schemas._codec import (
@@ -43,6 +44,7 @@ from ranklog.schemas._events import (
     params_event,
     split_meta,
 )
+from ranklog.schemas._packed import WIRE_KINDS, Layouts, Names, Packed
 
 __all__ = [
     "DEFAULT_METRIC_REDUCE",
@@ -53,6 +55,7 @@ __all__ = [
     "REDUCE_OPS",
     "SCHEMA_VERSION",
     "STEP_KINDS",
+    "WIRE_KINDS",
     "DecodeStats",
     "Event",
     "EventBase",
@@ -60,8 +63,11 @@ __all__ = [
     "Heartbeat",
     "Histogram",
     "Image",
+    "Layouts",
     "Metrics",
     "MetricsRaw",
+    "Names",
+    "Packed",
     "ParamScalar",
     "ParamValue",
     "Params",

@@ -56,8 +56,9 @@ __all__ = [
 #: or a kind is added; a reader meeting a higher version counts what it skips.
 #: 2: histogram and image kinds; 3: step_end.events; 4: table; 5: params.lists;
 #: 6: params.meta (run records: metric definitions, summary values, code provenance),
-#: image.plotly
-SCHEMA_VERSION: Final = 6
+#: image.plotly; 7: the format records ``names`` and ``mp`` (segment format 2,
+#: :mod:`ranklog.schemas._packed`)
+SCHEMA_VERSION: Final = 7
 
 #: Reductions a value may ask for (the NeMo RL timer set, plus ``last``).
 REDUCE_OPS: Final = frozenset({"mean", "sum", "min", "max", "median", "std", "count", "last"})

@@ -5,7 +5,7 @@ Byte format (all integers little-endian, checksums are CRC-32/IEEE as ``zlib.crc
     segment  := header frame* [seal]
     header   := 64 bytes
         0   8  magic            89 52 4C 4F 47 0D 0A 1A  ("\\x89RLOG\\r\\n\\x1a")
-        8   2  format version   1
+        8   2  format version   1, or 2 (metrics may be packed)
        10   2  header size      64
        12   4  rank
        16   4  incarnation      1, 2, ... per rank (a restart never reuses one)
@@ -18,7 +18,7 @@ Byte format (all integers little-endian, checksums are CRC-32/IEEE as ``zlib.crc
     frame    := 24-byte frame header, payload, 4-byte crc32 of the payload
         0   4  sync marker      F3 52 4C 1F
         4   1  type             1 = events, 2 = seal
-        5   1  flags            0
+        5   1  flags            bit 0: holds a names record (format 2), else 0
         6   2  schema version   of the events (ranklog.schemas.SCHEMA_VERSION)
         8   4  payload length   at most MAX_FRAME_BYTES (16 MiB)
        12   8  sequence number  per incarnation, from 0, continuing across segments
@@ -40,7 +40,9 @@ Invariants:
 - readers trust a length only after its header checksum matched and it is at
   most ``MAX_FRAME_BYTES``; they resynchronise on the sync marker after damage.
 
-Reader rules are in :mod:`ranklog.spool._reader`.
+Format 2 packs metrics (a rank's names said once per layout, values as float64 bytes):
+see :mod:`ranklog.schemas._packed` and docs/formats.md. Reader rules are in
+:mod:`ranklog.spool._reader`.
 """
 
 from ranklog.spool._format import (
@@ -63,6 +65,7 @@ from ranklog.spool._layout import (
 )
 from ranklog.spool._reader import (
     UNDECODABLE,
+    UNRESOLVED,
     BadRange,
     Frame,
     ReadResult,
@@ -80,6 +83,7 @@ __all__ = [
     "MAX_FRAME_BYTES",
     "NO_STEP",
     "UNDECODABLE",
+    "UNRESOLVED",
     "BadRange",
     "DeletedSegment",
     "Frame",

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Final
 
 __all__ = [
+    "FLAG_NAMES",
     "FORMAT_VERSION",
     "FRAME_EVENTS",
     "FRAME_HEADER",
@@ -29,11 +30,15 @@ __all__ = [
 ]
 
 MAGIC: Final = b"\x89RLOG\r\n\x1a"
-FORMAT_VERSION: Final = 1
+#: 1: every metrics event a map of names to values; 2: metrics may be packed (names frames,
+#: :mod:`ranklog.schemas._packed`). A reader reads both.
+FORMAT_VERSION: Final = 2
 HEADER_SIZE: Final = 64
 SYNC: Final = b"\xf3RL\x1f"
 FRAME_EVENTS: Final = 1
 FRAME_SEAL: Final = 2
+#: frame header flag: an events frame that holds only Names records (format 2)
+FLAG_NAMES: Final = 1
 #: Hard cap on a frame's payload, enforced by writer and reader alike.
 MAX_FRAME_BYTES: Final = 16 * 1024 * 1024
 
@@ -104,18 +109,18 @@ def unpack_header(data: bytes) -> SegmentHeader | str:
     )
 
 
-def frame_header(kind: int, schema: int, length: int, seq: int) -> bytes:
+def frame_header(kind: int, schema: int, length: int, seq: int, flags: int = 0) -> bytes:
     """The 24 bytes that precede a frame's payload."""
-    head = _FRAME.pack(SYNC, kind, 0, schema, length, seq)
+    head = _FRAME.pack(SYNC, kind, flags, schema, length, seq)
     return head + _U32.pack(zlib.crc32(head))
 
 
-def parse_frame_header(data: bytes | memoryview, pos: int) -> tuple[int, int, int, int] | None:
-    """``(kind, schema, length, seq)`` of a valid frame header at ``pos``, else None.
+def parse_frame_header(data: bytes | memoryview, pos: int) -> tuple[int, int, int, int, int] | None:
+    """``(kind, schema, length, seq, flags)`` of a valid frame header at ``pos``, else None.
 
     The caller guarantees ``FRAME_HEADER`` bytes are available at ``pos``.
     """
-    sync, kind, _flags, schema, length, seq = _FRAME.unpack_from(data, pos)
+    sync, kind, flags, schema, length, seq = _FRAME.unpack_from(data, pos)
     if sync != SYNC:
         return None
     (crc,) = _U32.unpack_from(data, pos + _FRAME.size)
@@ -123,7 +128,7 @@ def parse_frame_header(data: bytes | memoryview, pos: int) -> tuple[int, int, in
         return None
     if length > MAX_FRAME_BYTES or kind not in (FRAME_EVENTS, FRAME_SEAL):
         return None
-    return kind, schema, length, seq
+    return kind, schema, length, seq, flags
 
 
 def payload_ok(data: bytes | memoryview, start: int, length: int) -> bool:

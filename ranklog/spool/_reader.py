@@ -10,7 +10,10 @@ Rules (see the package docstring):
 - a bad region followed by a valid frame is reported with path and offset and
   skipped at once;
 - no read is larger than ``max(CHUNK, MAX_FRAME_BYTES + overhead)``, whatever a
-  corrupt length field claims.
+  corrupt length field claims;
+- format 2: the reader keeps the segment's layouts (its names frames') and gives the
+  Metrics events that packed ones stand for; a reader that starts past the header first
+  finds the names frames before its offset by their frame headers alone.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ from typing import Final
 
 import msgspec
 
-from ranklog.schemas import DecodeStats, Event, decode_events
+from ranklog.schemas import DecodeStats, Event, Layouts, decode_events
 from ranklog.spool._format import (
+    FLAG_NAMES,
     FRAME_HEADER,
     FRAME_SEAL,
     FRAME_TRAILER,
@@ -37,12 +41,25 @@ from ranklog.spool._format import (
     unpack_header,
 )
 
-__all__ = ["UNDECODABLE", "BadRange", "Frame", "ReadResult", "SegmentReader", "read_segment"]
+__all__ = [
+    "UNDECODABLE",
+    "UNRESOLVED",
+    "BadRange",
+    "Frame",
+    "ReadResult",
+    "SegmentReader",
+    "read_segment",
+]
 
 CHUNK: Final = 4 * 1024 * 1024
 #: the reason of a frame's :class:`BadRange` when some of its events do not decode
 UNDECODABLE: Final = "undecodable events"
+#: the reason of a frame's :class:`BadRange` when packed values in it have no layout (their
+#: names frame lost): the whole frame is skipped, as a frame lost to damage
+UNRESOLVED: Final = "packed values whose names frame is lost"
 _seal_decoder: Final = msgspec.msgpack.Decoder(dict[str, object])
+#: the payload a names frame is given: an empty msgpack array (its records are the reader's)
+_NONE: Final = memoryview(b"\x90")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +80,8 @@ class Frame:
     """One valid events frame: its byte range, sequence number and decoded events.
 
     A reader made with ``decode=False`` leaves ``events`` empty and keeps the frame's
-    checked ``payload`` for the caller to decode.
+    checked ``payload`` for the caller to decode (with the reader's ``layouts``). A names
+    frame's records are the reader's own: its events are none, its payload an empty array.
     """
 
     offset: int
@@ -72,6 +90,8 @@ class Frame:
     schema: int
     events: list[Event]
     payload: memoryview | None = None
+    #: a names frame (format 2): the time of its last record; None for any other frame
+    names_ts: float | None = None
 
 
 @dataclass(slots=True)
@@ -116,6 +136,9 @@ class SegmentReader:
         self.header: SegmentHeader | None = None
         self.header_error: str | None = None
         self.decode = decode
+        #: the layouts of the segment's names frames read so far (format 2)
+        self.layouts = Layouts()
+        self._names_to = HEADER_SIZE  # names frames before this offset are in layouts
 
     def _open(self) -> int:
         # O_NONBLOCK: a FIFO put where a segment was must not block the reader; on a
@@ -158,14 +181,52 @@ class SegmentReader:
                 else:
                     self.header = parsed
                 res.end = HEADER_SIZE
+            if res.end > self._names_to:
+                self._find_names(fd, res.end)
             limit = None if max_bytes is None else res.end + max_bytes
             self._scan(fd, size, res, writer_gone, limit)
+            self._names_to = max(self._names_to, res.end)
         finally:
             os.close(fd)
         return res
 
+    def _find_names(self, fd: int, upto: int) -> None:
+        """Keep the layouts of the names frames before ``upto`` (a read that starts there):
+        frame headers are followed one by one; past damage, the bytes are scanned."""
+        pos = self._names_to
+        if self.header is None:
+            parsed = unpack_header(os.pread(fd, HEADER_SIZE, 0))
+            if not isinstance(parsed, str):
+                self.header = parsed
+        if self.header is not None and self.header.version < 2:  # format 1: no names frames
+            pos = upto
+        stats = DecodeStats()  # (what they hold was counted by the reads that consumed them)
+        while pos + FRAME_HEADER <= upto:
+            head = os.pread(fd, FRAME_HEADER, pos)
+            hdr = parse_frame_header(head, 0) if len(head) == FRAME_HEADER else None
+            if hdr is None:
+                seen = ReadResult(end=pos, stats=stats)  # damage: scan, as a read would
+                self._scan(fd, upto, seen, True, None, names_only=True)
+                break
+            kind, schema, length, _seq, flags = hdr
+            total = FRAME_HEADER + length + FRAME_TRAILER
+            if flags & FLAG_NAMES and kind != FRAME_SEAL and pos + total <= upto:
+                data = os.pread(fd, total, pos)
+                if len(data) == total and payload_ok(data, FRAME_HEADER, length):
+                    body = memoryview(data)[FRAME_HEADER : FRAME_HEADER + length]
+                    decode_events(body, schema, stats, self.layouts)
+            pos += total
+        self._names_to = max(self._names_to, upto)
+
     def _scan(
-        self, fd: int, size: int, res: ReadResult, writer_gone: bool, limit: int | None
+        self,
+        fd: int,
+        size: int,
+        res: ReadResult,
+        writer_gone: bool,
+        limit: int | None,
+        *,
+        names_only: bool = False,
     ) -> None:
         path = str(self.path)
         pos = res.end  # absolute offset of the first byte not yet examined
@@ -196,7 +257,7 @@ class SegmentReader:
                     bad_start = pos + i if bad_start is None else bad_start
                     i += 1
                     continue
-                kind, schema, length, seq = hdr
+                kind, schema, length, seq, flags = hdr
                 total = FRAME_HEADER + length + FRAME_TRAILER
                 if n - i < total:
                     need = total
@@ -222,12 +283,24 @@ class SegmentReader:
                         res.bad.append(BadRange(path, res.end, size - res.end, "bytes after seal"))
                         res.end = size
                     return
-                if self.decode:
-                    before = res.stats.invalid_events
-                    events = decode_events(payload, schema, res.stats)
-                    if res.stats.invalid_events != before:
+                if names_only and not flags & FLAG_NAMES:
+                    pass  # (finding a resumed read's layouts: only names frames matter)
+                elif self.decode or flags & FLAG_NAMES:  # (the layouts are the reader's)
+                    before, lost = res.stats.invalid_events, res.stats.unresolved
+                    events = decode_events(payload, schema, res.stats, self.layouts)
+                    if res.stats.unresolved != lost:  # its names frame lost: the frame is too
+                        res.bad.append(BadRange(path, start, total, UNRESOLVED))
+                    elif res.stats.invalid_events != before:
                         res.bad.append(BadRange(path, start, total, UNDECODABLE))
-                    res.frames.append(Frame(start, start + total, seq, schema, events))
+                    if res.stats.unresolved != lost or names_only:
+                        pass
+                    elif events or not flags & FLAG_NAMES:
+                        res.frames.append(Frame(start, start + total, seq, schema,
+                                                events if self.decode else [],
+                                                None if self.decode else payload))  # fmt: skip
+                    else:  # names only
+                        res.frames.append(Frame(start, start + total, seq, schema, [], _NONE,
+                                                self.layouts.last_ts))  # fmt: skip
                 else:
                     res.frames.append(Frame(start, start + total, seq, schema, [], payload))
                 if limit is not None and res.end >= limit and bad_start is None:

@@ -4,6 +4,11 @@ Exactly one process writes a given file. The writer keeps its own offset and
 writes with ``pwritev`` at that offset, so a failed or short write (ENOSPC,
 EFBIG, EIO) is undone with ``ftruncate`` and simply retried later: the file
 never holds a torn frame followed by good ones.
+
+Format 2: the layouts of packed metrics (:mod:`ranklog.schemas._packed`) are handed to
+the writer as encoded Names records (:meth:`IncarnationWriter.add_names`); each segment
+after the first starts with a names frame holding all of them, so every segment reads
+on its own.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from ranklog._fs import DIR_MODE, FILE_MODE, fsync_dir
 from ranklog.errors import SpoolError
 from ranklog.schemas import SCHEMA_VERSION
 from ranklog.spool._format import (
+    FLAG_NAMES,
     FRAME_EVENTS,
     FRAME_HEADER,
     FRAME_SEAL,
@@ -29,6 +35,7 @@ from ranklog.spool._format import (
     SegmentHeader,
     crc_trailer,
     frame_header,
+    msgpack_array_header,
     pack_header,
 )
 from ranklog.spool._layout import RunInfo, SpoolLayout
@@ -74,6 +81,9 @@ class IncarnationWriter:
         self._dirty = False  # a failed write may have left bytes past _offset
         self._need_header = True  # the current file has no (complete) header yet
         self._seal_written = False  # the current file is sealed; the next is not open yet
+        #: every layout's Names record so far, encoded (a new segment starts with them)
+        self._names: list[bytes] = []
+        self._need_names = False  # the current file lacks its names frame
         self.closed = False
         self._finish_roll()
 
@@ -150,6 +160,7 @@ class IncarnationWriter:
             self._dirty = True  # drop whatever an earlier attempt left
             self._write_header()
             self._need_header = False
+            self._need_names = True
 
     def _write_header(self) -> None:
         header = SegmentHeader(
@@ -196,8 +207,14 @@ class IncarnationWriter:
             raise SpoolError(f"segment writer for rank {self.rank} is closed")
         return self._fd
 
-    def write_events(self, count: int, payload: list[Buffer]) -> None:
-        """Append one frame of ``count`` pre-encoded events (``payload`` is a msgpack array).
+    def add_names(self, record: bytes) -> None:
+        """Remember an encoded Names record: each later segment starts with it. The caller
+        writes it once itself, in a names frame, before any event that uses its layout."""
+        self._names.append(record)
+
+    def write_events(self, count: int, payload: list[Buffer], *, names: bool = False) -> None:
+        """Append one frame of ``count`` pre-encoded events (``payload`` is a msgpack array);
+        ``names``: they are Names records only (the frame is flagged so).
 
         Raises OSError (nothing written, retry later) when the disk refuses.
         """
@@ -209,11 +226,25 @@ class IncarnationWriter:
         size = FRAME_HEADER + length + FRAME_TRAILER
         if self.frames_in_segment and self._offset + size + _SEAL_RESERVE > self.max_segment_bytes:
             self.roll()
-        head = frame_header(FRAME_EVENTS, SCHEMA_VERSION, length, self.seq)
+        if self._need_names:
+            self._write_names()
+        self._write_frame(count, payload, FLAG_NAMES if names else 0)
+
+    def _write_frame(self, count: int, payload: list[Buffer], flags: int) -> None:
+        length = sum(len(p) for p in payload)
+        head = frame_header(FRAME_EVENTS, SCHEMA_VERSION, length, self.seq, flags)
         self._pwrite([head, *payload, crc_trailer(*payload)])
         self.seq += 1
         self.frames_in_segment += 1
         self.events_in_segment += count
+
+    def _write_names(self) -> None:
+        """Start the segment with every layout so far (none: nothing to write)."""
+        records = list(self._names)
+        if records:
+            self._write_frame(len(records), [msgpack_array_header(len(records)), *records],
+                              FLAG_NAMES)  # fmt: skip
+        self._need_names = False
 
     def _write_seal(self, reason: str, next_segment: int | None) -> None:
         body = _seal_encoder.encode(

@@ -1,0 +1,126 @@
+"""Packing a rank's metrics calls into frames (segment format 2), off the caller's thread.
+
+``log_metrics`` hands the sink its call as it is (time, step, values, spec): a tuple, no
+encoding. Whoever writes the chunk (the background writer, or ``step_end`` at durability
+``step``) turns it into frames here: the first call with a set of names and a spec
+numbers a *layout* and puts its Names record just ahead of the call's Packed record, in
+a frame flagged as holding one; later calls are Packed records only
+(:mod:`ranklog.schemas._packed`). The layouts live here and are touched only under the
+sink's I/O lock.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from typing import Any, Final
+
+from ranklog.schemas import Metrics, Names, Packed
+from ranklog.spool import IncarnationWriter
+
+__all__ = ["MAX_LAYOUTS", "MAX_LAYOUT_BYTES", "PACK_MAX_NAMES", "Call", "Chunk", "Packer"]
+
+#: layouts an incarnation packs at most, and the bytes of their Names records: past
+#: either, calls are written as plain Metrics events (a run whose names change every step
+#: gains nothing from packing, and each segment starts with every layout)
+MAX_LAYOUTS: Final = 512
+MAX_LAYOUT_BYTES: Final = 2 * 1024 * 1024
+#: a call of more names is encoded at once, as a Metrics event (its size checked at the call)
+PACK_MAX_NAMES: Final = 1024
+#: what a call holds until it is written: (time, step, values, reduce spec)
+Call = tuple[float, int, dict[str, float], str]
+#: one frame: (events, their encoded bytes, whether it holds a Names record)
+FrameOut = tuple[int, bytes, bool]
+
+
+def call_size(values: dict[str, float]) -> int:
+    """The bytes a call takes once packed (what the buffer counts it for)."""
+    return 24 + 8 * len(values)
+
+
+class Chunk(list[Any]):
+    """Events buffered for one frame: encoded bytes, or metrics calls (:data:`Call`) packed
+    when written. Once packed, its frames are kept until all are written (a write the disk
+    refused is retried with the same bytes, Names records included)."""
+
+    __slots__ = ("frames", "nbytes", "written")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frames: list[FrameOut] | None = None
+        self.nbytes = 0  # what the buffer counted it for
+        self.written = 0  # frames of it written
+
+
+class Packer:
+    """The layouts of one incarnation, and the packing of its chunks into frames."""
+
+    def __init__(
+        self, writer: IncarnationWriter, encode: Callable[[Any], bytes], max_frame: int
+    ) -> None:
+        self._writer = writer
+        self._encode = encode
+        self._max_frame = max_frame
+        #: reduce spec -> names -> (layout number, packer of the values, its record's time)
+        self._layouts: dict[str, dict[tuple[str, ...], tuple[int, Any, float]]] = {}
+        self._count = 0
+        self._bytes = 0
+
+    def frames(self, chunk: Chunk) -> list[FrameOut]:
+        """``chunk`` as frames (one, unless its packed size passes a frame's cap)."""
+        out: list[FrameOut] = []
+        parts: list[bytes] = []
+        size, names = 0, False
+        records: tuple[bytes, ...]
+        for item in chunk:
+            if type(item) is bytes:
+                records, data = (), item
+            else:
+                records, data = self._pack(item)
+            more = len(data) + sum(map(len, records))
+            if parts and size + more > self._max_frame:
+                out.append((len(parts), b"".join(parts), names))
+                parts, size, names = [], 0, False
+            if records:
+                parts += records
+                names = True
+            parts.append(data)
+            size += more
+        if parts:
+            out.append((len(parts), b"".join(parts), names))
+        return out
+
+    def _pack(self, call: Call) -> tuple[tuple[bytes, ...], bytes]:
+        """A call's Names record (when its layout is new) and its Packed record; a plain
+        Metrics event past the caps."""
+        ts, step, values, op = call
+        names = tuple(values)
+        known = self._layouts.get(op)
+        got = None if known is None else known.get(names)
+        records: tuple[bytes, ...] = ()
+        if got is None:
+            made = self._new(ts, names, op)
+            if made is None:
+                return records, self._encode(Metrics(ts, step, values, op))
+            got, record = made
+            records = (record,)
+        number, pack, base = got
+        ms = round((ts - base) * 1000)
+        return records, self._encode(Packed(ms, step, number, pack(*values.values())))
+
+    def _new(
+        self, ts: float, names: tuple[str, ...], op: str
+    ) -> tuple[tuple[int, Any, float], bytes] | None:
+        """Number a new layout; its encoded Names record (every later segment starts with
+        it). None past the caps."""
+        if self._count >= MAX_LAYOUTS:
+            return None
+        record = self._encode(Names(ts, self._count, list(names), op))
+        if self._bytes + len(record) > MAX_LAYOUT_BYTES:
+            return None
+        self._writer.add_names(record)
+        got = (self._count, struct.Struct(f"<{len(names)}d").pack, ts)
+        self._layouts.setdefault(op, {})[names] = got
+        self._count += 1
+        self._bytes += len(record)
+        return got, record
