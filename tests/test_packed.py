@@ -6,6 +6,7 @@ lost names record makes steps partial, never wrong; a spool of format 1 ships as
 
 from __future__ import annotations
 
+import errno
 import math
 import shutil
 import struct
@@ -343,3 +344,58 @@ class TestFormat1:
         res = SegmentReader(seg).read(mid.offset, writer_gone=True)
         assert res.events == [e for f in whole.frames if f.offset >= mid.offset for e in f.events]
         assert any(isinstance(e, Metrics) for e in res.events)
+
+
+class TestWriting:
+    def test_a_refused_write_is_retried_with_its_names(
+        self, spool: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The disk refuses the frame that holds a new layout's record: the retry writes the
+        same bytes, record included, and every value resolves."""
+
+        run = rank(spool, 0, 1, code=False, durability="buffered")
+        sink = run._sink
+        real = sink.writer.write_events
+        refused: list[bool] = []
+
+        def once(count: int, payload: Any, *, names: bool = False) -> None:
+            if names and not refused:
+                refused.append(True)
+                raise OSError(errno.ENOSPC, "No space left on device")
+            real(count, payload, names=names)
+
+        monkeypatch.setattr(sink.writer, "write_events", once)
+        with pytest.warns(Warning, match="cannot write"):
+            run.log_metrics({"a": 1.0, "b": 2.0}, step=0)
+            run.step_end(0)
+            assert not sink.flush()
+        assert sink.flush()
+        run.close()
+        assert refused and [(m.step, m.values) for m in metrics_of(spool)] == [
+            (0, {"a": 1.0, "b": 2.0})
+        ]
+
+    def test_close_from_a_signal_handler_amid_a_write(
+        self, spool: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A SIGTERM handler that closes the run while this thread is writing a chunk (it
+        interrupts the write) writes nothing itself: the interrupted write completes, no
+        frame is written twice and every packed value resolves."""
+        run = rank(spool, 0, 1, code=False, durability="buffered")
+        sink = run._sink
+        real = sink.writer.write_events
+        lost: list[int] = []
+
+        def interrupted(count: int, payload: Any, *, names: bool = False) -> None:
+            if not lost:
+                lost.append(sink.close(None))  # what the handler does, on this thread
+            real(count, payload, names=names)
+
+        monkeypatch.setattr(sink.writer, "write_events", interrupted)
+        for step in range(3):
+            run.log_metrics({"a": float(step)}, step=step)
+            run.step_end(step)
+        assert sink.flush()
+        assert lost and lost[0] == 6  # 3 steps' metrics and step_end: not written by it
+        got = [(m.step, m.values) for m in metrics_of(spool)]
+        assert got == [(s, {"a": float(s)}) for s in range(3)]

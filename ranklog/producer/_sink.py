@@ -61,6 +61,7 @@ class SpoolSink:
         self._encode = msgspec.msgpack.Encoder().encode
         self._lock = threading.RLock()  # buffers; re-entrant for signal handlers
         self._io_lock = threading.RLock()  # the writer
+        self._drainer: int | None = None  # the thread writing chunks, while it does
         self._cur = Chunk()
         self._cur_bytes = 0
         # the watermark rule, applied in stream order: highest step_end, highest step event
@@ -201,41 +202,52 @@ class SpoolSink:
     def flush(self, *, sync: bool = False) -> bool:
         """Write every buffered event now, in this thread. False if the disk refused."""
         try:
-            self._drain(sync=sync)
+            return self._drain(sync=sync)
         except (OSError, SpoolError) as exc:
             self._on_error(exc if isinstance(exc, OSError) else OSError(str(exc)))
             self._wake.set()
             return False
-        return True
 
-    def _drain(self, *, sync: bool) -> None:
+    def _drain(self, *, sync: bool) -> bool:
+        """Write every chunk; False, writing nothing, when called from within a write of this
+        very thread (a signal handler that closes the run): that write's state is half done."""
         with self._io_lock:
+            if self._drainer is not None:
+                return False
+            self._drainer = threading.get_ident()
+            try:
+                self._drain_locked(sync=sync)
+            finally:
+                self._drainer = None
+            return True
+
+    def _drain_locked(self, *, sync: bool) -> None:
+        with self._lock:
+            self._seal_locked()
+        wrote = False
+        while True:
             with self._lock:
-                self._seal_locked()
-            wrote = False
-            while True:
-                with self._lock:
-                    if not self._chunks:
-                        break
-                    chunk = self._chunks[0]
-                frames = chunk.frames
-                if frames is None:  # packed once: a retry writes the same bytes
-                    frames = chunk.frames = self._packer.frames(chunk)
-                while chunk.written < len(frames):
-                    count, body, names = frames[chunk.written]
-                    self.writer.write_events(count, [msgpack_array_header(count), body],
-                                             names=names)  # fmt: skip
-                    chunk.written += 1
-                    wrote = True
-                with self._lock:
-                    if self._chunks and self._chunks[0] is chunk:
-                        self._chunks.popleft()
-                        self._held_bytes -= chunk.nbytes
-                        self._written_events += len(chunk)
-            if sync and (wrote or self._error is not None):
-                self.writer.sync()
-            if self._error is not None:
-                self._recovered()
+                if not self._chunks:
+                    break
+                chunk = self._chunks[0]
+            frames = chunk.frames
+            if frames is None:  # packed once: a retry writes the same bytes
+                frames = chunk.frames = self._packer.frames(chunk)
+            while chunk.written < len(frames):
+                count, body, names = frames[chunk.written]
+                self.writer.write_events(count, [msgpack_array_header(count), body],
+                                         names=names)  # fmt: skip
+                chunk.written += 1
+                wrote = True
+            with self._lock:
+                if self._chunks and self._chunks[0] is chunk:
+                    self._chunks.popleft()
+                    self._held_bytes -= chunk.nbytes
+                    self._written_events += len(chunk)
+        if sync and (wrote or self._error is not None):
+            self.writer.sync()
+        if self._error is not None:
+            self._recovered()
 
     def _on_error(self, exc: OSError) -> None:
         first = self._error is None
@@ -331,6 +343,9 @@ class SpoolSink:
             self.append(final, wait=False)
         self._stop.set()
         self._wake.set()
+        if self._drainer == threading.get_ident():  # a signal handler, amid this thread's write
+            with self._lock:  # the file is left as a killed process leaves it
+                return sum(len(c) for c in self._chunks) + len(self._cur)
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
         deadline = time.monotonic() + timeout
