@@ -177,9 +177,14 @@ def short(text: str, limit: int = 100) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
+#: the segment format the generated spools are written in: 2 (metrics packed, as the
+#: producer writes them) unless a benchmark asks for 1 (every metrics event a map)
+FORMAT: Final = 2
+
+
 def write_rank(
     spool: Path, rank: int, world_size: int, steps: int, *, end: bool = True,
-    metrics: int = METRICS,
+    metrics: int = METRICS, fmt: int = FORMAT,
 ) -> IncarnationWriter | None:  # fmt: skip
     """One rank's incarnation: rank_start, then frames of STEPS_PER_FRAME steps, rank_end.
 
@@ -197,7 +202,7 @@ def write_rank(
     start = RankStart(t0, info.run_id, rank, world_size, rank % 8, platform.node(), os.getpid(),
                       writer.incarnation, __version__)  # fmt: skip
     writer.write_events(1, [encoder.encode([start])])
-    write_steps(writer, rank, t0, range(steps), metrics)
+    write_steps(writer, rank, t0, range(steps), metrics, fmt)
     if not end:  # a rank still running: no rank_end, no seal, the file open
         return writer
     writer.write_events(1, [encoder.encode([RankEnd(t0 + steps * 0.1, "ok", 0)])])
@@ -206,26 +211,43 @@ def write_rank(
 
 
 def write_steps(
-    writer: IncarnationWriter, rank: int, t0: float, steps: range, metrics: int = METRICS
-) -> None:
-    """``steps`` of one rank (metrics and step_end), in frames of STEPS_PER_FRAME steps."""
-    from ranklog.schemas import Event, Metrics, StepEnd, encoder
+    writer: IncarnationWriter, rank: int, t0: float, steps: range, metrics: int = METRICS,
+    fmt: int = FORMAT,
+) -> None:  # fmt: skip
+    """``steps`` of one rank (metrics and step_end), in frames of STEPS_PER_FRAME steps;
+    ``fmt`` 2: the metrics packed as the producer packs them (the layout's names record in
+    the incarnation's first frame of steps, which is flagged so)."""
+    import struct
 
+    from ranklog.schemas import Event, Metrics, Names, Packed, StepEnd, encoder
+
+    pack = struct.Struct(f"<{metrics}d").pack
     for first in range(steps.start, steps.stop, STEPS_PER_FRAME):
-        events: list[Event] = []
+        events: list[Event | Names | Packed] = []
+        flagged = fmt == 2 and first == steps.start and first == 0
+        if flagged:
+            record = Names(t0, 0, list(names(metrics)), "mean")
+            writer.add_names(encoder.encode(record))
+            events.append(record)
         for step in range(first, min(first + STEPS_PER_FRAME, steps.stop)):
             ts = t0 + step * 0.1
-            events.append(Metrics(ts, step, values(rank, step, metrics)))
+            vals = values(rank, step, metrics)
+            if fmt == 2:
+                events.append(Packed(round(step * 100), step, 0, pack(*vals.values())))
+            else:
+                events.append(Metrics(ts, step, vals))
             events.append(StepEnd(ts + 0.05, step))
-        writer.write_events(len(events), [encoder.encode(events)])
+        writer.write_events(len(events), [encoder.encode(events)], names=flagged)
 
 
-def write_spool(spool: Path, ranks: int, steps: int, metrics: int = METRICS) -> None:
+def write_spool(
+    spool: Path, ranks: int, steps: int, metrics: int = METRICS, fmt: int = FORMAT
+) -> None:
     from ranklog.spool import ensure_run
 
     ensure_run(spool, world_size=ranks)
     for rank in range(ranks):
-        write_rank(spool, rank, ranks, steps, metrics=metrics)
+        write_rank(spool, rank, ranks, steps, metrics=metrics, fmt=fmt)
     os.sync()  # the shipper should read from a settled page cache, not compete with writeback
 
 
