@@ -244,6 +244,34 @@ class TestResume:
         assert res.bad == [] and res.stats.invalid_events == 0
         assert res.events == [e for f in whole.frames if f.offset >= start.offset for e in f.events]
 
+    def test_told_where_the_names_frames_are(
+        self, spool: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Told the names frames before its offset (a cursor's), a reader reads those alone
+        and follows no frame header; told wrong, it follows them after all; both resolve."""
+        _logged(spool, range(30))
+        (seg,) = SpoolLayout(spool).segments(0)
+        whole = SegmentReader(seg.path)
+        everything = whole.read(0, writer_gone=True)
+        start = everything.frames[-5].offset
+        names = whole.names_before(start)
+        assert len(names) == 3  # loss+acc, then eval/x0, x1, x2 as they come
+        want = [e for f in everything.frames if f.offset >= start for e in f.events]
+        followed: list[int] = []
+        real = SegmentReader._find_names
+
+        def spy(self: SegmentReader, fd: int, upto: int) -> None:
+            followed.append(upto)
+            real(self, fd, upto)
+
+        monkeypatch.setattr(SegmentReader, "_find_names", spy)
+        told = SegmentReader(seg.path)
+        told.resume_from(names, start)
+        assert told.read(start, writer_gone=True).events == want and followed == []
+        wrong = SegmentReader(seg.path)
+        wrong.resume_from([names[0], names[1] + 1], start)
+        assert wrong.read(start, writer_gone=True).events == want and followed == [start]
+
     def test_shipper_restarted_mid_segment(self, spool: Path, tmp_path: Path) -> None:
         """A shipper that stopped mid-segment, restarted from its cursor, ships the rest; the
         file equals one shipping the whole spool at once."""
@@ -252,6 +280,9 @@ class TestResume:
         ship(spool, first)
         assert [x["step"] for x in lines(first)] == list(range(25))
         _logged(spool, range(25, 50), run=run)
+        saved = msgspec.json.decode((spool / "cursors" / "t.json").read_bytes())
+        (seg,) = saved["segments"].values()
+        assert seg["offset"] > HEADER_SIZE and len(seg["names"]) == 3
         ship(spool, first)  # the same name: resumes from its cursor, mid-segment
         whole = tmp_path / "b.jsonl"
         ship(spool, whole, name="other")
@@ -264,6 +295,8 @@ class TestResume:
         run = _logged(spool, range(25), alive=True)
         ds = tmp_path / "ds"
         compact(spool, ds)
+        (entry,) = msgspec.json.decode((ds / "_manifest.json").read_bytes())["segments"].values()
+        assert entry["offset"] > HEADER_SIZE and len(entry["names"]) == 3  # read alone next time
         _logged(spool, range(25, 50), run=run)
         compact(spool, ds)
         live, again = tmp_path / "live.jsonl", tmp_path / "replay.jsonl"

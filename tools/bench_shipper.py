@@ -55,10 +55,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import (
+    FORMAT,
     METRICS,
     STEPS_PER_FRAME,
     check_jsonl,
@@ -182,14 +183,17 @@ def _run_row(
 # -- throughput -------------------------------------------------------------------------
 
 
-def _bench_throughput(base: Path, ranks: int, steps: int, timeout: float) -> Row:
-    """Ship a closed spool of ``ranks`` x ``steps`` x METRICS values with ``--once``."""
+def _bench_throughput(
+    base: Path, ranks: int, steps: int, timeout: float, form: int = FORMAT
+) -> Row:
+    """Ship a closed spool of ``ranks`` x ``steps`` x METRICS values with ``--once``
+    (``form``: its segment format; 1, the format before metrics were packed)."""
     values = ranks * steps * METRICS
     size = f"{ranks} ranks x {steps:,} steps ({values / 1e6:.2f} M values)"
     with tempfile.TemporaryDirectory(prefix="ship-", dir=base) as tmp:
         spool, out = Path(tmp) / "spool", Path(tmp) / "out.jsonl"
         t0 = time.perf_counter()
-        write_spool(spool, ranks, steps)
+        write_spool(spool, ranks, steps, fmt=form)
         generated = time.perf_counter() - t0
         spool_mb = dir_mb(spool)
         run = run_measured(_ship_cmd(spool, out, "--once"), Path(tmp), timeout)
@@ -197,7 +201,7 @@ def _bench_throughput(base: Path, ranks: int, steps: int, timeout: float) -> Row
         problem = problem or check_jsonl(out, ranks, steps)
     note = f"spool {spool_mb:,.0f} MB (written in {generated:.1f} s, not timed)"
     return Row(
-        "ship --once (jsonl)",
+        "ship --once (jsonl)" if form == FORMAT else f"ship --once (jsonl), segment format {form}",
         size,
         wall_s=run.wall_s,
         values_per_s=values / run.wall_s,
@@ -210,6 +214,61 @@ def _bench_throughput(base: Path, ranks: int, steps: int, timeout: float) -> Row
 
 
 TARGET_BYTES_PER_VALUE: Final = 4.0
+TARGET_SPOOL_BYTES: Final = 10.0  # issue 32: spool bytes per metric value, 24-character names
+SPOOL_BYTES_STEPS: Final = 2_000
+
+
+def _spool_bytes(base: Path) -> dict[str, Any]:
+    """Spool bytes per metric value, 20 values of 24-character names a step: segment format
+    1 and 2 written alike (frames of STEPS_PER_FRAME steps, a step_end per step), and
+    format 2 as ``log_metrics`` + ``step_end`` write it at durability ``step`` (a frame a
+    step) and ``buffered``."""
+    import struct
+
+    import ranklog
+    from ranklog.schemas import Event, Metrics, Names, Packed, StepEnd, encoder
+    from ranklog.spool import IncarnationWriter, SpoolLayout, ensure_run
+
+    names = [f"train/layer_{k:02d}/grad_norm" for k in range(METRICS)]
+    assert {len(n) for n in names} == {24}
+    count = SPOOL_BYTES_STEPS * METRICS
+    pack = struct.Struct(f"<{METRICS}d").pack
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="bytes-", dir=base) as name:
+        for form in (1, 2):
+            spool = Path(name) / f"format{form}"
+            w = IncarnationWriter.create(SpoolLayout(spool), ensure_run(spool, world_size=1), 0)
+            record = Names(1e9, 0, names, "mean")
+            w.add_names(encoder.encode(record))
+            for first in range(0, SPOOL_BYTES_STEPS, STEPS_PER_FRAME):
+                events: list[Event | Names | Packed] = [record] if form == 2 and not first else []
+                for step in range(first, first + STEPS_PER_FRAME):
+                    vals = [step * 1e-3 + k * 0.25 for k in range(METRICS)]
+                    if form == 2:
+                        events.append(Packed(step * 100, step, 0, pack(*vals)))
+                    else:
+                        events.append(
+                            Metrics(1e9 + step * 0.1, step, dict(zip(names, vals, strict=True)))
+                        )
+                    events.append(StepEnd(1e9 + step * 0.1, step))
+                w.write_events(len(events), [encoder.encode(events)], names=form == 2 and not first)
+            w.close(sync=False)
+            out[f"format {form}"] = dir_mb(spool / "ranks") * 1e6 / count
+        for durability in ("step", "buffered"):
+            spool = Path(name) / durability
+            run = ranklog.init(spool, rank=0, world_size=1, durability=durability, code=False,
+                               handle_signals=False)  # fmt: skip
+            for step in range(SPOOL_BYTES_STEPS):
+                run.log_metrics({n: step * 1e-3 + k * 0.25 for k, n in enumerate(names)}, step=step)
+                run.step_end(step)
+            run.close()
+            out[f"log_metrics, durability {durability}"] = dir_mb(spool / "ranks") * 1e6 / count
+    figure = ", ".join(f"{v:.2f} ({k})" for k, v in out.items())
+    return {"what": f"<= {TARGET_SPOOL_BYTES:g} spool bytes per metric value, 20 values of "
+                    "24-character names a step, segment format 2 (format 1 beside it)",
+            "figure": figure, "ok": out["format 2"] <= TARGET_SPOOL_BYTES}  # fmt: skip
+
+
 TARGET_COMPACT: Final = 3_000_000  # values/s
 ARCHIVE_ROUNDS: Final = 3  # live, compact and replay, interleaved; medians
 
@@ -840,6 +899,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n".join(lines), flush=True)
         return 0
     small = _bench_throughput(base, THROUGHPUT_RANKS, budget.steps, budget.ship_timeout_s)
+    format1 = _bench_throughput(base, THROUGHPUT_RANKS, budget.steps, budget.ship_timeout_s, 1)
+    spool_bytes = _spool_bytes(base)
     large = _bench_throughput(base, THROUGHPUT_RANKS, SCALE * budget.steps, budget.ship_timeout_s)
     larger = [large]
     if budget.huge_steps:
@@ -856,7 +917,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     backends = _bench_targets(base, THROUGHPUT_RANKS, budget.steps // 4, budget.ship_timeout_s)
     idle = [_bench_idle(base, idle_seconds, p, n) for n in args.idle_ranks for p in polls]
-    rows = [small, *larger, *archive, *shapes, *incremental, *backends,
+    rows = [small, format1, *larger, *archive, *shapes, *incremental, *backends,
             _startup_row(base, budget.ship_timeout_s),
             *latency, *idle]  # fmt: skip
     lines += _table(rows)
@@ -867,6 +928,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     reps = [rep, *(r for r in shapes if r.name.startswith("replay"))]
     live_of = {r.size: r for r in shapes if r.name.startswith("ship")}
     limit_of = {r.size: r for r in shapes if r.name == LIMIT}
+    gain = (small.values_per_cpu_s or 0) / (format1.values_per_cpu_s or 1)
     archive_checks = [
         {"what": f"compaction >= {TARGET_COMPACT / 1e6:g} M values/s (wall, interpreter start "
                  "included)", "figure": f"{rate(comp.values_per_s)} values/s",
@@ -892,6 +954,11 @@ def main(argv: Sequence[str] | None = None) -> int:
          "ok": all((r.values_per_s or 0) >= (live_of[r.size].values_per_s or 0)
                    for r in reps[1:])},
         incremental_check,
+        spool_bytes,
+        {"what": "shipper: segment format 2 against format 1, same data, per CPU-second",
+         "figure": f"{rate(small.values_per_cpu_s)} vs {rate(format1.values_per_cpu_s)} values "
+                   f"per CPU-s ({gain:.2f}x; issue 32 asks 3x)",
+         "ok": gain >= 3},
     ]  # fmt: skip
     lines += [f"- {verdict(c['ok'])}: {c['what']}: {c['figure']}" for c in archive_checks]
     if not archive_checks[0]["ok"] or not archive_checks[3]["ok"]:

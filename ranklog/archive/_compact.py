@@ -60,6 +60,7 @@ from ranklog.schemas import (
     decode_events_raw,
 )
 from ranklog.spool import (
+    HEADER_SIZE,
     UNDECODABLE,
     UNRESOLVED,
     BadRange,
@@ -319,6 +320,8 @@ def _compact_segment(
 ) -> None:
     manifest = saver.manifest
     reader = SegmentReader(seg.path, decode=False)
+    if entry.names is not None:
+        reader.resume_from(entry.names, max(entry.offset, HEADER_SIZE))
     upto = manifest.relogged_upto(seg.rank, seg.incarnation)
     mark = manifest.mark(seg.id)
     while True:
@@ -360,6 +363,7 @@ def _compact_segment(
             result.files += len(files)
             result.values += tables["metrics"].num_rows if "metrics" in tables else 0
         entry.offset = max(entry.offset, res.end)
+        entry.names = reader.names_before(entry.offset)
         entry.sealed = entry.sealed or res.sealed
         if res.frames:
             entry.next_seq = res.frames[-1].seq + 1

@@ -42,6 +42,9 @@ class SegmentEntry(msgspec.Struct, forbid_unknown_fields=False):
     deleted: bool = False
     #: the sequence number after the last frame compacted, the seal's included (-1: unknown)
     next_seq: int = -1
+    #: offsets of the frames before ``offset`` that hold names records (segment format 2):
+    #: the next run reads them alone (None: not saved; it follows frame headers)
+    names: list[int] | None = None
 
 
 class Manifest(msgspec.Struct, forbid_unknown_fields=False):

@@ -26,6 +26,7 @@ import os
 import shutil
 import tempfile
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -128,6 +129,13 @@ class _ParquetReader:
         self._cum: Any = np.zeros(0, np.int64)
         self._end_frame = False  # a synthetic rank_end frame closes the rank
         self.size = HEADER_SIZE
+
+    def resume_from(self, names: Sequence[int], offset: int) -> None:
+        """(A dataset holds no names frames: nothing to find.)"""
+
+    def names_before(self, offset: int) -> list[int]:
+        """(A dataset holds no names frames.)"""
+        return []
 
     def load(self) -> None:
         """Count the segment's frames from its ``seq`` columns alone (once)."""

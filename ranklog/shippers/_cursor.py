@@ -52,6 +52,9 @@ class SegmentCursor(msgspec.Struct, forbid_unknown_fields=False):
     #: saved): a restarted shipper re-reads from there with the very watermark it had
     closed: int | None = None
     max_step: int | None = None
+    #: offsets of the frames before ``offset`` that hold names records (segment format 2):
+    #: a restarted shipper reads them alone (None: not saved; it follows frame headers)
+    names: list[int] | None = None
 
 
 class IncState(msgspec.Struct, forbid_unknown_fields=False):

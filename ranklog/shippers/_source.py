@@ -14,6 +14,7 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
@@ -61,6 +62,14 @@ class Reader(Protocol):
         self, offset: int = 0, *, writer_gone: bool = False, max_bytes: int | None = None
     ) -> ReadResult:
         """Frames from ``offset`` on; see :meth:`ranklog.spool.SegmentReader.read`."""
+        ...
+
+    def resume_from(self, names: Sequence[int], offset: int) -> None:
+        """Where the names frames before ``offset`` are (segment format 2)."""
+        ...
+
+    def names_before(self, offset: int) -> list[int]:
+        """The offsets of the frames before ``offset`` that hold names records."""
         ...
 
 

@@ -279,6 +279,8 @@ class RankTail:
                 seg.seen = saved.seen
                 seg.exhausted = saved.done
                 seg.next_seq = seg.consumed_seq = saved.seq if saved.seq >= 0 else None
+                if saved.names is not None:
+                    seg.reader.resume_from(saved.names, saved.offset)
                 if saved.closed is not None and saved.max_step is not None:
                     seg.restore_state = seg.consumed_state = (saved.closed, saved.max_step)
                 else:
@@ -730,6 +732,7 @@ class RankTail:
                 seq=-1 if seg.consumed_seq is None else seg.consumed_seq,
                 closed=None if state is None else state[0],
                 max_step=None if state is None else state[1],
+                names=seg.reader.names_before(seg.consumed),
             )
         ranks = {
             str(r): {str(k): v for k, v in s.incs.items()} for r, s in sorted(self.ranks.items())

@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -138,7 +139,28 @@ class SegmentReader:
         self.decode = decode
         #: the layouts of the segment's names frames read so far (format 2)
         self.layouts = Layouts()
+        #: offsets of the frames read that hold names records, in file order
+        self.names_at: list[int] = []
         self._names_to = HEADER_SIZE  # names frames before this offset are in layouts
+        self._hint: tuple[list[int], int] | None = None
+
+    def resume_from(self, names: Sequence[int], offset: int) -> None:
+        """Before the first read, which starts at ``offset``: the frames before it that hold
+        names records (what :meth:`names_before` gave the reader that read them, kept in a
+        cursor or manifest). They are read alone, instead of following every frame header
+        from the segment's start; if one of them is not such a frame, the headers are
+        followed after all."""
+        self._hint = (list(names), offset)
+
+    def names_before(self, offset: int) -> list[int]:
+        """The offsets of the frames before ``offset`` that hold names records (format 2)."""
+        return [o for o in self.names_at if o < offset]
+
+    def _names_frame(self, offset: int) -> None:
+        """A frame holding names records was read at ``offset`` (once, if read again)."""
+        if offset not in self.names_at:
+            self.names_at.append(offset)
+            self.names_at.sort()
 
     def _open(self) -> int:
         # O_NONBLOCK: a FIFO put where a segment was must not block the reader; on a
@@ -182,6 +204,8 @@ class SegmentReader:
                     self.header = parsed
                 res.end = HEADER_SIZE
             if res.end > self._names_to:
+                self._use_hint(fd, res.end)
+            if res.end > self._names_to:
                 self._find_names(fd, res.end)
             limit = None if max_bytes is None else res.end + max_bytes
             self._scan(fd, size, res, writer_gone, limit)
@@ -189,6 +213,30 @@ class SegmentReader:
         finally:
             os.close(fd)
         return res
+
+    def _use_hint(self, fd: int, upto: int) -> None:
+        """Read the names frames :meth:`resume_from` named, when it named them for ``upto``."""
+        hint, self._hint = self._hint, None
+        if hint is None or hint[1] != upto:
+            return
+        stats = DecodeStats()
+        for pos in hint[0]:
+            head = os.pread(fd, FRAME_HEADER, pos)
+            hdr = parse_frame_header(head, 0) if len(head) == FRAME_HEADER else None
+            if hdr is None or not hdr[4] & FLAG_NAMES or hdr[0] == FRAME_SEAL:
+                return
+            total = FRAME_HEADER + hdr[2] + FRAME_TRAILER
+            data = os.pread(fd, total, pos)
+            if (
+                pos < self._names_to
+                or len(data) != total
+                or not payload_ok(data, FRAME_HEADER, hdr[2])
+            ):
+                return
+            decode_events(memoryview(data)[FRAME_HEADER : total - FRAME_TRAILER], hdr[1], stats,
+                          self.layouts)  # fmt: skip
+        self.names_at = sorted(set(self.names_at) | set(hint[0]))
+        self._names_to = upto
 
     def _find_names(self, fd: int, upto: int) -> None:
         """Keep the layouts of the names frames before ``upto`` (a read that starts there):
@@ -215,6 +263,7 @@ class SegmentReader:
                 if len(data) == total and payload_ok(data, FRAME_HEADER, length):
                     body = memoryview(data)[FRAME_HEADER : FRAME_HEADER + length]
                     decode_events(body, schema, stats, self.layouts)
+                    self._names_frame(pos)
             pos += total
         self._names_to = max(self._names_to, upto)
 
@@ -286,6 +335,8 @@ class SegmentReader:
                 if names_only and not flags & FLAG_NAMES:
                     pass  # (finding a resumed read's layouts: only names frames matter)
                 elif self.decode or flags & FLAG_NAMES:  # (the layouts are the reader's)
+                    if flags & FLAG_NAMES:
+                        self._names_frame(start)
                     before, lost = res.stats.invalid_events, res.stats.unresolved
                     events = decode_events(payload, schema, res.stats, self.layouts)
                     if res.stats.unresolved != lost:  # its names frame lost: the frame is too
