@@ -34,8 +34,10 @@ FrameOut = tuple[int, bytes, bool]
 
 
 def call_size(values: dict[str, float]) -> int:
-    """The bytes a call takes once packed (what the buffer counts it for)."""
-    return 24 + 8 * len(values)
+    """What the buffer counts a call for: the memory it holds until it is written (its dict,
+    floats and tuple; ~6 times its packed size), so that ``max_buffer_bytes`` bounds memory
+    as it did when calls were held encoded."""
+    return 160 + 48 * len(values)
 
 
 class Chunk(list[Any]):
