@@ -308,6 +308,46 @@ class TestUsualStepColumns:
         merged = fast.merge(StepPartial(0)).finish(closed=n, world_size=n)
         assert _bits(merged.metrics) == _bits(want.metrics)
 
+    @settings(max_examples=300, deadline=None)
+    @given(
+        st.lists(
+            st.dictionaries(st.sampled_from(["a", "b", "c/d", "e"]), FLOATS | st.floats(),
+                            min_size=1, max_size=4),
+            min_size=1, max_size=5,
+        ),
+        st.sampled_from(["mean", "sum", "count", "max", "mean,max", "median"]),
+        st.booleans(),
+        st.booleans(),
+    )  # fmt: skip
+    def test_packed_rows_give_what_dicts_give(
+        self, ranks: list[dict[str, float]], spec: str, same_names: bool, per_rank: bool
+    ) -> None:
+        """Values a shipper read packed (MetricsPacked: one names tuple per layout, rows of
+        values) reduce to the same bits as the same values read as Metrics events, for any
+        spec and per-rank values: live shipping of format 2 equals its replay."""
+        from ranklog.schemas import MetricsPacked
+        from ranklog.shippers._steps import StepPartial
+
+        if same_names:
+            ranks = [{k: r.get(k, 1.0) for k in ranks[0]} for r in ranks]
+        canon: dict[tuple[str, ...], tuple[str, ...]] = {}
+        packed, plain = {}, {}
+        for i, v in enumerate(ranks):
+            names = canon.setdefault(tuple(v), tuple(v))
+            packed[i] = [MetricsPacked(1.0 + i, 0, names, tuple(v.values()), spec)]
+            plain[i] = [Metrics(1.0 + i, 0, dict(v), spec)]
+        n = len(ranks)
+        for exact in (False, True):
+            a = StepPartial.build(0, _acc(packed), per_rank=per_rank, exact=exact)
+            b = StepPartial.build(0, _acc(plain), per_rank=per_rank, exact=exact)
+            got, want = a.finish(closed=n, world_size=n), b.finish(closed=n, world_size=n)
+            assert _bits(got.metrics) == _bits(want.metrics)
+            mine, theirs = got.per_rank or {}, want.per_rank or {}
+            assert {r: _bits(d) for r, d in mine.items()} == {
+                r: _bits(d) for r, d in theirs.items()
+            }
+            assert bool(mine) == (per_rank and any(ranks))
+
     def test_the_usual_step_takes_the_columns(self) -> None:
         """One rank or several, finite values: the step is kept as columns (no Named)."""
         from ranklog.shippers._steps import StepPartial

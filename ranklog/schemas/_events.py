@@ -35,6 +35,7 @@ __all__ = [
     "Histogram",
     "Image",
     "Metrics",
+    "MetricsPacked",
     "MetricsRaw",
     "ParamScalar",
     "ParamValue",
@@ -116,6 +117,27 @@ class MetricsRaw(EventBase, tag="metrics", frozen=True):
     step: int
     values: msgspec.Raw
     reduce: str | dict[str, str] = DEFAULT_METRIC_REDUCE
+
+
+class MetricsPacked(msgspec.Struct, frozen=True, gc=False):
+    """A :class:`Metrics` event as the shipper's reader gives packed values (segment format
+    2): the layout's ``names`` (one tuple per distinct list of names, shared by every rank
+    and segment, so ``is`` compares them) and their values in that order, with no dict.
+
+    Not an event kind of its own, and never written: ``values`` makes the dict on demand,
+    for the paths that want one; the usual step takes the rows as columns instead.
+    """
+
+    ts: float
+    step: int
+    names: tuple[str, ...]
+    row: tuple[float, ...]
+    reduce: str = DEFAULT_METRIC_REDUCE
+
+    @property
+    def values(self) -> dict[str, float]:
+        """The names and values, as :attr:`Metrics.values` holds them."""
+        return dict(zip(self.names, self.row, strict=True))
 
 
 class Timer(EventBase, tag="timer", frozen=True):
@@ -307,9 +329,9 @@ Event: TypeAlias = (
 )
 
 #: Events that belong to a step a rank logs (each carries ``step``).
-StepEvent: TypeAlias = Metrics | Timer | Text | Histogram | Image | Table
-#: The step event kinds, for ``isinstance``.
-STEP_KINDS: Final = (Metrics, Timer, Text, Histogram, Image, Table)
+StepEvent: TypeAlias = Metrics | MetricsPacked | Timer | Text | Histogram | Image | Table
+#: The step event kinds, for ``isinstance`` (with the form a shipper reads packed values in).
+STEP_KINDS: Final = (Metrics, MetricsPacked, Timer, Text, Histogram, Image, Table)
 
 #: Pinned tag string -> struct type. Never rename a key.
 KINDS: Final[dict[str, type[EventBase]]] = {

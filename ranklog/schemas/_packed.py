@@ -32,7 +32,13 @@ from typing import Any, Final
 
 import msgspec
 
-from ranklog.schemas._events import DEFAULT_METRIC_REDUCE, Event, EventBase, Metrics
+from ranklog.schemas._events import (
+    DEFAULT_METRIC_REDUCE,
+    Event,
+    EventBase,
+    Metrics,
+    MetricsPacked,
+)
 
 __all__ = ["WIRE_KINDS", "Layouts", "Names", "Packed", "resolve"]
 
@@ -65,13 +71,30 @@ class Packed(msgspec.Struct, array_like=True, tag="mp", frozen=True, gc=False):
 WIRE_KINDS: Final[dict[str, type[msgspec.Struct]]] = {"names": Names, "mp": Packed}
 
 
+#: one tuple per distinct list of names, process-wide (:class:`MetricsPacked` shares them)
+_CANON: Final[dict[tuple[str, ...], tuple[str, ...]]] = {}
+_CANON_MAX: Final = 4096
+
+
+def _canonical(names: list[str]) -> tuple[str, ...]:
+    key = tuple(names)
+    if len(_CANON) >= _CANON_MAX:
+        return _CANON.get(key, key)
+    return _CANON.setdefault(key, key)
+
+
 class Layouts:
-    """The layouts a reader has met in one segment (numbers are an incarnation's own)."""
+    """The layouts a reader has met in one segment (numbers are an incarnation's own).
 
-    __slots__ = ("_by_id", "last_ts")
+    ``rows``: packed values come out as :class:`MetricsPacked` (the shipper's reader), not
+    as Metrics events with a dict each.
+    """
 
-    def __init__(self) -> None:
-        self._by_id: dict[int, tuple[list[str], str, Any, float]] = {}
+    __slots__ = ("_by_id", "last_ts", "rows")
+
+    def __init__(self, *, rows: bool = False) -> None:
+        self.rows = rows
+        self._by_id: dict[int, tuple[tuple[str, ...], str, Any, float]] = {}
         #: the time of the last Names record met (a names frame's, for its row in a dataset)
         self.last_ts = 0.0
 
@@ -84,16 +107,16 @@ class Layouts:
         self.last_ts = rec.ts
         known = self._by_id.get(rec.id)
         if known is not None:
-            if known[0] == rec.names and known[1] == rec.reduce:
+            if list(known[0]) == rec.names and known[1] == rec.reduce:
                 return None  # said again (each segment repeats the layouts in use)
             return f"layout {rec.id} given twice, to other names"
         if len(set(rec.names)) != len(rec.names):
             return f"layout {rec.id} names a metric twice"
         fmt = struct.Struct(f"<{len(rec.names)}d")
-        self._by_id[rec.id] = (rec.names, rec.reduce, fmt, rec.ts)
+        self._by_id[rec.id] = (_canonical(rec.names), rec.reduce, fmt, rec.ts)
         return None
 
-    def metrics(self, ev: Packed) -> Metrics | str:
+    def metrics(self, ev: Packed) -> Metrics | MetricsPacked | str:
         """The Metrics event ``ev`` stands for; a string says why there is none."""
         known = self._by_id.get(ev.layout)
         if known is None:
@@ -104,26 +127,38 @@ class Layouts:
                 f"packed values of step {ev.step}: {len(ev.values)} bytes for the "
                 f"{len(names)} names of layout {ev.layout}"
             )
+        if self.rows:
+            return MetricsPacked(base + ev.ms / 1000, ev.step, names, fmt.unpack(ev.values), reduce)
         values = dict(zip(names, fmt.unpack(ev.values), strict=True))
         return Metrics(base + ev.ms / 1000, ev.step, values, reduce)
 
 
 def resolve(events: Iterable[Any], layouts: Layouts, problems: list[str]) -> list[Event]:
     """``events`` with each Names record kept in ``layouts`` (and left out) and each Packed
-    event turned into its Metrics event; one line per record refused goes to ``problems``."""
-    out: list[Event] = []
+    event turned into its Metrics event (a :class:`MetricsPacked` with ``layouts.rows``);
+    one line per record refused goes to ``problems``."""
+    out: list[Any] = []
+    append = out.append
+    by_id = layouts._by_id
+    rows = layouts.rows
     for ev in events:
         kind = type(ev)
-        if kind is Packed:
-            got = layouts.metrics(ev)
-            if type(got) is str:
-                problems.append(got)
+        if kind is Packed:  # (Layouts.metrics, inlined: this runs once per value set)
+            known = by_id.get(ev.layout)
+            if known is None or len(ev.values) != known[2].size:
+                problems.append(layouts.metrics(ev))  # type: ignore[arg-type]  # says why
+                continue
+            names, reduce, fmt, base = known
+            if rows:
+                append(MetricsPacked(base + ev.ms / 1000, ev.step, names, fmt.unpack(ev.values),
+                                     reduce))  # fmt: skip
             else:
-                out.append(got)  # type: ignore[arg-type]  # a Metrics event
+                values = dict(zip(names, fmt.unpack(ev.values), strict=True))
+                append(Metrics(base + ev.ms / 1000, ev.step, values, reduce))
         elif kind is Names:
             why = layouts.add(ev)
             if why is not None:
                 problems.append(why)
         else:
-            out.append(ev)
+            append(ev)
     return out

@@ -16,7 +16,7 @@ from operator import itemgetter, truediv
 from typing import Final
 
 from ranklog.errors import ConfigError
-from ranklog.schemas import DEFAULT_METRIC_REDUCE, Metrics
+from ranklog.schemas import DEFAULT_METRIC_REDUCE, Metrics, MetricsPacked
 from ranklog.shippers._reduce import SUMMED_OPS, Partial, zero_sign
 
 __all__ = [
@@ -94,7 +94,7 @@ def spec_of(reduce: str | dict[str, str], name: str) -> str:
 
 
 def by_rows(
-    logged: Iterable[tuple[int, Metrics]],
+    logged: Iterable[tuple[int, Metrics | MetricsPacked]],
     values: dict[str, Sequence[float]],
     specs: dict[str, tuple[int, str]],
 ) -> None:

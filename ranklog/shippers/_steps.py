@@ -16,7 +16,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from ranklog.schemas import (
     REDUCE_OPS,
@@ -24,6 +24,7 @@ from ranklog.schemas import (
     Histogram,
     Image,
     Metrics,
+    MetricsPacked,
     StepEvent,
     Table,
     Text,
@@ -72,9 +73,11 @@ class StepAcc:
 _NO_LAST: Final = (-math.inf, -1, math.nan)
 _TS: Final = attrgetter("ts")
 _VALUES: Final = attrgetter("values")
+_ROW: Final = attrgetter("row")
 _EVENTS: Final = attrgetter("events")
 _LATE: Final = attrgetter("late")
-_METRICS_ONLY: Final = {Metrics}
+#: the two forms of a Metrics event a shipper reads
+_METRICS: Final = frozenset({Metrics, MetricsPacked})
 #: appended to a derived name (``m/max`` of ``m`` logged with mean and max, ``timing/t`` of
 #: a timer) that meets a name as logged, or an earlier derived one, in the same step
 DERIVED: Final = ".derived"
@@ -108,7 +111,7 @@ def _own(events: list[Contributed]) -> dict[str, float]:
     """One rank's own values for a step (its last value per name)."""
     own: dict[str, float] = {}
     for ev in events:
-        if type(ev) is Metrics:
+        if isinstance(ev, (Metrics, MetricsPacked)):
             own.update(ev.values)
         elif type(ev) is Timer:
             own[f"timing/{ev.name}"] = ev.seconds
@@ -123,8 +126,10 @@ def _last(acc: StepAcc, order: list[int], name: str, *, timer: bool) -> tuple[fl
             if timer:
                 if type(ev) is Timer and ev.name == name and (ev.ts, rank) >= best[:2]:
                     best = (ev.ts, rank, ev.seconds)
-            elif type(ev) is Metrics and name in ev.values and (ev.ts, rank) >= best[:2]:
-                best = (ev.ts, rank, ev.values[name])
+            elif isinstance(ev, (Metrics, MetricsPacked)) and (ev.ts, rank) >= best[:2]:
+                found = ev.values
+                if name in found:
+                    best = (ev.ts, rank, found[name])
     return best
 
 
@@ -189,31 +194,94 @@ class StepPartial:
             order, logged = single
             out.ranks = len(order)
             out.ts = max(0.0, *map(_TS, logged))  # as the loop below: NaN never wins
-            dicts = list(map(_VALUES, logged))
-            if out.per_rank is not None:
-                out.per_rank = {r: dict(d) for r, d in zip(order, dicts, strict=True) if d}
-            reduce = logged[0].reduce
-            if (
-                len(dicts) == 1 and dicts[0] and not exact and specs is None and type(reduce) is str
-                and reduce in SUMMED_SPECS and all(map(math.isfinite, dicts[0].values()))
-            ):  # fmt: skip
-                # one rank: each total is its value (the sign of a zero kept, as zero_sign)
-                names, totals = list(dicts[0]), list(map(float, dicts[0].values()))
-                out.summed = Summed(order[0], reduce, names, [1] * len(names), totals)
-                return out
-            if not by_columns(order[0], reduce, dicts, values, named_specs):
-                by_rows(zip(order, logged, strict=True), values, named_specs)
-            elif not exact and specs is None and type(reduce) is str and reduce in SUMMED_SPECS:
-                out.summed = summed_columns(order[0], reduce, values)
+            rows = _shared_rows(logged)
+            if rows is not None:  # packed values of one layout: columns with no dict
+                packed = cast(list[MetricsPacked], logged)  # (checked by _shared_rows)
+                if out._columns(order, packed, rows, values, named_specs, exact, specs):
+                    return out
+            else:
+                out._dicts(order, logged, values, named_specs, exact, specs)
                 if out.summed is not None:
-                    return out  # the usual step: columns, no object per name
+                    return out
         else:
             order = out._gather(acc, timers, timer_specs, values, named_specs)
             if any(c.late for c in acc.ranks.values()):
                 out.late = _late_partials(acc, per_rank=per_rank, exact=exact, specs=specs)
+        out._reduce_rest(acc, order, values, named_specs, timers, timer_specs, exact, specs)
+        return out
+
+    def _columns(
+        self,
+        order: list[int],
+        logged: list[MetricsPacked],
+        rows: list[tuple[float, ...]],
+        values: dict[str, Sequence[float]],
+        named_specs: dict[str, tuple[int, str]],
+        exact: bool,
+        specs: dict[str, str] | None,
+    ) -> bool:
+        """The usual step of packed values of one layout (``rows``, in rank order): as
+        :func:`by_columns` would fill ``values``, or the step's :class:`Summed` (True)."""
+        names, reduce = logged[0].names, logged[0].reduce
+        if self.per_rank is not None:
+            self.per_rank = {r: dict(zip(names, row, strict=True))
+                             for r, row in zip(order, rows, strict=True) if row}  # fmt: skip
+        usual = not exact and specs is None and reduce in SUMMED_SPECS
+        if len(rows) == 1 and usual and all(map(math.isfinite, rows[0])):
+            # one rank: each total is its value (the sign of a zero kept, as zero_sign)
+            self.summed = Summed(order[0], reduce, list(names), [1] * len(names), list(rows[0]))
+            return True
+        same = (order[0], reduce)
+        for name, column in zip(names, zip(*rows, strict=True), strict=True):
+            values[name] = column
+            named_specs[name] = same
+        if usual:
+            self.summed = summed_columns(order[0], reduce, values)
+        return self.summed is not None
+
+    def _dicts(
+        self,
+        order: list[int],
+        logged: list[Metrics | MetricsPacked],
+        values: dict[str, Sequence[float]],
+        named_specs: dict[str, tuple[int, str]],
+        exact: bool,
+        specs: dict[str, str] | None,
+    ) -> None:
+        """The usual step of Metrics events: columns when the ranks logged the same names
+        (the step's :class:`Summed` when it can be), rows otherwise."""
+        dicts = list(map(_VALUES, logged))
+        if self.per_rank is not None:
+            self.per_rank = {r: dict(d) for r, d in zip(order, dicts, strict=True) if d}
+        reduce = logged[0].reduce
+        if (
+            len(dicts) == 1 and dicts[0] and not exact and specs is None and type(reduce) is str
+            and reduce in SUMMED_SPECS and all(map(math.isfinite, dicts[0].values()))
+        ):  # fmt: skip
+            # one rank: each total is its value (the sign of a zero kept, as zero_sign)
+            names, totals = list(dicts[0]), list(map(float, dicts[0].values()))
+            self.summed = Summed(order[0], reduce, names, [1] * len(names), totals)
+            return
+        if not by_columns(order[0], reduce, dicts, values, named_specs):
+            by_rows(zip(order, logged, strict=True), values, named_specs)
+        elif not exact and specs is None and type(reduce) is str and reduce in SUMMED_SPECS:
+            self.summed = summed_columns(order[0], reduce, values)  # None: the general path
+
+    def _reduce_rest(
+        self,
+        acc: StepAcc,
+        order: list[int],
+        values: dict[str, Sequence[float]],
+        named_specs: dict[str, tuple[int, str]],
+        timers: dict[str, Sequence[float]],
+        timer_specs: dict[str, tuple[int, str]],
+        exact: bool,
+        specs: dict[str, str] | None,
+    ) -> None:
+        """Each name's partial, from the values gathered (the general path)."""
         for timer, found, found_specs, into in (
-            (False, values, named_specs, out.metrics),
-            (True, timers, timer_specs, out.timers),
+            (False, values, named_specs, self.metrics),
+            (True, timers, timer_specs, self.timers),
         ):
             for name, lst in found.items():
                 first, spec = found_specs[name]
@@ -232,7 +300,6 @@ class StepPartial:
                 ops = parse_ops(spec)
                 last = _last(acc, order, name, timer=timer) if "last" in ops else _NO_LAST
                 into[name] = Named(first, spec, Partial.of(lst, last=last, ops=ops, exact=exact))
-        return out
 
     def _gather(
         self,
@@ -256,8 +323,8 @@ class StepPartial:
             for ev in events:
                 if ev.ts > ts:
                     ts = ev.ts
-                if type(ev) is Metrics:
-                    logged.append((rank, ev))
+                if type(ev) in _METRICS:
+                    logged.append((rank, ev))  # type: ignore[arg-type]  # of the two
                 elif type(ev) is Timer:
                     name = ev.name
                     lst = timers.get(name)
@@ -474,7 +541,20 @@ def _late_partials(
     }
 
 
-def _one_each(acc: StepAcc) -> tuple[list[int], list[Metrics]] | None:
+def _shared_rows(logged: list[Metrics | MetricsPacked]) -> list[tuple[float, ...]] | None:
+    """Each event's values when all are packed values of one list of names (one tuple,
+    shared), in order; None otherwise."""
+    first = logged[0]
+    if type(first) is not MetricsPacked or not first.names:
+        return None
+    names = first.names
+    for ev in logged:
+        if type(ev) is not MetricsPacked or ev.names is not names:
+            return None
+    return list(map(_ROW, logged))
+
+
+def _one_each(acc: StepAcc) -> tuple[list[int], list[Metrics | MetricsPacked]] | None:
     """(ranks in order, their events) when every rank logged one Metrics event and nothing
     else, none damaged, no late value (the usual step); None otherwise. C loops only."""
     conts = acc.ranks
@@ -486,7 +566,7 @@ def _one_each(acc: StepAcc) -> tuple[list[int], list[Metrics]] | None:
         logged = [ev for (ev,) in map(_EVENTS, contribs)]
     except ValueError:  # a rank with no event, or several
         return None
-    if set(map(type, logged)) != _METRICS_ONLY or any(map(_LATE, contribs)):
+    if not _METRICS.issuperset(map(type, logged)) or any(map(_LATE, contribs)):
         return None
     return order, logged  # Metrics only, checked above
 

@@ -129,16 +129,19 @@ class SegmentReader:
     """Reads one segment file incrementally; re-opens it on every read (NFS-safe).
 
     With ``decode=False`` frames keep their payload, undecoded (and undecodable events
-    are not looked for): for a caller that decodes them its own way.
+    are not looked for): for a caller that decodes them its own way. With ``rows=True``
+    packed values come out as :class:`~ranklog.schemas.MetricsPacked` (the shipper's).
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, decode: bool = True) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, decode: bool = True, rows: bool = False
+    ) -> None:
         self.path = Path(path)
         self.header: SegmentHeader | None = None
         self.header_error: str | None = None
         self.decode = decode
         #: the layouts of the segment's names frames read so far (format 2)
-        self.layouts = Layouts()
+        self.layouts = Layouts(rows=rows)
         #: offsets of the frames read that hold names records, in file order
         self.names_at: list[int] = []
         self._names_to = HEADER_SIZE  # names frames before this offset are in layouts
