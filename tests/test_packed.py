@@ -26,6 +26,7 @@ from ranklog.schemas import (
     Metrics,
     Names,
     Packed,
+    RankEnd,
     StepEnd,
     decode_events,
     encoder,
@@ -41,6 +42,7 @@ from ranklog.spool import (
 )
 from ranklog.spool._format import FLAG_NAMES, HEADER_SIZE, msgpack_array_header
 
+from .conftest import run_python
 from .shiphelp import lines, rank, ship
 from .test_everyday import ranklog_cmd
 
@@ -411,17 +413,17 @@ class TestWriting:
     def test_close_from_a_signal_handler_amid_a_write(
         self, spool: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        """A SIGTERM handler that closes the run while this thread is writing a chunk (it
-        interrupts the write) writes nothing itself: the interrupted write completes, no
-        frame is written twice and every packed value resolves."""
+        """A handler that closes the run while this thread is writing a chunk (it interrupts
+        the write) closes it right after the write: nothing written twice, every packed
+        value resolves, the rank_end written and the segment sealed."""
         run = rank(spool, 0, 1, code=False, durability="buffered")
         sink = run._sink
         real = sink.writer.write_events
-        lost: list[int] = []
+        pending: list[int] = []
 
         def interrupted(count: int, payload: Any, *, names: bool = False) -> None:
-            if not lost:
-                lost.append(sink.close(None))  # what the handler does, on this thread
+            if not pending:
+                pending.append(sink.close(None))  # what the handler does, on this thread
             real(count, payload, names=names)
 
         monkeypatch.setattr(sink.writer, "write_events", interrupted)
@@ -429,6 +431,166 @@ class TestWriting:
             run.log_metrics({"a": float(step)}, step=step)
             run.step_end(step)
         assert sink.flush()
-        assert lost and lost[0] == 6  # 3 steps' metrics and step_end: not written by it
+        assert pending == [6]  # 3 steps' metrics and step_end: not written by it
         got = [(m.step, m.values) for m in metrics_of(spool)]
         assert got == [(s, {"a": float(s)}) for s in range(3)]
+        assert read_segment(SpoolLayout(spool).segments(0)[0].path).sealed
+
+
+SIGTERM_JOB = """
+import os, signal, sys
+import ranklog
+{handler}
+run = ranklog.init(sys.argv[1], rank=0, world_size=1, code=False, durability="step")
+real, calls = run._sink.writer.write_events, []
+
+def write(count, payload, *, names=False):
+    calls.append(1)
+    if len(calls) == 4:
+        os.kill(os.getpid(), signal.SIGTERM)  # lands amid the write of step 2's frame
+    real(count, payload, names=names)
+
+run._sink.writer.write_events = write
+for step in range(5):
+    run.log_metrics({{"a": float(step), "b": 2.0}}, step=step)
+    run.step_end(step)
+print("went on", flush=True)
+"""
+
+
+class TestSignals:
+    @pytest.mark.parametrize("chained", [False, True], ids=["default", "a handler of its own"])
+    def test_sigterm_amid_step_end(self, spool: Path, chained: bool) -> None:
+        """SIGTERM (SLURM's preemption) lands while step_end writes its frame: ranklog's
+        handler closes the rank right after that write. Every step up to it is there once,
+        the rank ends 'signal' and its segment is sealed; a handler of the job's own still
+        runs (and the job goes on, as it chose)."""
+        own = "signal.signal(signal.SIGTERM, lambda *a: print('own handler', flush=True))"
+        res = run_python(SIGTERM_JOB.format(handler=own if chained else ""), str(spool))
+        if chained:
+            assert res.returncode == 0 and "own handler" in res.stdout, res.stderr
+        else:
+            assert res.returncode == -15, res.stderr
+        (seg,) = SpoolLayout(spool).segments(0)
+        got = read_segment(seg.path)
+        assert got.sealed and got.bad == []
+        steps = [e.step for e in got.events if isinstance(e, Metrics)]
+        assert steps == sorted(set(steps)) and steps[:3] == [0, 1, 2]
+        ends = [e for e in got.events if isinstance(e, RankEnd)]
+        assert [(e.status, e.exit_code) for e in ends] == [("signal", 128 + 15)]
+
+    def test_keyboard_interrupt_amid_packing(
+        self, spool: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Ctrl-C while step_end packs a chunk that makes two new layouts: the retry (at
+        close) packs it again with both layouts' records; every value resolves."""
+        run = rank(spool, 0, 1, code=False, durability="buffered")
+        packer = run._sink._packer
+        real = packer._pack
+        calls: list[int] = []
+
+        def pack(call: Any, made: Any) -> Any:
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+            return real(call, made)
+
+        monkeypatch.setattr(packer, "_pack", pack)
+        run.log_metrics({"a": 1.0}, step=0)
+        run.log_metrics({"b": 2.0}, step=0)
+        run.step_end(0)
+        with pytest.raises(KeyboardInterrupt):
+            run._sink.flush()
+        run.close()
+        got = [(m.step, m.values) for m in metrics_of(spool)]
+        assert got == [(0, {"a": 1.0}), (0, {"b": 2.0})]
+
+
+class TestReviewed:
+    def test_layouts_larger_than_a_segment(self, spool: Path) -> None:
+        """Layouts whose records outgrow max_segment_bytes: each segment holds its names
+        frame and at least one frame more (not a segment a frame), and all resolves."""
+        run = rank(spool, 0, 1, code=False, max_segment_bytes=256 * 1024)  # a frame a step
+        for k in range(500):
+            run.log_metrics({f"layout_{k:03d}/a_rather_long_metric_name_{i:02d}": 1.0
+                             for i in range(20)}, step=0)  # fmt: skip
+        run.step_end(0)
+        for step in range(1, 101):
+            run.log_metrics({"loss": float(step)}, step=step)
+            run.step_end(step)
+        run.close()
+        assert len(SpoolLayout(spool).segments(0)) < 10  # was a segment a step
+        assert len(metrics_of(spool)) == 600
+
+    def test_a_wrong_hint_never_raises(self, spool: Path) -> None:
+        """Offsets a damaged cursor or manifest gives (negative, huge, not ints, unsorted):
+        ignored, the frame headers are followed, the values resolve."""
+        _logged(spool, range(30))
+        (seg,) = SpoolLayout(spool).segments(0)
+        whole = read_segment(seg.path)
+        start = whole.frames[-3].offset
+        want = [e for f in whole.frames if f.offset >= start for e in f.events]
+        for hint in ([-1], [2**63], ["64"], [200, 100], [start + 1], [HEADER_SIZE, HEADER_SIZE]):
+            reader = SegmentReader(seg.path)
+            reader.resume_from(hint, start)  # type: ignore[arg-type]
+            assert reader.read(start, writer_gone=True).events == want, hint
+
+    def test_compaction_says_an_undecodable_frame_once(self, spool: Path, tmp_path: Path) -> None:
+        """A frame with a layout's record and an event that does not decode: compaction
+        reports it once, and keeps the rest of the frame."""
+        w = _writer(spool)
+        bad = encoder.encode(["metrics", 1.0, 0, {"x": "oops"}, "mean"])
+        good = [Names(1.0, 0, ["a"], "mean"), Packed(0, 0, 0, struct.pack("<d", 1.0))]
+        body = b"".join(encoder.encode(e) for e in good) + bad
+        w.write_events(3, [msgpack_array_header(3), body], names=True)
+        _frame(w, [StepEnd(1.0, 0)])
+        w.close()
+        result = compact(spool, tmp_path / "ds")
+        assert [b.reason for b in result.bad] == ["undecodable events"]
+        assert result.values == 1
+
+    def test_last_reads_each_events_values_once(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A spec with 'last' over packed values: each event's values are made once per
+        step, not once per name (that was names x ranks dicts a step)."""
+        from ranklog.schemas import MetricsPacked
+        from ranklog.shippers._steps import Contribution, StepAcc, StepPartial
+
+        made: list[int] = []
+        real = MetricsPacked.values
+
+        def values(self: MetricsPacked) -> dict[str, float]:
+            made.append(1)
+            return real.fget(self)  # type: ignore[attr-defined, no-any-return]
+
+        monkeypatch.setattr(MetricsPacked, "values", property(values))
+        names = tuple(f"n{i}" for i in range(50))
+        acc = StepAcc()
+        for r in range(4):
+            c = acc.ranks[r] = Contribution(1)
+            c.events.append(MetricsPacked(1.0 + r, 0, names, tuple([float(r)] * 50), "last"))
+            c.count = 1
+        got = StepPartial.build(0, acc).finish(closed=4, world_size=4).metrics
+        assert got == {n: 3.0 for n in names}
+        assert len(made) <= 4
+
+    def test_a_rank_restarted_reads_no_layouts_at_init(
+        self, spool: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """init's look at whether the rank's last segment is sealed (a killed incarnation,
+        producer/_dupes.py) reads its tail only: it follows no frame headers from the
+        segment's start (the caller's thread, a 64 MiB segment: a second)."""
+        from ranklog.producer import _dupes
+
+        run = rank(spool, 0, 1, code=False)
+        for step in range(400):
+            run.log_metrics({"a": float(step)}, step=step)
+            run.step_end(step)
+        run._sink.abandon()  # killed: unsealed
+        run._detach("killed")
+        run._release_claim()
+        (seg,) = SpoolLayout(spool).segments(0)
+        assert seg.path.stat().st_size > 2 * _dupes._TAIL_BYTES
+        followed: list[int] = []
+        monkeypatch.setattr(SegmentReader, "_find_names", lambda *a: followed.append(1))
+        assert not _dupes._sealed(seg)
+        assert followed == []

@@ -122,5 +122,7 @@ def _sealed(seg: SegmentName) -> bool:
         size = seg.path.stat(follow_symlinks=False).st_size
     except OSError:
         return True
-    res = SegmentReader(seg.path).read(max(HEADER_SIZE, size - _TAIL_BYTES))
+    # (its frames undecoded, no layouts looked for: whether it ends with a seal, read fast)
+    reader = SegmentReader(seg.path, decode=False, layouts=False)
+    res = reader.read(max(HEADER_SIZE, size - _TAIL_BYTES))
     return res.sealed

@@ -69,16 +69,21 @@ class Packer:
         self._bytes = 0
 
     def frames(self, chunk: Chunk) -> list[FrameOut]:
-        """``chunk`` as frames (one, unless its packed size passes a frame's cap)."""
+        """``chunk`` as frames (one, unless its packed size passes a frame's cap), kept in
+        ``chunk.frames``. All or nothing: the layouts it makes are known to later chunks
+        (and to the writer, for later segments) only once the frames that hold their
+        records are kept, so an exception amid it (KeyboardInterrupt) leaves no layout
+        that a retry would use without its record."""
         out: list[FrameOut] = []
         parts: list[bytes] = []
         size, names = 0, False
+        made: list[tuple[str, tuple[str, ...], tuple[int, Any, float], bytes]] = []
         records: tuple[bytes, ...]
         for item in chunk:
             if type(item) is bytes:
                 records, data = (), item
             else:
-                records, data = self._pack(item)
+                records, data = self._pack(item, made)
             more = len(data) + sum(map(len, records))
             if parts and size + more > self._max_frame:
                 out.append((len(parts), b"".join(parts), names))
@@ -90,21 +95,30 @@ class Packer:
             size += more
         if parts:
             out.append((len(parts), b"".join(parts), names))
+        chunk.frames = out
+        for op, key, got, record in made:  # the writer first: a layout known only there is
+            self._writer.add_names(record)  # harmless (each segment repeats its record)
+            self._layouts.setdefault(op, {})[key] = got
         return out
 
-    def _pack(self, call: Call) -> tuple[tuple[bytes, ...], bytes]:
-        """A call's Names record (when its layout is new) and its Packed record; a plain
-        Metrics event past the caps."""
+    def _pack(
+        self, call: Call, made: list[tuple[str, tuple[str, ...], tuple[int, Any, float], bytes]]
+    ) -> tuple[tuple[bytes, ...], bytes]:
+        """A call's Names record (when its layout is new: added to ``made``) and its Packed
+        record; a plain Metrics event past the caps."""
         ts, step, values, op = call
         names = tuple(values)
         known = self._layouts.get(op)
         got = None if known is None else known.get(names)
+        if got is None:
+            got = next((g for o, k, g, _ in made if o == op and k == names), None)
         records: tuple[bytes, ...] = ()
         if got is None:
-            made = self._new(ts, names, op)
-            if made is None:
+            new = self._new(ts, names, op)
+            if new is None:
                 return records, self._encode(Metrics(ts, step, values, op))
-            got, record = made
+            got, record = new
+            made.append((op, names, got, record))
             records = (record,)
         number, pack, base = got
         ms = round((ts - base) * 1000)
@@ -113,16 +127,14 @@ class Packer:
     def _new(
         self, ts: float, names: tuple[str, ...], op: str
     ) -> tuple[tuple[int, Any, float], bytes] | None:
-        """Number a new layout; its encoded Names record (every later segment starts with
-        it). None past the caps."""
+        """Number a new layout (a number is never given twice, even if the chunk that took it
+        is packed again) and encode its Names record. None past the caps."""
         if self._count >= MAX_LAYOUTS:
             return None
         record = self._encode(Names(ts, self._count, list(names), op))
         if self._bytes + len(record) > MAX_LAYOUT_BYTES:
             return None
-        self._writer.add_names(record)
         got = (self._count, struct.Struct(f"<{len(names)}d").pack, ts)
-        self._layouts.setdefault(op, {})[names] = got
         self._count += 1
         self._bytes += len(record)
         return got, record

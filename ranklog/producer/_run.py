@@ -451,6 +451,10 @@ class Run(RunValues):
             self.close("error", 1)
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        sink = self._sink
+        if isinstance(sink, SpoolSink) and sink.busy_here():  # amid a write of this thread:
+            sink.defer(lambda: self._on_sigterm(signum, frame))  # right after it, not in it
+            return
         self.close("signal", 128 + signum)
         prev = self._prev_handler
         if callable(prev):

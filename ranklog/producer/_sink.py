@@ -22,6 +22,7 @@ import threading
 import time
 import warnings
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Final
 
 import msgspec
@@ -62,6 +63,8 @@ class SpoolSink:
         self._lock = threading.RLock()  # buffers; re-entrant for signal handlers
         self._io_lock = threading.RLock()  # the writer
         self._drainer: int | None = None  # the thread writing chunks, while it does
+        #: what a signal handler asked of this thread amid its write: done right after it
+        self._deferred: list[Callable[[], object]] = []
         self._cur = Chunk()
         self._cur_bytes = 0
         # the watermark rule, applied in stream order: highest step_end, highest step event
@@ -219,7 +222,17 @@ class SpoolSink:
                 self._drain_locked(sync=sync)
             finally:
                 self._drainer = None
+                while self._deferred:  # (a handler that interrupted the write, now it is done)
+                    self._deferred.pop(0)()
             return True
+
+    def busy_here(self) -> bool:
+        """Whether this very thread is amid a write (a signal handler interrupted it)."""
+        return self._drainer == threading.get_ident()
+
+    def defer(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` once this thread's write is done (see :meth:`busy_here`)."""
+        self._deferred.append(fn)
 
     def _drain_locked(self, *, sync: bool) -> None:
         with self._lock:
@@ -232,7 +245,7 @@ class SpoolSink:
                 chunk = self._chunks[0]
             frames = chunk.frames
             if frames is None:  # packed once: a retry writes the same bytes
-                frames = chunk.frames = self._packer.frames(chunk)
+                frames = self._packer.frames(chunk)
             while chunk.written < len(frames):
                 count, body, names = frames[chunk.written]
                 self.writer.write_events(count, [msgpack_array_header(count), body],
@@ -338,14 +351,15 @@ class SpoolSink:
         """
         if self._abandoned:
             return 0
+        if self.busy_here():  # a signal handler, amid this thread's write: close right after it
+            self.defer(lambda: self.close(final, timeout=timeout))
+            with self._lock:
+                return sum(len(c) for c in self._chunks) + len(self._cur)
         self._closed = True  # from here on, nothing waits on a full buffer
         if final is not None:
             self.append(final, wait=False)
         self._stop.set()
         self._wake.set()
-        if self._drainer == threading.get_ident():  # a signal handler, amid this thread's write
-            with self._lock:  # the file is left as a killed process leaves it
-                return sum(len(c) for c in self._chunks) + len(self._cur)
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
         deadline = time.monotonic() + timeout

@@ -73,14 +73,22 @@ WIRE_KINDS: Final[dict[str, type[msgspec.Struct]]] = {"names": Names, "mp": Pack
 
 #: one tuple per distinct list of names, process-wide (:class:`MetricsPacked` shares them)
 _CANON: Final[dict[tuple[str, ...], tuple[str, ...]]] = {}
-_CANON_MAX: Final = 4096
+#: names the shared tuples hold at most, all together (a shipper lives long; past it, new
+#: lists of names are not shared: their steps take the dict path, as correct, slower)
+_CANON_NAMES: Final = 1_000_000
+_canon_held = 0
 
 
 def _canonical(names: list[str]) -> tuple[str, ...]:
+    global _canon_held
     key = tuple(names)
-    if len(_CANON) >= _CANON_MAX:
-        return _CANON.get(key, key)
-    return _CANON.setdefault(key, key)
+    got = _CANON.get(key)
+    if got is None:
+        if _canon_held + len(key) > _CANON_NAMES:
+            return key
+        _canon_held += len(key)
+        got = _CANON[key] = key
+    return got
 
 
 class Layouts:

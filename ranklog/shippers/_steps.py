@@ -118,18 +118,20 @@ def _own(events: list[Contributed]) -> dict[str, float]:
     return own
 
 
-def _last(acc: StepAcc, order: list[int], name: str, *, timer: bool) -> tuple[float, int, float]:
-    """(ts, rank, value) of the latest value logged under ``name`` (ties: highest rank)."""
-    best = _NO_LAST
+def _latest(acc: StepAcc, order: list[int], *, timer: bool) -> dict[str, tuple[float, int, float]]:
+    """Per name, (ts, rank, value) of the latest value logged under it (ties: the highest
+    rank, then the later event): every name at once, each event's values read once."""
+    best: dict[str, tuple[float, int, float]] = {}
     for rank in order:
         for ev in acc.ranks[rank].events:
             if timer:
-                if type(ev) is Timer and ev.name == name and (ev.ts, rank) >= best[:2]:
-                    best = (ev.ts, rank, ev.seconds)
-            elif isinstance(ev, (Metrics, MetricsPacked)) and (ev.ts, rank) >= best[:2]:
-                found = ev.values
-                if name in found:
-                    best = (ev.ts, rank, found[name])
+                if type(ev) is Timer and (ev.ts, rank) >= best.get(ev.name, _NO_LAST)[:2]:
+                    best[ev.name] = (ev.ts, rank, ev.seconds)
+            elif isinstance(ev, (Metrics, MetricsPacked)):
+                at = (ev.ts, rank)
+                for name, value in ev.values.items():
+                    if at >= best.get(name, _NO_LAST)[:2]:
+                        best[name] = (ev.ts, rank, value)
     return best
 
 
@@ -279,6 +281,7 @@ class StepPartial:
         specs: dict[str, str] | None,
     ) -> None:
         """Each name's partial, from the values gathered (the general path)."""
+        latest: dict[bool, dict[str, tuple[float, int, float]]] = {}
         for timer, found, found_specs, into in (
             (False, values, named_specs, self.metrics),
             (True, timers, timer_specs, self.timers),
@@ -298,7 +301,11 @@ class StepPartial:
                         into[name] = Named(first, spec, Partial(len(lst), total))
                         continue
                 ops = parse_ops(spec)
-                last = _last(acc, order, name, timer=timer) if "last" in ops else _NO_LAST
+                last = _NO_LAST
+                if "last" in ops:
+                    if timer not in latest:
+                        latest[timer] = _latest(acc, order, timer=timer)
+                    last = latest[timer].get(name, _NO_LAST)
                 into[name] = Named(first, spec, Partial.of(lst, last=last, ops=ops, exact=exact))
 
     def _gather(

@@ -37,7 +37,9 @@ HEADER_SIZE: Final = 64
 SYNC: Final = b"\xf3RL\x1f"
 FRAME_EVENTS: Final = 1
 FRAME_SEAL: Final = 2
-#: frame header flag: an events frame that holds only Names records (format 2)
+#: frame header flag: an events frame that holds a Names record (format 2): a new
+#: segment's first frame holds only those, a frame of events may hold one ahead of the
+#: first event of its layout
 FLAG_NAMES: Final = 1
 #: Hard cap on a frame's payload, enforced by writer and reader alike.
 MAX_FRAME_BYTES: Final = 16 * 1024 * 1024

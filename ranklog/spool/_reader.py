@@ -19,6 +19,7 @@ Rules (see the package docstring):
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import stat
 from collections.abc import Sequence
@@ -134,7 +135,12 @@ class SegmentReader:
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, decode: bool = True, rows: bool = False
+        self,
+        path: str | os.PathLike[str],
+        *,
+        decode: bool = True,
+        rows: bool = False,
+        layouts: bool = True,
     ) -> None:
         self.path = Path(path)
         self.header: SegmentHeader | None = None
@@ -145,6 +151,8 @@ class SegmentReader:
         #: offsets of the frames read that hold names records, in file order
         self.names_at: list[int] = []
         self._names_to = HEADER_SIZE  # names frames before this offset are in layouts
+        #: False: frames and seals only, no layouts looked for (packed values do not resolve)
+        self._look = layouts
         self._hint: tuple[list[int], int] | None = None
 
     def resume_from(self, names: Sequence[int], offset: int) -> None:
@@ -206,9 +214,9 @@ class SegmentReader:
                 else:
                     self.header = parsed
                 res.end = HEADER_SIZE
-            if res.end > self._names_to:
+            if self._look and res.end > self._names_to:
                 self._use_hint(fd, res.end)
-            if res.end > self._names_to:
+            if self._look and res.end > self._names_to:
                 self._find_names(fd, res.end)
             limit = None if max_bytes is None else res.end + max_bytes
             self._scan(fd, size, res, writer_gone, limit)
@@ -222,8 +230,13 @@ class SegmentReader:
         hint, self._hint = self._hint, None
         if hint is None or hint[1] != upto:
             return
+        names = hint[0]
+        if not all(type(p) is int and self._names_to <= p < upto for p in names) or any(
+            a >= b for a, b in itertools.pairwise(names)
+        ):
+            return  # not offsets this segment could have (a damaged cursor): follow headers
         stats = DecodeStats()
-        for pos in hint[0]:
+        for pos in names:
             head = os.pread(fd, FRAME_HEADER, pos)
             hdr = parse_frame_header(head, 0) if len(head) == FRAME_HEADER else None
             if hdr is None or not hdr[4] & FLAG_NAMES or hdr[0] == FRAME_SEAL:
@@ -337,14 +350,15 @@ class SegmentReader:
                     return
                 if names_only and not flags & FLAG_NAMES:
                     pass  # (finding a resumed read's layouts: only names frames matter)
-                elif self.decode or flags & FLAG_NAMES:  # (the layouts are the reader's)
+                elif self.decode or (flags & FLAG_NAMES and self._look):
                     if flags & FLAG_NAMES:
                         self._names_frame(start)
                     before, lost = res.stats.invalid_events, res.stats.unresolved
                     events = decode_events(payload, schema, res.stats, self.layouts)
                     if res.stats.unresolved != lost:  # its names frame lost: the frame is too
                         res.bad.append(BadRange(path, start, total, UNRESOLVED))
-                    elif res.stats.invalid_events != before:
+                    elif res.stats.invalid_events != before and self.decode:
+                        # (undecoded, the caller decodes the frame and says so itself)
                         res.bad.append(BadRange(path, start, total, UNDECODABLE))
                     if res.stats.unresolved != lost or names_only:
                         pass

@@ -84,6 +84,7 @@ class IncarnationWriter:
         #: every layout's Names record so far, encoded (a new segment starts with them)
         self._names: list[bytes] = []
         self._need_names = False  # the current file lacks its names frame
+        self._preamble = 0  # bytes of the current file's names frame (not counted to roll)
         self.closed = False
         self._finish_roll()
 
@@ -161,6 +162,7 @@ class IncarnationWriter:
             self._write_header()
             self._need_header = False
             self._need_names = True
+            self._preamble = 0
 
     def _write_header(self) -> None:
         header = SegmentHeader(
@@ -214,7 +216,7 @@ class IncarnationWriter:
 
     def write_events(self, count: int, payload: list[Buffer], *, names: bool = False) -> None:
         """Append one frame of ``count`` pre-encoded events (``payload`` is a msgpack array);
-        ``names``: they are Names records only (the frame is flagged so).
+        ``names``: it holds a Names record (the frame is flagged so).
 
         Raises OSError (nothing written, retry later) when the disk refuses.
         """
@@ -224,8 +226,11 @@ class IncarnationWriter:
         if self._fd is None or self._need_header:
             self._finish_roll()
         size = FRAME_HEADER + length + FRAME_TRAILER
-        if self.frames_in_segment and self._offset + size + _SEAL_RESERVE > self.max_segment_bytes:
-            self.roll()
+        if (
+            self.frames_in_segment > (self._preamble > 0)  # (one frame at least, and the
+            and self._offset - self._preamble + size + _SEAL_RESERVE > self.max_segment_bytes
+        ):  # limit counts the frames after its names frame: layouts larger than a segment
+            self.roll()  # do not make a segment a frame)
         if self._need_names:
             self._write_names()
         self._write_frame(count, payload, FLAG_NAMES if names else 0)
@@ -241,9 +246,11 @@ class IncarnationWriter:
     def _write_names(self) -> None:
         """Start the segment with every layout so far (none: nothing to write)."""
         records = list(self._names)
+        before = self._offset
         if records:
             self._write_frame(len(records), [msgpack_array_header(len(records)), *records],
                               FLAG_NAMES)  # fmt: skip
+        self._preamble = self._offset - before
         self._need_names = False
 
     def _write_seal(self, reason: str, next_segment: int | None) -> None:
