@@ -126,12 +126,13 @@ def _ship(spool: Path, spec: str, options: dict[str, Any] | None = None) -> Ship
 
 
 def _decode_limit(spool: Path, values: int) -> Row:
-    """Every segment read and decoded (frames, CRC, msgspec), nothing else."""
-    from ranklog.spool import read_segment
+    """Every segment read and decoded (frames, CRC, msgspec), nothing else: as the shipper
+    reads them (packed values as rows, segment format 2)."""
+    from ranklog.spool import SegmentReader
 
     paths = sorted(p for p in (spool / "ranks").rglob("*") if p.is_file())
     t0 = time.process_time()
-    events = sum(len(read_segment(p).events) for p in paths)
+    events = sum(len(SegmentReader(p, rows=True).read(0, writer_gone=True).events) for p in paths)
     took = time.process_time() - t0
     return Row("limit: read + decode every frame", f"{len(paths)} segments", took,
                values / took, note=f"{events:,} events, CPU time in-process")  # fmt: skip
@@ -144,19 +145,21 @@ def _python_limit(spool: Path, values: int) -> Row:
     shipping rests on), the events freed. No watermark, no bookkeeping, no output."""
     from operator import itemgetter
 
-    from ranklog.schemas import Metrics
-    from ranklog.spool import read_segment
+    from ranklog.schemas import Metrics, MetricsPacked
+    from ranklog.spool import SegmentReader
 
     paths = sorted(p for p in (spool / "ranks").rglob("*") if p.is_file())
     t0 = time.process_time()
-    by_step: dict[int, list[dict[str, float]]] = {}
+    by_step: dict[int, list[Any]] = {}
     for path in paths:
-        for ev in read_segment(path).events:
-            if type(ev) is Metrics:
+        for ev in SegmentReader(path, rows=True).read(0, writer_gone=True).events:
+            if type(ev) is MetricsPacked:  # (segment format 2: a row, one names tuple)
+                by_step.setdefault(ev.step, []).append(ev.row)
+            elif type(ev) is Metrics:
                 by_step.setdefault(ev.step, []).append(ev.values)
     sums = 0
-    for dicts in by_step.values():
-        rows = list(map(itemgetter(*dicts[0]), dicts))
+    for got in by_step.values():
+        rows = got if type(got[0]) is tuple else list(map(itemgetter(*got[0]), got))
         sums += len(list(map(math.fsum, zip(*rows, strict=True))))
     del by_step  # the decoded events freed: part of any reduction's cost
     took = time.process_time() - t0
