@@ -596,3 +596,26 @@ class TestReviewed:
         monkeypatch.setattr(SegmentReader, "_find_names", lambda *a: followed.append(1))
         assert not _dupes._sealed(seg)
         assert followed == []
+
+
+class TestCompaction:
+    def test_packed_rows_make_the_rows_a_decoded_read_makes(
+        self, spool: Path, tmp_path: Path
+    ) -> None:
+        """Compaction takes packed values in bulk (their layouts' rows, no dict): its rows
+        equal, bit for bit, those of each event decoded to a Metrics dict (what `compact
+        --delete` verifies before it deletes), with several layouts, plain Metrics events
+        (a reduce map), NaN, -0.0 and infinities, and segments rolled over."""
+        run = rank(spool, 0, 1, code=False, max_segment_bytes=4096)
+        for step in range(60):
+            run.log_metrics({"loss": step / 3, "nan": math.nan, "neg": -0.0}, step=step)
+            run.log_metrics({f"eval/x{step // 20}": math.inf, "y": -1e300}, step=step,
+                            reduce=("mean", "max"))  # fmt: skip
+            run.log_metrics({"tok": 1.0}, step=step, reduce={"tok": "sum"})
+            run.step_end(step)
+        run.close()
+        segments = len(SpoolLayout(spool).segments(0))
+        assert segments > 2
+        result = compact(spool, tmp_path / "ds", delete=True, force=True)
+        assert result.kept == [] and len(result.deleted) == segments  # each verified
+        assert result.rows["metrics"] == 60 * (3 + 2 + 1)

@@ -27,7 +27,7 @@ from typing import Any, Final
 import msgspec
 import numpy as np
 
-__all__ = ["MAX_SHAPES", "Bulk", "bulk_values"]
+__all__ = ["MAX_SHAPES", "Bulk", "bulk_values", "packed_values"]
 
 #: distinct map lengths taken in bulk; past that the maps are decoded one by one
 MAX_SHAPES: Final = 64
@@ -97,6 +97,35 @@ def bulk_values(raws: list[msgspec.Raw]) -> Bulk | None:
             out_codes[at] = np.tile(codes, len(rows))
             out_values[at] = values.ravel()
     return Bulk(list(names), shape_of, shapes, counts, out_codes, out_values)
+
+
+def packed_values(names: list[tuple[str, ...]], packed: list[bytes]) -> Bulk:
+    """The values of events read packed (segment format 2: each a layout's ``names``, one
+    tuple per layout, and its values as ``packed`` float64 bytes): the same :class:`Bulk`
+    as their maps would give, names numbered in order of first appearance, with no
+    template to check and no float object."""
+    n = len(packed)
+    counts = np.fromiter(map(len, names), np.int64, n)
+    values = np.frombuffer(b"".join(packed), "<f8").astype(np.float64)
+    # shapes: the layouts' tuples (one per layout: by identity), in order of first use
+    ids = np.fromiter(map(id, names), np.int64, n)
+    _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
+    place = np.empty(len(order), np.int32)
+    place[order] = np.arange(len(order), dtype=np.int32)
+    shape_of = place[inverse.ravel()]
+    codes_of: dict[str, int] = {}
+    shapes: list[tuple[str, ...]] = []
+    codes: list[Any] = []
+    for at in first[order].tolist():
+        keys = names[at]
+        shapes.append(keys)
+        codes.append(np.array([codes_of.setdefault(k, len(codes_of)) for k in keys], np.int32))
+    if len(shapes) == 1:
+        out_codes = np.tile(codes[0], n)
+    else:
+        out_codes = np.concatenate([codes[s] for s in shape_of.tolist()]) if n else codes[0]
+    return Bulk(list(codes_of), shape_of, shapes, counts, out_codes, values)
 
 
 def _read(group: list[msgspec.Raw], length: int, slots: list[int]) -> Any:

@@ -319,7 +319,7 @@ def _compact_segment(
     saver: _Saver,
 ) -> None:
     manifest = saver.manifest
-    reader = SegmentReader(seg.path, decode=False)
+    reader = SegmentReader(seg.path, decode=False, packed=True)  # (packed values: bytes)
     if entry.names is not None:
         reader.resume_from(entry.names, max(entry.offset, HEADER_SIZE))
     upto = manifest.relogged_upto(seg.rank, seg.incarnation)

@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ranklog.archive._bulk import Bulk, bulk_values
+from ranklog.archive._bulk import Bulk, bulk_values, packed_values
 from ranklog.schemas import (
     Event,
     Gpu,
@@ -30,6 +30,7 @@ from ranklog.schemas import (
     Histogram,
     Image,
     Metrics,
+    MetricsPacked,
     MetricsRaw,
     Names,
     Params,
@@ -243,8 +244,10 @@ def raw_segment_tables(
 #: then refuses it, as it always did)
 _BY_ROW, _METRICS_GROUP, _STEP_END_GROUP = 0, 1, 2
 _GROUP: Final[defaultdict[type, int]] = defaultdict(
-    int, {Metrics: _METRICS_GROUP, MetricsRaw: _METRICS_GROUP, StepEnd: _STEP_END_GROUP}
-)
+    int,
+    {Metrics: _METRICS_GROUP, MetricsRaw: _METRICS_GROUP, MetricsPacked: _METRICS_GROUP,
+     StepEnd: _STEP_END_GROUP},
+)  # fmt: skip
 _SEQ_OF: Final = attrgetter("seq")
 _EVENTS_OF: Final = attrgetter("events")
 
@@ -307,6 +310,8 @@ def _timestamps(events: list[Any], counts: Any = None) -> pa.Array:
 _TS_OF: Final = attrgetter("ts")
 _STEP_OF: Final = attrgetter("step")
 _VALUES_OF: Final = attrgetter("values")
+_NAMES_OF: Final = attrgetter("names")
+_PACKED_OF: Final = attrgetter("packed")
 _REDUCE_OF: Final = attrgetter("reduce")
 
 
@@ -401,17 +406,22 @@ class _MetricColumns(_Gathered):
         )
 
 
-def _values(evs: list[Metrics | MetricsRaw]) -> Bulk | list[dict[str, float]] | None:
+def _values(
+    evs: list[Metrics | MetricsRaw | MetricsPacked],
+) -> Bulk | list[dict[str, float]] | None:
     """The events' values: read in bulk when every event's map is undecoded and of a shape
     :func:`~ranklog.archive._bulk.bulk_values` takes, else one dict per event; None when
     a map is one the Metrics decoder refuses."""
-    if set(map(type, evs)) == {MetricsRaw}:
+    kinds = set(map(type, evs))
+    if kinds == {MetricsPacked} and all(map(_PACKED_OF, evs)):  # format 2, bytes kept
+        return packed_values(list(map(_NAMES_OF, evs)), list(map(_PACKED_OF, evs)))
+    if kinds == {MetricsRaw}:
         found = bulk_values(list(map(_VALUES_OF, evs)))
         if found is not None:
             return found
     out = []
     for ev in evs:
-        if type(ev) is Metrics:
+        if type(ev) is Metrics or type(ev) is MetricsPacked:
             out.append(ev.values)
             continue
         try:
@@ -422,7 +432,7 @@ def _values(evs: list[Metrics | MetricsRaw]) -> Bulk | list[dict[str, float]] | 
 
 
 def _reduce(
-    evs: list[Metrics | MetricsRaw],
+    evs: list[Metrics | MetricsRaw | MetricsPacked],
     found: Bulk | list[dict[str, float]],
     counts: np.ndarray,
     zeros: pa.Array,

@@ -15,6 +15,7 @@ counting both (see :mod:`ranklog.schemas._codec`).
 
 from __future__ import annotations
 
+import struct
 from typing import Final, TypeAlias
 
 import msgspec
@@ -133,11 +134,19 @@ class MetricsPacked(msgspec.Struct, frozen=True, gc=False):
     names: tuple[str, ...]
     row: tuple[float, ...]
     reduce: str = DEFAULT_METRIC_REDUCE
+    #: the values still packed (little-endian float64), ``row`` left empty: compaction
+    #: hands the bytes of many events to numpy at once
+    packed: bytes = b""
 
     @property
     def values(self) -> dict[str, float]:
         """The names and values, as :attr:`Metrics.values` holds them."""
-        return dict(zip(self.names, self.row, strict=True))
+        row = self.row if self.row or not self.packed else _unpack(self.packed)
+        return dict(zip(self.names, row, strict=True))
+
+
+def _unpack(data: bytes) -> tuple[float, ...]:
+    return struct.unpack(f"<{len(data) // 8}d", data)
 
 
 class Timer(EventBase, tag="timer", frozen=True):

@@ -95,13 +95,15 @@ class Layouts:
     """The layouts a reader has met in one segment (numbers are an incarnation's own).
 
     ``rows``: packed values come out as :class:`MetricsPacked` (the shipper's reader), not
-    as Metrics events with a dict each.
+    as Metrics events with a dict each; ``packed``: as MetricsPacked that keep their bytes
+    (compaction's reader).
     """
 
-    __slots__ = ("_by_id", "last_ts", "rows")
+    __slots__ = ("_by_id", "last_ts", "packed", "rows")
 
-    def __init__(self, *, rows: bool = False) -> None:
-        self.rows = rows
+    def __init__(self, *, rows: bool = False, packed: bool = False) -> None:
+        self.rows = rows or packed
+        self.packed = packed
         self._by_id: dict[int, tuple[tuple[str, ...], str, Any, float]] = {}
         #: the time of the last Names record met (a names frame's, for its row in a dataset)
         self.last_ts = 0.0
@@ -135,6 +137,8 @@ class Layouts:
                 f"packed values of step {ev.step}: {len(ev.values)} bytes for the "
                 f"{len(names)} names of layout {ev.layout}"
             )
+        if self.packed:
+            return MetricsPacked(base + ev.ms / 1000, ev.step, names, (), reduce, ev.values)
         if self.rows:
             return MetricsPacked(base + ev.ms / 1000, ev.step, names, fmt.unpack(ev.values), reduce)
         values = dict(zip(names, fmt.unpack(ev.values), strict=True))
@@ -148,7 +152,7 @@ def resolve(events: Iterable[Any], layouts: Layouts, problems: list[str]) -> lis
     out: list[Any] = []
     append = out.append
     by_id = layouts._by_id
-    rows = layouts.rows
+    rows, keep = layouts.rows, layouts.packed
     for ev in events:
         kind = type(ev)
         if kind is Packed:  # (Layouts.metrics, inlined: this runs once per value set)
@@ -157,7 +161,9 @@ def resolve(events: Iterable[Any], layouts: Layouts, problems: list[str]) -> lis
                 problems.append(layouts.metrics(ev))  # type: ignore[arg-type]  # says why
                 continue
             names, reduce, fmt, base = known
-            if rows:
+            if keep:
+                append(MetricsPacked(base + ev.ms / 1000, ev.step, names, (), reduce, ev.values))
+            elif rows:
                 append(MetricsPacked(base + ev.ms / 1000, ev.step, names, fmt.unpack(ev.values),
                                      reduce))  # fmt: skip
             else:

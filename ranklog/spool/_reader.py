@@ -131,7 +131,8 @@ class SegmentReader:
 
     With ``decode=False`` frames keep their payload, undecoded (and undecodable events
     are not looked for): for a caller that decodes them its own way. With ``rows=True``
-    packed values come out as :class:`~ranklog.schemas.MetricsPacked` (the shipper's).
+    packed values come out as :class:`~ranklog.schemas.MetricsPacked` (the shipper's); with
+    ``packed=True`` as MetricsPacked that keep their bytes (compaction's).
     """
 
     def __init__(
@@ -140,6 +141,7 @@ class SegmentReader:
         *,
         decode: bool = True,
         rows: bool = False,
+        packed: bool = False,
         layouts: bool = True,
     ) -> None:
         self.path = Path(path)
@@ -147,7 +149,7 @@ class SegmentReader:
         self.header_error: str | None = None
         self.decode = decode
         #: the layouts of the segment's names frames read so far (format 2)
-        self.layouts = Layouts(rows=rows)
+        self.layouts = Layouts(rows=rows, packed=packed)
         #: offsets of the frames read that hold names records, in file order
         self.names_at: list[int] = []
         self._names_to = HEADER_SIZE  # names frames before this offset are in layouts
