@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Final
 
 import numpy as np
 import pytest
@@ -274,17 +275,21 @@ def _bits(metrics: dict[str, float]) -> dict[str, bytes]:
     return {k: struct.pack("<d", v) for k, v in metrics.items()}
 
 
+#: what ranks log in one step: 1-5 ranks, each 1-4 of a few names, any float
+RANK_VALUES: Final = st.lists(
+    st.dictionaries(st.sampled_from(["a", "b", "c/d", "e"]), FLOATS | st.floats(),
+                    min_size=1, max_size=4),
+    min_size=1, max_size=5,
+)  # fmt: skip
+
+
 class TestUsualStepColumns:
     """The usual step (one Metrics event per rank, one spec of mean, sum or count) is reduced
     on columns, without an object per name: the same bits as the general path."""
 
     @settings(max_examples=300, deadline=None)
     @given(
-        st.lists(
-            st.dictionaries(st.sampled_from(["a", "b", "c/d", "e"]), FLOATS | st.floats(),
-                            min_size=1, max_size=4),
-            min_size=1, max_size=5,
-        ),
+        RANK_VALUES,
         st.sampled_from(["mean", "sum", "count"]),
         st.booleans(),
     )  # fmt: skip
@@ -310,12 +315,8 @@ class TestUsualStepColumns:
 
     @settings(max_examples=300, deadline=None)
     @given(
-        st.lists(
-            st.dictionaries(st.sampled_from(["a", "b", "c/d", "e"]), FLOATS | st.floats(),
-                            min_size=1, max_size=4),
-            min_size=1, max_size=5,
-        ),
-        st.sampled_from(["mean", "sum", "count", "max", "mean,max", "median"]),
+        RANK_VALUES,
+        st.sampled_from(["mean", "sum", "count", "max", "mean,max", "median", "last", "mean,last"]),
         st.booleans(),
         st.booleans(),
     )  # fmt: skip
