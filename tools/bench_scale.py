@@ -44,7 +44,17 @@ from pathlib import Path
 from typing import Any, Final
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import fmt, names, profile_lines, rate, short, verdict, write_json, write_spool
+from _bench import (
+    fmt,
+    names,
+    profile_lines,
+    rate,
+    run_measured,
+    short,
+    verdict,
+    write_json,
+    write_spool,
+)
 
 TARGET_SHIP: Final = 5_000_000  # values/s, JSONL target
 TARGET_STEPS: Final = {"mlflow": 500, "tensorboard": 2_000, "wandb": 500}  # reduced steps/s
@@ -330,6 +340,45 @@ def _scale_row(base: Path, ranks: int, steps: int, metrics: int, label: str) -> 
                run.rss_mb, note)  # fmt: skip
 
 
+#: one case beyond this machine's habit (issue 32): ranks x steps x metrics
+BEYOND: Final = (16_384, 2, 100)
+
+
+def _beyond_rows(base: Path) -> list[Row]:
+    """16,384 ranks x 2 steps x 100 metrics: shipped live, compacted and replayed, each as
+    a CLI command in a child (wall time, CPU, peak RSS); replay checked against live."""
+    ranks, steps, metrics = BEYOND
+    values = ranks * steps * metrics
+    size = f"{ranks:,} ranks x {steps} steps x {metrics} metrics"
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="beyond-", dir=base) as name:
+        tmp = Path(name)
+        write_spool(tmp / "spool", ranks, steps, metrics)
+        cli = [sys.executable, "-m", "ranklog.cli"]
+        live, again = tmp / "live.jsonl", tmp / "replay.jsonl"
+        for label, cmd in (
+            ("live: ship --once", [*cli, "ship", str(tmp / "spool"), "--to", f"jsonl:{live}",
+                                   "--once", "--quiet"]),
+            ("compact", [*cli, "compact", str(tmp / "spool"), "--out", str(tmp / "ds")]),
+            ("replay", [*cli, "replay", str(tmp / "ds"), "--to", f"jsonl:{again}"]),
+        ):  # fmt: skip
+            run = run_measured(cmd, tmp, 900)
+            same = label != "replay" or (
+                again.is_file() and live.read_bytes() == again.read_bytes()
+            )
+            ok = run.returncode == 0 and same
+            note = f"wall {run.wall_s:.2f} s, CLI (interpreter start included)"
+            if label == "replay":
+                note += "; JSONL byte-identical to live" if same else "; FAILED: differs from live"
+            if run.returncode:
+                note = f"FAILED: {short(run.stderr)}"
+            rate_ = values / run.wall_s if ok else None
+            steps_ = steps / run.wall_s if ok else None
+            rows.append(Row(f"{label}, {ranks:,} ranks", size, run.wall_s, rate_, steps_,
+                            run.maxrss_mb, note))  # fmt: skip
+    return rows
+
+
 def _bench_scale(base: Path, quick: bool) -> list[Row]:
     k = 10 if quick else 1
     rows = [
@@ -340,6 +389,8 @@ def _bench_scale(base: Path, quick: bool) -> list[Row]:
         _scale_row(base, 64, s // k if m < 1000 else s, m, f"metrics per step: {m:,}")
         for m, s in ((10, 2_000), (100, 200), (1_000, 20))
     ]
+    if not quick:
+        rows += _beyond_rows(base)
     return rows
 
 
