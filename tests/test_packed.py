@@ -619,3 +619,26 @@ class TestCompaction:
         result = compact(spool, tmp_path / "ds", delete=True, force=True)
         assert result.kept == [] and len(result.deleted) == segments  # each verified
         assert result.rows["metrics"] == 60 * (3 + 2 + 1)
+
+    def test_a_retried_decode_starts_from_the_layouts_before_it(
+        self, spool: Path, tmp_path: Path
+    ) -> None:
+        """A chunk decoded twice (a values map Metrics refuses sends it back event by event)
+        decodes the second time with the layouts it started with: a packed value ahead of
+        its layout (foreign bytes) stays unresolved, as the live shipper has it, and replay
+        equals live."""
+        w = _writer(spool)
+        _frame(w, [Names(1.0, 0, ["a"], "mean")], names=True)
+        _frame(w, [Packed(0, 0, 0, struct.pack("<d", 1.0)), StepEnd(1.0, 0)])
+        _frame(w, [Packed(0, 1, 9, struct.pack("<d", 7.0)), StepEnd(1.0, 1)])
+        _frame(w, [Names(2.0, 9, ["c"], "mean")])  # (after its use, in a plain frame)
+        bad = encoder.encode(["metrics", 3.0, 2, {"x": "oops"}, "mean"])
+        w.write_events(2, [msgpack_array_header(2), bad + encoder.encode(StepEnd(3.0, 2))])
+        _frame(w, [Packed(0, 3, 0, struct.pack("<d", 3.0)), StepEnd(3.0, 3)])
+        w.close()
+        live, again = tmp_path / "live.jsonl", tmp_path / "replay.jsonl"
+        ship(spool, live)
+        compact(spool, tmp_path / "ds")
+        replay(tmp_path / "ds", JsonlTarget(again))
+        assert again.read_bytes() == live.read_bytes()
+        assert [x["metrics"].get("c") for x in lines(live)] == [None] * 4

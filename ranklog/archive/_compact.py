@@ -332,10 +332,11 @@ def _compact_segment(
         )  # fmt: skip
         tables: dict[str, pa.Table] = {}
         if res.frames and not foreign:
+            layouts = reader.layouts.copy()  # as they were before these frames (for a retry)
             decoded, undecodable = _decode(str(seg.path), res.frames, reader.layouts, raw=True)
             built = raw_segment_tables(run_id, seg, decoded, upto, mark=mark, dictionary=True)
             if built is None:  # a values map Metrics refuses: the events as the reader has them
-                decoded, undecodable = _decode(str(seg.path), res.frames, reader.layouts,
+                decoded, undecodable = _decode(str(seg.path), res.frames, layouts,
                                                raw=False)  # fmt: skip
                 built = raw_segment_tables(run_id, seg, decoded, upto, mark=mark, dictionary=True)
             assert built is not None  # decoded Metrics: no map to refuse

@@ -111,6 +111,14 @@ class Layouts:
     def __len__(self) -> int:
         return len(self._by_id)
 
+    def copy(self) -> Layouts:
+        """The same layouts, kept apart (a second decode of frames starts where the first
+        did, not with what the first learned from them)."""
+        out = Layouts(rows=self.rows, packed=self.packed)
+        out._by_id = dict(self._by_id)
+        out.last_ts = self.last_ts
+        return out
+
     def add(self, rec: Names) -> str | None:
         """Keep ``rec``; a string says why it is refused (its names twice, or its number
         already standing for other names)."""
