@@ -58,7 +58,7 @@ class Packed(msgspec.Struct, array_like=True, tag="mp", frozen=True, gc=False):
     milliseconds after the layout's Names record (``ts``; negative if the clock went back).
 
     Not an :class:`~ranklog.schemas.EventBase`: its time is an offset (5 bytes on the wire,
-    not 9), and its tag is short. 20 values cost 178 bytes with it, 8.9 a value.
+    not 9), and its tag is short. 20 values cost 175 bytes with it, 8.75 a value.
     """
 
     ms: int
@@ -108,9 +108,6 @@ class Layouts:
         #: the time of the last Names record met (a names frame's, for its row in a dataset)
         self.last_ts = 0.0
 
-    def __len__(self) -> int:
-        return len(self._by_id)
-
     def copy(self) -> Layouts:
         """The same layouts, kept apart (a second decode of frames starts where the first
         did, not with what the first learned from them)."""
@@ -134,23 +131,15 @@ class Layouts:
         self._by_id[rec.id] = (_canonical(rec.names), rec.reduce, fmt, rec.ts)
         return None
 
-    def metrics(self, ev: Packed) -> Metrics | MetricsPacked | str:
-        """The Metrics event ``ev`` stands for; a string says why there is none."""
+    def why_not(self, ev: Packed) -> str:
+        """Why ``ev`` has no Metrics event here (:func:`resolve` found none for it)."""
         known = self._by_id.get(ev.layout)
         if known is None:
             return f"packed values of step {ev.step}: layout {ev.layout} is not in this segment"
-        names, reduce, fmt, base = known
-        if len(ev.values) != fmt.size:
-            return (
-                f"packed values of step {ev.step}: {len(ev.values)} bytes for the "
-                f"{len(names)} names of layout {ev.layout}"
-            )
-        if self.packed:
-            return MetricsPacked(base + ev.ms / 1000, ev.step, names, (), reduce, ev.values)
-        if self.rows:
-            return MetricsPacked(base + ev.ms / 1000, ev.step, names, fmt.unpack(ev.values), reduce)
-        values = dict(zip(names, fmt.unpack(ev.values), strict=True))
-        return Metrics(base + ev.ms / 1000, ev.step, values, reduce)
+        return (
+            f"packed values of step {ev.step}: {len(ev.values)} bytes for the "
+            f"{len(known[0])} names of layout {ev.layout}"
+        )
 
 
 def resolve(events: Iterable[Any], layouts: Layouts, problems: list[str]) -> list[Event]:
@@ -163,10 +152,10 @@ def resolve(events: Iterable[Any], layouts: Layouts, problems: list[str]) -> lis
     rows, keep = layouts.rows, layouts.packed
     for ev in events:
         kind = type(ev)
-        if kind is Packed:  # (Layouts.metrics, inlined: this runs once per value set)
+        if kind is Packed:  # (once per value set: kept inline)
             known = by_id.get(ev.layout)
             if known is None or len(ev.values) != known[2].size:
-                problems.append(layouts.metrics(ev))  # type: ignore[arg-type]  # says why
+                problems.append(layouts.why_not(ev))
                 continue
             names, reduce, fmt, base = known
             if keep:

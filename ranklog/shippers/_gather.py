@@ -3,7 +3,8 @@
 :class:`Named` is one name's partial aggregate; :class:`Summed` holds the usual step's
 names as columns instead (one Named per name costs more than the step's reduction).
 :func:`by_columns` transposes ranks' value dicts in C when they hold the same names;
-:func:`by_rows` takes them event by event otherwise. Used by
+:func:`by_rows` takes them event by event otherwise; packed values of one layout
+(segment format 2) are rows already (:func:`shared_rows`). Used by
 :class:`~ranklog.shippers._steps.StepPartial` and the columnar replay.
 """
 
@@ -12,16 +13,16 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from operator import itemgetter, truediv
-from typing import Final
+from operator import attrgetter, itemgetter, truediv
+from typing import Final, TypeGuard
 
 from ranklog.errors import ConfigError
 from ranklog.schemas import DEFAULT_METRIC_REDUCE, Metrics, MetricsPacked
 from ranklog.shippers._reduce import SUMMED_OPS, Partial, zero_sign
 
 __all__ = [
-    "SUMMED_SPECS", "Named", "Summed", "by_columns", "by_rows", "merge_named", "spec_of",
-    "summed_columns",
+    "SUMMED_SPECS", "Named", "Summed", "by_columns", "by_rows", "merge_named", "shared_rows",
+    "spec_of", "summable", "summed_columns",
 ]  # fmt: skip
 
 #: specs whose partial is the count and the sum of the values alone, when they are finite
@@ -149,3 +150,27 @@ def merge_named(a: dict[str, Named], b: dict[str, Named]) -> dict[str, Named]:
         mine = out.get(name)
         out[name] = named if mine is None else mine.merge(named)
     return out
+
+
+_ROW: Final = attrgetter("row")
+
+
+def summable(
+    reduce: str | dict[str, str], exact: bool, specs: dict[str, str] | None
+) -> TypeGuard[str]:
+    """Whether a step of one spec ``reduce`` may be kept as :class:`Summed` (mean, sum or
+    count, not for an exact merge, nor with specs given from elsewhere)."""
+    return not exact and specs is None and type(reduce) is str and reduce in SUMMED_SPECS
+
+
+def shared_rows(logged: list[Metrics | MetricsPacked]) -> list[tuple[float, ...]] | None:
+    """Each event's values when all are packed values of one list of names (one tuple,
+    shared), in order; None otherwise."""
+    first = logged[0]
+    if type(first) is not MetricsPacked or not first.names:
+        return None
+    names = first.names
+    for ev in logged:
+        if type(ev) is not MetricsPacked or ev.names is not names:
+            return None
+    return list(map(_ROW, logged))

@@ -37,6 +37,8 @@ from ranklog.shippers._gather import (
     by_columns,
     by_rows,
     merge_named,
+    shared_rows,
+    summable,
     summed_columns,
 )
 from ranklog.shippers._reduce import Partial, output_names, parse_ops, zero_sign
@@ -73,7 +75,6 @@ class StepAcc:
 _NO_LAST: Final = (-math.inf, -1, math.nan)
 _TS: Final = attrgetter("ts")
 _VALUES: Final = attrgetter("values")
-_ROW: Final = attrgetter("row")
 _EVENTS: Final = attrgetter("events")
 _LATE: Final = attrgetter("late")
 #: the two forms of a Metrics event a shipper reads
@@ -196,15 +197,14 @@ class StepPartial:
             order, logged = single
             out.ranks = len(order)
             out.ts = max(0.0, *map(_TS, logged))  # as the loop below: NaN never wins
-            rows = _shared_rows(logged)
+            rows = shared_rows(logged)
             if rows is not None:  # packed values of one layout: columns with no dict
                 packed = cast(list[MetricsPacked], logged)  # (checked by _shared_rows)
-                if out._columns(order, packed, rows, values, named_specs, exact, specs):
-                    return out
+                out._columns(order, packed, rows, values, named_specs, exact, specs)
             else:
                 out._dicts(order, logged, values, named_specs, exact, specs)
-                if out.summed is not None:
-                    return out
+            if out.summed is not None:
+                return out  # the usual step: columns, no object per name
         else:
             order = out._gather(acc, timers, timer_specs, values, named_specs)
             if any(c.late for c in acc.ranks.values()):
@@ -221,25 +221,21 @@ class StepPartial:
         named_specs: dict[str, tuple[int, str]],
         exact: bool,
         specs: dict[str, str] | None,
-    ) -> bool:
+    ) -> None:
         """The usual step of packed values of one layout (``rows``, in rank order): as
-        :func:`by_columns` would fill ``values``, or the step's :class:`Summed` (True)."""
+        :meth:`_dicts` does with dicts, with the rows as columns (no dict per rank)."""
         names, reduce = logged[0].names, logged[0].reduce
         if self.per_rank is not None:
             self.per_rank = {r: dict(zip(names, row, strict=True))
                              for r, row in zip(order, rows, strict=True) if row}  # fmt: skip
-        usual = not exact and specs is None and reduce in SUMMED_SPECS
-        if len(rows) == 1 and usual and all(map(math.isfinite, rows[0])):
-            # one rank: each total is its value (the sign of a zero kept, as zero_sign)
-            self.summed = Summed(order[0], reduce, list(names), [1] * len(names), list(rows[0]))
-            return True
+        if len(rows) == 1 and self._one_rank(order[0], reduce, names, rows[0], exact, specs):
+            return
         same = (order[0], reduce)
         for name, column in zip(names, zip(*rows, strict=True), strict=True):
             values[name] = column
             named_specs[name] = same
-        if usual:
-            self.summed = summed_columns(order[0], reduce, values)
-        return self.summed is not None
+        if summable(reduce, exact, specs):
+            self.summed = summed_columns(order[0], reduce, values)  # None: the general path
 
     def _dicts(
         self,
@@ -250,24 +246,36 @@ class StepPartial:
         exact: bool,
         specs: dict[str, str] | None,
     ) -> None:
-        """The usual step of Metrics events: columns when the ranks logged the same names
-        (the step's :class:`Summed` when it can be), rows otherwise."""
+        """The usual step of Metrics events: its :class:`Summed` when it can be; else
+        ``values`` filled by columns when the ranks logged the same names, by rows if not."""
         dicts = list(map(_VALUES, logged))
         if self.per_rank is not None:
             self.per_rank = {r: dict(d) for r, d in zip(order, dicts, strict=True) if d}
         reduce = logged[0].reduce
-        if (
-            len(dicts) == 1 and dicts[0] and not exact and specs is None and type(reduce) is str
-            and reduce in SUMMED_SPECS and all(map(math.isfinite, dicts[0].values()))
-        ):  # fmt: skip
-            # one rank: each total is its value (the sign of a zero kept, as zero_sign)
-            names, totals = list(dicts[0]), list(map(float, dicts[0].values()))
-            self.summed = Summed(order[0], reduce, names, [1] * len(names), totals)
+        if len(dicts) == 1 and self._one_rank(
+            order[0], reduce, tuple(dicts[0]), tuple(dicts[0].values()), exact, specs
+        ):
             return
         if not by_columns(order[0], reduce, dicts, values, named_specs):
             by_rows(zip(order, logged, strict=True), values, named_specs)
-        elif not exact and specs is None and type(reduce) is str and reduce in SUMMED_SPECS:
+        elif summable(reduce, exact, specs):
             self.summed = summed_columns(order[0], reduce, values)  # None: the general path
+
+    def _one_rank(
+        self,
+        rank: int,
+        reduce: str | dict[str, str],
+        names: tuple[str, ...],
+        row: tuple[float, ...],
+        exact: bool,
+        specs: dict[str, str] | None,
+    ) -> bool:
+        """One rank's usual step as :class:`Summed`: each total is its value (the sign of a
+        zero kept, as zero_sign), when its values are finite; False otherwise."""
+        if not row or not summable(reduce, exact, specs) or not all(map(math.isfinite, row)):
+            return False
+        self.summed = Summed(rank, reduce, list(names), [1] * len(names), list(map(float, row)))
+        return True
 
     def _reduce_rest(
         self,
@@ -546,19 +554,6 @@ def _late_partials(
         step: StepPartial.build(step, sub, per_rank=per_rank, exact=exact, specs=specs_of(step))
         for step, sub in sorted(by_step.items())
     }
-
-
-def _shared_rows(logged: list[Metrics | MetricsPacked]) -> list[tuple[float, ...]] | None:
-    """Each event's values when all are packed values of one list of names (one tuple,
-    shared), in order; None otherwise."""
-    first = logged[0]
-    if type(first) is not MetricsPacked or not first.names:
-        return None
-    names = first.names
-    for ev in logged:
-        if type(ev) is not MetricsPacked or ev.names is not names:
-            return None
-    return list(map(_ROW, logged))
 
 
 def _one_each(acc: StepAcc) -> tuple[list[int], list[Metrics | MetricsPacked]] | None:

@@ -239,21 +239,9 @@ class SegmentReader:
             return  # not offsets this segment could have (a damaged cursor): follow headers
         stats = DecodeStats()
         for pos in names:
-            head = os.pread(fd, FRAME_HEADER, pos)
-            hdr = parse_frame_header(head, 0) if len(head) == FRAME_HEADER else None
-            if hdr is None or not hdr[4] & FLAG_NAMES or hdr[0] == FRAME_SEAL:
+            hdr = _header_at(fd, pos)
+            if hdr is None or not hdr[4] & FLAG_NAMES or not self._take_names(fd, pos, hdr, stats):
                 return
-            total = FRAME_HEADER + hdr[2] + FRAME_TRAILER
-            data = os.pread(fd, total, pos)
-            if (
-                pos < self._names_to
-                or len(data) != total
-                or not payload_ok(data, FRAME_HEADER, hdr[2])
-            ):
-                return
-            decode_events(memoryview(data)[FRAME_HEADER : total - FRAME_TRAILER], hdr[1], stats,
-                          self.layouts)  # fmt: skip
-        self.names_at = sorted(set(self.names_at) | set(hint[0]))
         self._names_to = upto
 
     def _find_names(self, fd: int, upto: int) -> None:
@@ -268,22 +256,31 @@ class SegmentReader:
             pos = upto
         stats = DecodeStats()  # (what they hold was counted by the reads that consumed them)
         while pos + FRAME_HEADER <= upto:
-            head = os.pread(fd, FRAME_HEADER, pos)
-            hdr = parse_frame_header(head, 0) if len(head) == FRAME_HEADER else None
+            hdr = _header_at(fd, pos)
             if hdr is None:
                 seen = ReadResult(end=pos, stats=stats)  # damage: scan, as a read would
                 self._scan(fd, upto, seen, True, None, names_only=True)
                 break
-            kind, schema, length, _seq, flags = hdr
-            total = FRAME_HEADER + length + FRAME_TRAILER
-            if flags & FLAG_NAMES and kind != FRAME_SEAL and pos + total <= upto:
-                data = os.pread(fd, total, pos)
-                if len(data) == total and payload_ok(data, FRAME_HEADER, length):
-                    body = memoryview(data)[FRAME_HEADER : FRAME_HEADER + length]
-                    decode_events(body, schema, stats, self.layouts)
-                    self._names_frame(pos)
+            total = FRAME_HEADER + hdr[2] + FRAME_TRAILER
+            if hdr[4] & FLAG_NAMES and pos + total <= upto:
+                self._take_names(fd, pos, hdr, stats)
             pos += total
         self._names_to = max(self._names_to, upto)
+
+    def _take_names(
+        self, fd: int, pos: int, hdr: tuple[int, int, int, int, int], stats: DecodeStats
+    ) -> bool:
+        """Keep the layouts of the names frame at ``pos`` (its header ``hdr``); False when it
+        is not an events frame whose payload checks out."""
+        kind, schema, length, _seq, _flags = hdr
+        total = FRAME_HEADER + length + FRAME_TRAILER
+        data = os.pread(fd, total, pos)
+        if kind == FRAME_SEAL or len(data) != total or not payload_ok(data, FRAME_HEADER, length):
+            return False
+        decode_events(memoryview(data)[FRAME_HEADER : total - FRAME_TRAILER], schema, stats,
+                      self.layouts)  # fmt: skip
+        self._names_frame(pos)
+        return True
 
     def _scan(
         self,
@@ -394,6 +391,12 @@ class SegmentReader:
                 res.end = size
             else:
                 res.pending = size - res.end
+
+
+def _header_at(fd: int, pos: int) -> tuple[int, int, int, int, int] | None:
+    """The valid frame header at ``pos`` (see :func:`parse_frame_header`), or None."""
+    head = os.pread(fd, FRAME_HEADER, pos)
+    return parse_frame_header(head, 0) if len(head) == FRAME_HEADER else None
 
 
 def _want(pos: int, limit: int | None, need: int) -> int:
