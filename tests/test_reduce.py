@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 from typing import Final
 
 import numpy as np
@@ -323,31 +324,38 @@ class TestUsualStepColumns:
     def test_packed_rows_give_what_dicts_give(
         self, ranks: list[dict[str, float]], spec: str, same_names: bool, per_rank: bool
     ) -> None:
-        """Values a shipper read packed (MetricsPacked: one names tuple per layout, rows of
-        values) reduce to the same bits as the same values read as Metrics events, for any
-        spec and per-rank values: live shipping of format 2 equals its replay."""
+        """Values a shipper read packed (MetricsPacked: one names tuple per layout, the
+        values as rows or still as their little-endian bytes, as the shipper's reader keeps
+        them) reduce to the same bits as the same values read as Metrics events, for any
+        spec, names in any order and per-rank values: live shipping of format 2 equals its
+        replay."""
         from ranklog.schemas import MetricsPacked
         from ranklog.shippers._steps import StepPartial
 
         if same_names:
             ranks = [{k: r.get(k, 1.0) for k in ranks[0]} for r in ranks]
         canon: dict[tuple[str, ...], tuple[str, ...]] = {}
-        packed, plain = {}, {}
+        rows, packed, plain = {}, {}, {}
         for i, v in enumerate(ranks):
             names = canon.setdefault(tuple(v), tuple(v))
-            packed[i] = [MetricsPacked(1.0 + i, 0, names, tuple(v.values()), spec)]
+            values = tuple(v.values())
+            rows[i] = [MetricsPacked(1.0 + i, 0, names, values, spec)]
+            data = struct.pack(f"<{len(values)}d", *values)
+            packed[i] = [MetricsPacked(1.0 + i, 0, names, (), spec, data)]
             plain[i] = [Metrics(1.0 + i, 0, dict(v), spec)]
         n = len(ranks)
         for exact in (False, True):
-            a = StepPartial.build(0, _acc(packed), per_rank=per_rank, exact=exact)
             b = StepPartial.build(0, _acc(plain), per_rank=per_rank, exact=exact)
-            got, want = a.finish(closed=n, world_size=n), b.finish(closed=n, world_size=n)
-            assert _bits(got.metrics) == _bits(want.metrics)
-            mine, theirs = got.per_rank or {}, want.per_rank or {}
-            assert {r: _bits(d) for r, d in mine.items()} == {
-                r: _bits(d) for r, d in theirs.items()
-            }
-            assert bool(mine) == (per_rank and any(ranks))
+            want = b.finish(closed=n, world_size=n)
+            theirs = {r: _bits(d) for r, d in (want.per_rank or {}).items()}
+            for form in (rows, packed):
+                a = StepPartial.build(0, _acc(form), per_rank=per_rank, exact=exact)
+                got = a.finish(closed=n, world_size=n)
+                assert _bits(got.metrics) == _bits(want.metrics)
+                assert list(got.metrics) == sorted(got.metrics)
+                mine = got.per_rank or {}
+                assert {r: _bits(d) for r, d in mine.items()} == theirs
+                assert bool(mine) == (per_rank and any(ranks))
 
     def test_the_usual_step_takes_the_columns(self) -> None:
         """One rank or several, finite values: the step is kept as columns (no Named)."""

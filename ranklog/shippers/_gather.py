@@ -4,15 +4,18 @@
 names as columns instead (one Named per name costs more than the step's reduction).
 :func:`by_columns` transposes ranks' value dicts in C when they hold the same names;
 :func:`by_rows` takes them event by event otherwise; packed values of one layout
-(segment format 2) are rows already (:func:`shared_rows`). Used by
+(segment format 2) are columns at once (:func:`shared_values`). Used by
 :class:`~ranklog.shippers._steps.StepPartial` and the columnar replay.
 """
 
 from __future__ import annotations
 
 import math
+import sys
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from operator import attrgetter, itemgetter, truediv
 from typing import Final, TypeGuard
 
@@ -21,8 +24,8 @@ from ranklog.schemas import DEFAULT_METRIC_REDUCE, Metrics, MetricsPacked
 from ranklog.shippers._reduce import SUMMED_OPS, Partial, zero_sign
 
 __all__ = [
-    "SUMMED_SPECS", "Named", "Summed", "by_columns", "by_rows", "merge_named", "shared_rows",
-    "spec_of", "summable", "summed_columns",
+    "SUMMED_SPECS", "Named", "Summed", "by_columns", "by_rows", "le_floats", "merge_named",
+    "shared_values", "spec_of", "summable", "summed_columns", "summed_of",
 ]  # fmt: skip
 
 #: specs whose partial is the count and the sum of the values alone, when they are finite
@@ -51,9 +54,12 @@ class Summed:
 
     first: int
     spec: str
-    names: list[str]
+    names: Sequence[str]
     counts: list[int]
     totals: list[float]
+    #: the count every name has, when they share one (each rank logged every name); 0: not
+    #: said
+    each: int = 0
 
     def named(self) -> dict[str, Named]:
         """The same, one :class:`Named` per name."""
@@ -63,9 +69,32 @@ class Summed:
             for name, count, total in zip(self.names, self.counts, self.totals, strict=True)
         }
 
+    def sorted_results(self) -> dict[str, float]:
+        """Each name's reduced value, by name (what ``dict(sorted(zip(names, results())))``
+        gives, with the order of a list of names found once, not per step)."""
+        names = self.names
+        key = names if type(names) is tuple else tuple(names)
+        known = _ORDERS.get(key)
+        if known is None:
+            if len(_ORDERS) >= _ORDERS_MAX:
+                _ORDERS.clear()
+            order = sorted(range(len(key)), key=key.__getitem__)
+            same = order == list(range(len(key)))
+            known = _ORDERS[key] = (tuple(key[i] for i in order), None if same else order)
+        in_order, perm = known
+        if perm is None:
+            return dict(zip(in_order, self.results(), strict=True))
+        results = list(self.results())
+        return dict(zip(in_order, map(results.__getitem__, perm), strict=True))
+
     def results(self) -> Iterable[float]:
         """Each name's reduced value, as ``Partial.result(spec)`` gives it."""
         if self.spec == "mean":
+            each = self.each
+            if each == 1:
+                return self.totals  # (x / 1 is x, bit for bit)
+            if each:
+                return [total / each for total in self.totals]
             return map(truediv, self.totals, self.counts)
         if self.spec == "sum":
             return self.totals
@@ -74,10 +103,22 @@ class Summed:
         raise ConfigError(f"columns of a step with spec {self.spec!r}: not mean, sum or count")
 
 
+#: names of a Summed -> (the names sorted, where each comes from; None: sorted already)
+_ORDERS: dict[tuple[str, ...], tuple[tuple[str, ...], list[int] | None]] = {}
+_ORDERS_MAX: Final = 4_096
+
+
 def summed_columns(first: int, spec: str, values: dict[str, Sequence[float]]) -> Summed | None:
     """The columns of a step whose names all share ``spec`` (mean, sum or count) and
     whose totals are finite; None when any is not (the general path then takes it)."""
-    cols = list(values.values())
+    return summed_of(first, spec, list(values), list(values.values()))
+
+
+def summed_of(
+    first: int, spec: str, names: Sequence[str], cols: Sequence[Sequence[float]], each: int = 0
+) -> Summed | None:
+    """:func:`summed_columns` of ``names`` and their columns (``each``: the length every
+    column has, when known)."""
     try:
         totals = list(map(math.fsum, cols))
     except (ValueError, OverflowError):
@@ -86,7 +127,8 @@ def summed_columns(first: int, spec: str, values: dict[str, Sequence[float]]) ->
         return None
     if 0.0 in totals:  # IEEE's sign of a zero sum (math.fsum gives +0.0)
         totals = [zero_sign(t, c) if t == 0.0 else t for t, c in zip(totals, cols, strict=True)]
-    return Summed(first, spec, list(values), list(map(len, cols)), totals)
+    counts = [each] * len(cols) if each else list(map(len, cols))
+    return Summed(first, spec, names, counts, totals, each)
 
 
 def spec_of(reduce: str | dict[str, str], name: str) -> str:
@@ -153,6 +195,17 @@ def merge_named(a: dict[str, Named], b: dict[str, Named]) -> dict[str, Named]:
 
 
 _ROW: Final = attrgetter("row")
+_PACKED: Final = attrgetter("packed")
+_LITTLE: Final = sys.byteorder == "little"
+
+
+def le_floats(data: bytes) -> list[float]:
+    """``data``, little-endian float64s, as floats (one C call, whatever their number)."""
+    if _LITTLE:
+        return memoryview(data).cast("d").tolist()  # type: ignore[return-value]  # floats
+    floats = array("d", data)
+    floats.byteswap()
+    return floats.tolist()
 
 
 def summable(
@@ -163,9 +216,10 @@ def summable(
     return not exact and specs is None and type(reduce) is str and reduce in SUMMED_SPECS
 
 
-def shared_rows(logged: list[Metrics | MetricsPacked]) -> list[tuple[float, ...]] | None:
-    """Each event's values when all are packed values of one list of names (one tuple,
-    shared), in order; None otherwise."""
+def shared_values(logged: list[Metrics | MetricsPacked]) -> list[float] | None:
+    """The values of every event, rank after rank (``len(names)`` each), when all are
+    packed values of one list of names (one tuple, shared); None otherwise. Bytes kept
+    packed (the shipper's reader) are unpacked here, all at once."""
     first = logged[0]
     if type(first) is not MetricsPacked or not first.names:
         return None
@@ -173,4 +227,6 @@ def shared_rows(logged: list[Metrics | MetricsPacked]) -> list[tuple[float, ...]
     for ev in logged:
         if type(ev) is not MetricsPacked or ev.names is not names:
             return None
-    return list(map(_ROW, logged))
+    if first.row:
+        return list(chain.from_iterable(map(_ROW, logged)))
+    return le_floats(b"".join(map(_PACKED, logged)))

@@ -255,7 +255,7 @@ class SpoolSource:
                 key = seg.id.key
                 if key in self.segments:
                     continue
-                state = SegState(seg, key, SegmentReader(seg.path, rows=True))
+                state = SegState(seg, key, SegmentReader(seg.path, packed=True))
                 self.segments[key] = state
                 lst = self.by_rank.setdefault(rank, [])
                 lst.append(state)

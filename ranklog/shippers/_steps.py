@@ -37,9 +37,10 @@ from ranklog.shippers._gather import (
     by_columns,
     by_rows,
     merge_named,
-    shared_rows,
+    shared_values,
     summable,
     summed_columns,
+    summed_of,
 )
 from ranklog.shippers._reduce import Partial, output_names, parse_ops, zero_sign
 from ranklog.shippers._target import GpuStat, ImageItem, ShippedStep, TableItem, TextItem
@@ -197,10 +198,10 @@ class StepPartial:
             order, logged = single
             out.ranks = len(order)
             out.ts = max(0.0, *map(_TS, logged))  # as the loop below: NaN never wins
-            rows = shared_rows(logged)
-            if rows is not None:  # packed values of one layout: columns with no dict
-                packed = cast(list[MetricsPacked], logged)  # (checked by _shared_rows)
-                out._columns(order, packed, rows, values, named_specs, exact, specs)
+            flat = shared_values(logged)
+            if flat is not None:  # packed values of one layout: columns with no dict
+                packed = cast(list[MetricsPacked], logged)  # (checked by shared_values)
+                out._columns(order, packed, flat, values, named_specs, exact, specs)
             else:
                 out._dicts(order, logged, values, named_specs, exact, specs)
             if out.summed is not None:
@@ -216,26 +217,33 @@ class StepPartial:
         self,
         order: list[int],
         logged: list[MetricsPacked],
-        rows: list[tuple[float, ...]],
+        flat: list[float],
         values: dict[str, Sequence[float]],
         named_specs: dict[str, tuple[int, str]],
         exact: bool,
         specs: dict[str, str] | None,
     ) -> None:
-        """The usual step of packed values of one layout (``rows``, in rank order): as
-        :meth:`_dicts` does with dicts, with the rows as columns (no dict per rank)."""
+        """The usual step of packed values of one layout (``flat``: each rank's values in
+        the layout's order, rank after rank): as :meth:`_dicts` does with dicts, with
+        columns sliced out of ``flat`` (no dict, no tuple per rank)."""
         names, reduce = logged[0].names, logged[0].reduce
+        n = len(names)
         if self.per_rank is not None:
-            self.per_rank = {r: dict(zip(names, row, strict=True))
-                             for r, row in zip(order, rows, strict=True) if row}  # fmt: skip
-        if len(rows) == 1 and self._one_rank(order[0], reduce, names, rows[0], exact, specs):
+            starts = range(0, len(flat), n)
+            self.per_rank = {r: dict(zip(names, flat[i : i + n], strict=True))
+                             for i, r in zip(starts, order, strict=True)}  # fmt: skip
+        k = len(order)
+        if k == 1 and self._one_rank(order[0], reduce, names, flat, exact, specs):
             return
-        same = (order[0], reduce)
-        for name, column in zip(names, zip(*rows, strict=True), strict=True):
+        columns = [flat[i::n] for i in range(n)]
+        if summable(reduce, exact, specs) and k > 1:
+            self.summed = summed_of(order[0], reduce, names, columns, k)
+            if self.summed is not None:
+                return
+        same = (order[0], reduce)  # the general path
+        for name, column in zip(names, columns, strict=True):
             values[name] = column
             named_specs[name] = same
-        if summable(reduce, exact, specs):
-            self.summed = summed_columns(order[0], reduce, values)  # None: the general path
 
     def _dicts(
         self,
@@ -266,7 +274,7 @@ class StepPartial:
         rank: int,
         reduce: str | dict[str, str],
         names: tuple[str, ...],
-        row: tuple[float, ...],
+        row: Sequence[float],
         exact: bool,
         specs: dict[str, str] | None,
     ) -> bool:
@@ -274,7 +282,7 @@ class StepPartial:
         zero kept, as zero_sign), when its values are finite; False otherwise."""
         if not row or not summable(reduce, exact, specs) or not all(map(math.isfinite, row)):
             return False
-        self.summed = Summed(rank, reduce, list(names), [1] * len(names), list(map(float, row)))
+        self.summed = Summed(rank, reduce, names, [1] * len(names), list(map(float, row)), 1)
         return True
 
     def _reduce_rest(
@@ -473,7 +481,7 @@ class StepPartial:
         if summed is not None:
             if not (self.metrics or self.timers) and closed >= world_size and not self.gpus:
                 return self._shipped(  # the usual step: its names sorted once, with values
-                    dict(sorted(zip(summed.names, summed.results(), strict=True))),
+                    summed.sorted_results(),
                     closed, world_size, closed >= world_size,
                 )  # fmt: skip
             out.update(zip(summed.names, summed.results(), strict=True))
