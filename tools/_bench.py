@@ -236,7 +236,7 @@ def write_steps(
                 events.append(Packed(round(step * 100), step, 0, pack(*vals.values())))
             else:
                 events.append(Metrics(ts, step, vals))
-            events.append(StepEnd(ts + 0.05, step))
+            events.append(StepEnd(ts + 0.05, step, 1))  # as the producer: it closes the step
         writer.write_events(len(events), [encoder.encode(events)], names=flagged)
 
 
