@@ -137,12 +137,12 @@ def _ship(spool: Path, spec: str, options: dict[str, Any] | None = None) -> Ship
 
 def _decode_limit(spool: Path, values: int) -> Row:
     """Every segment read and decoded (frames, CRC, msgspec), nothing else: as the shipper
-    reads them (packed values as rows, segment format 2)."""
+    reads them (packed values kept as their bytes, segment format 2)."""
     from ranklog.spool import SegmentReader
 
     paths = sorted(p for p in (spool / "ranks").rglob("*") if p.is_file())
     t0 = time.process_time()
-    events = sum(len(SegmentReader(p, rows=True).read(0, writer_gone=True).events) for p in paths)
+    events = sum(len(SegmentReader(p, packed=True).read(0, writer_gone=True).events) for p in paths)
     took = time.process_time() - t0
     return Row("limit: read + decode every frame", f"{len(paths)} segments", took,
                values / took, note=f"{events:,} events, CPU time in-process")  # fmt: skip
@@ -156,21 +156,27 @@ def _python_limit(spool: Path, values: int) -> Row:
     from operator import itemgetter
 
     from ranklog.schemas import Metrics, MetricsPacked
+    from ranklog.shippers._gather import le_floats
     from ranklog.spool import SegmentReader
 
     paths = sorted(p for p in (spool / "ranks").rglob("*") if p.is_file())
     t0 = time.process_time()
     by_step: dict[int, list[Any]] = {}
     for path in paths:
-        for ev in SegmentReader(path, rows=True).read(0, writer_gone=True).events:
-            if type(ev) is MetricsPacked:  # (segment format 2: a row, one names tuple)
-                by_step.setdefault(ev.step, []).append(ev.row)
+        for ev in SegmentReader(path, packed=True).read(0, writer_gone=True).events:
+            if type(ev) is MetricsPacked:  # (segment format 2: the values' bytes)
+                by_step.setdefault(ev.step, []).append(ev)
             elif type(ev) is Metrics:
                 by_step.setdefault(ev.step, []).append(ev.values)
     sums = 0
     for got in by_step.values():
-        rows = got if type(got[0]) is tuple else list(map(itemgetter(*got[0]), got))
-        sums += len(list(map(math.fsum, zip(*rows, strict=True))))
+        if type(got[0]) is MetricsPacked:  # one C unpack per step, columns sliced
+            n = len(got[0].names)
+            flat = le_floats(b"".join(ev.packed for ev in got))
+            sums += len(list(map(math.fsum, (flat[i::n] for i in range(n)))))
+        else:
+            rows = list(map(itemgetter(*got[0]), got))
+            sums += len(list(map(math.fsum, zip(*rows, strict=True))))
     del by_step  # the decoded events freed: part of any reduction's cost
     took = time.process_time() - t0
     return Row("limit: decode + route + fsum per (step, name)", f"{sums:,} sums", took,
