@@ -74,6 +74,30 @@ class Packer:
         (and to the writer, for later segments) only once the frames that hold their
         records are kept, so an exception amid it (KeyboardInterrupt) leaves no layout
         that a retry would use without its record."""
+        # the usual chunk, one frame: every call of a layout known already, all of it within
+        # a frame's cap (at durability ``step``, a step's calls and its step_end)
+        layouts, encode = self._layouts, self._encode
+        parts: list[bytes] = []
+        for item in chunk:
+            if type(item) is bytes:
+                parts.append(item)
+                continue
+            ts, step, values, op = item
+            known = layouts.get(op)
+            got = None if known is None else known.get(tuple(values))
+            if got is None:
+                return self._frames(chunk)
+            number, pack, base = got
+            parts.append(encode(Packed(round((ts - base) * 1000), step, number,
+                                       pack(*values.values()))))  # fmt: skip
+        body = b"".join(parts)
+        if len(body) > self._max_frame:
+            return self._frames(chunk)
+        out = chunk.frames = [(len(parts), body, False)]
+        return out
+
+    def _frames(self, chunk: Chunk) -> list[FrameOut]:
+        """:meth:`frames`, call by call: new layouts, caps, several frames."""
         out: list[FrameOut] = []
         parts: list[bytes] = []
         size, names = 0, False
