@@ -20,7 +20,6 @@ refuse is an invalid event.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any, Final, Union, cast, get_args
 
@@ -85,8 +84,10 @@ def decode_events(
     """
     out: list[Any] | None = None
     if schema <= SCHEMA_VERSION:
-        with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
+        try:  # (not contextlib.suppress: a context manager per frame costs ~0.5 us)
             out = _list_decoder.decode(payload)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            out = None
     if out is None:
         stats = stats if stats is not None else DecodeStats()
         out = _decode_slow(payload, schema, stats)

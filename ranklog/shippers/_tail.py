@@ -147,7 +147,10 @@ class RankState:
 
     def closed_before(self, inc: int) -> int:
         """Highest step closed (step_end, or a later step) by an incarnation before ``inc``."""
-        return max((s.watermark for k, s in self.incs.items() if k < inc), default=NO_STEP)
+        incs = self.incs
+        if len(incs) == 1 and inc in incs:  # (the usual rank: one incarnation; per frame)
+            return NO_STEP
+        return max((s.watermark for k, s in incs.items() if k < inc), default=NO_STEP)
 
 
 @dataclass(slots=True, frozen=True)
@@ -510,7 +513,9 @@ class RankTail:
         """Apply one frame's events; return (highest step in it, holds params)."""
         inc_no = seg.name.incarnation
         state = self.ranks[rank]
-        inc = state.incs.setdefault(inc_no, IncState())
+        inc = state.incs.get(inc_no)
+        if inc is None:  # (not setdefault: an IncState made per frame for nothing)
+            inc = state.incs[inc_no] = IncState()
         fresh = frame_end > seg.seen  # not examined by an earlier shipper process
         carry = self.ship_late and (fresh or not seg.legacy)
         max_step = NO_STEP

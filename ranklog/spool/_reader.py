@@ -298,8 +298,9 @@ class SegmentReader:
         want = _want(pos, limit, 0)
         while pos < size:
             asked = min(size - pos, want)
-            data = os.pread(fd, asked, pos)
-            n = len(data)
+            raw = os.pread(fd, asked, pos)
+            data = memoryview(raw)  # (checksums and payloads read in place, not copied)
+            n = len(raw)
             if n < asked:
                 size = pos + n  # the file shrank under us: trust what is there
             if n == 0:
@@ -308,7 +309,7 @@ class SegmentReader:
             need = 0  # bytes a frame starting at pos+i needs but this buffer lacks
             while i < n:
                 if bad_start is not None:
-                    j = data.find(SYNC, i)
+                    j = raw.find(SYNC, i)
                     if j < 0:
                         i = max(i, n - len(SYNC) + 1)
                         break
@@ -334,7 +335,7 @@ class SegmentReader:
                 if bad_start is not None:
                     res.bad.append(BadRange(path, bad_start, start - bad_start, "bad frame"))
                     bad_start = None
-                payload = memoryview(data)[i + FRAME_HEADER : i + FRAME_HEADER + length]
+                payload = data[i + FRAME_HEADER : i + FRAME_HEADER + length]
                 i += total
                 res.end = pos + i
                 if kind == FRAME_SEAL:
