@@ -184,9 +184,9 @@ FORMAT: Final = 2
 
 def write_rank(
     spool: Path, rank: int, world_size: int, steps: int, *, end: bool = True,
-    metrics: int = METRICS, fmt: int = FORMAT,
+    metrics: int = METRICS, fmt: int = FORMAT, per_frame: int = STEPS_PER_FRAME,
 ) -> IncarnationWriter | None:  # fmt: skip
-    """One rank's incarnation: rank_start, then frames of STEPS_PER_FRAME steps, rank_end.
+    """One rank's incarnation: rank_start, then frames of ``per_frame`` steps, rank_end.
 
     With ``end=False`` the rank is still running: no rank_end, no seal, and its writer is
     returned with the segment still open (the caller goes on with :func:`write_steps`, and
@@ -202,7 +202,7 @@ def write_rank(
     start = RankStart(t0, info.run_id, rank, world_size, rank % 8, platform.node(), os.getpid(),
                       writer.incarnation, __version__)  # fmt: skip
     writer.write_events(1, [encoder.encode([start])])
-    write_steps(writer, rank, t0, range(steps), metrics, fmt)
+    write_steps(writer, rank, t0, range(steps), metrics, fmt, per_frame)
     if not end:  # a rank still running: no rank_end, no seal, the file open
         return writer
     writer.write_events(1, [encoder.encode([RankEnd(t0 + steps * 0.1, "ok", 0)])])
@@ -212,24 +212,25 @@ def write_rank(
 
 def write_steps(
     writer: IncarnationWriter, rank: int, t0: float, steps: range, metrics: int = METRICS,
-    fmt: int = FORMAT,
+    fmt: int = FORMAT, per_frame: int = STEPS_PER_FRAME,
 ) -> None:  # fmt: skip
-    """``steps`` of one rank (metrics and step_end), in frames of STEPS_PER_FRAME steps;
-    ``fmt`` 2: the metrics packed as the producer packs them (the layout's names record in
-    the incarnation's first frame of steps, which is flagged so)."""
+    """``steps`` of one rank (metrics and step_end), in frames of ``per_frame`` steps (1:
+    as durability ``step`` writes them); ``fmt`` 2: the metrics packed as the producer
+    packs them (the layout's names record in the incarnation's first frame of steps, which
+    is flagged so)."""
     import struct
 
     from ranklog.schemas import Event, Metrics, Names, Packed, StepEnd, encoder
 
     pack = struct.Struct(f"<{metrics}d").pack
-    for first in range(steps.start, steps.stop, STEPS_PER_FRAME):
+    for first in range(steps.start, steps.stop, per_frame):
         events: list[Event | Names | Packed] = []
         flagged = fmt == 2 and first == steps.start and first == 0
         if flagged:
             record = Names(t0, 0, list(names(metrics)), "mean")
             writer.add_names(encoder.encode(record))
             events.append(record)
-        for step in range(first, min(first + STEPS_PER_FRAME, steps.stop)):
+        for step in range(first, min(first + per_frame, steps.stop)):
             ts = t0 + step * 0.1
             vals = values(rank, step, metrics)
             if fmt == 2:
@@ -241,13 +242,14 @@ def write_steps(
 
 
 def write_spool(
-    spool: Path, ranks: int, steps: int, metrics: int = METRICS, fmt: int = FORMAT
-) -> None:
+    spool: Path, ranks: int, steps: int, metrics: int = METRICS, fmt: int = FORMAT,
+    per_frame: int = STEPS_PER_FRAME,
+) -> None:  # fmt: skip
     from ranklog.spool import ensure_run
 
     ensure_run(spool, world_size=ranks)
     for rank in range(ranks):
-        write_rank(spool, rank, ranks, steps, metrics=metrics, fmt=fmt)
+        write_rank(spool, rank, ranks, steps, metrics=metrics, fmt=fmt, per_frame=per_frame)
     os.sync()  # the shipper should read from a settled page cache, not compete with writeback
 
 

@@ -184,24 +184,31 @@ def _run_row(
 
 
 def _bench_throughput(
-    base: Path, ranks: int, steps: int, timeout: float, form: int = FORMAT
-) -> Row:
+    base: Path, ranks: int, steps: int, timeout: float, form: int = FORMAT,
+    per_frame: int = STEPS_PER_FRAME,
+) -> Row:  # fmt: skip
     """Ship a closed spool of ``ranks`` x ``steps`` x METRICS values with ``--once``
-    (``form``: its segment format; 1, the format before metrics were packed)."""
+    (``form``: its segment format; 1, the format before metrics were packed; ``per_frame``
+    steps a frame: 1 as durability ``step``, the default, writes them)."""
     values = ranks * steps * METRICS
     size = f"{ranks} ranks x {steps:,} steps ({values / 1e6:.2f} M values)"
     with tempfile.TemporaryDirectory(prefix="ship-", dir=base) as tmp:
         spool, out = Path(tmp) / "spool", Path(tmp) / "out.jsonl"
         t0 = time.perf_counter()
-        write_spool(spool, ranks, steps, fmt=form)
+        write_spool(spool, ranks, steps, fmt=form, per_frame=per_frame)
         generated = time.perf_counter() - t0
         spool_mb = dir_mb(spool)
         run = run_measured(_ship_cmd(spool, out, "--once"), Path(tmp), timeout)
         problem = f"exit {run.returncode}: {short(run.stderr)}" if run.returncode else ""
         problem = problem or check_jsonl(out, ranks, steps)
     note = f"spool {spool_mb:,.0f} MB (written in {generated:.1f} s, not timed)"
+    label = "ship --once (jsonl)"
+    if form != FORMAT:
+        label += f", segment format {form}"
+    if per_frame != STEPS_PER_FRAME:
+        label += f", {per_frame} step{'s' if per_frame > 1 else ''} a frame"
     return Row(
-        "ship --once (jsonl)" if form == FORMAT else f"ship --once (jsonl), segment format {form}",
+        label,
         size,
         wall_s=run.wall_s,
         values_per_s=values / run.wall_s,
@@ -900,6 +907,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     small = _bench_throughput(base, THROUGHPUT_RANKS, budget.steps, budget.ship_timeout_s)
     format1 = _bench_throughput(base, THROUGHPUT_RANKS, budget.steps, budget.ship_timeout_s, 1)
+    # a frame per step, as durability step (the default) writes: what a frame costs
+    per_step = _bench_throughput(
+        base, THROUGHPUT_RANKS, budget.steps, budget.ship_timeout_s, per_frame=1
+    )
     spool_bytes = _spool_bytes(base)
     large = _bench_throughput(base, THROUGHPUT_RANKS, SCALE * budget.steps, budget.ship_timeout_s)
     larger = [large]
@@ -917,7 +928,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     backends = _bench_targets(base, THROUGHPUT_RANKS, budget.steps // 4, budget.ship_timeout_s)
     idle = [_bench_idle(base, idle_seconds, p, n) for n in args.idle_ranks for p in polls]
-    rows = [small, format1, *larger, *archive, *shapes, *incremental, *backends,
+    rows = [small, format1, per_step, *larger, *archive, *shapes, *incremental, *backends,
             _startup_row(base, budget.ship_timeout_s),
             *latency, *idle]  # fmt: skip
     lines += _table(rows)
