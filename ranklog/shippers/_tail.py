@@ -564,9 +564,10 @@ class RankTail:
                 if acc is None:
                     steps[step] = acc = StepAcc()
                 contrib = acc.ranks.get(rank)
-                if contrib is None:
-                    acc.ranks[rank] = contrib = Contribution(inc_no)
-                elif contrib.incarnation < inc_no:
+                if contrib is None:  # (the usual event: the first of its rank and step)
+                    acc.ranks[rank] = Contribution(inc_no, [ev], 1)
+                    continue
+                if contrib.incarnation < inc_no:
                     acc.ranks[rank] = contrib = _replaced(contrib, inc_no)
                 if contrib.incarnation == inc_no:
                     contrib.events.append(ev)
