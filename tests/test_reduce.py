@@ -357,6 +357,41 @@ class TestUsualStepColumns:
                 assert {r: _bits(d) for r, d in mine.items()} == theirs
                 assert bool(mine) == (per_rank and any(ranks))
 
+    def test_packed_rows_and_bytes_in_one_step(self) -> None:
+        """A step whose ranks hold packed values in both forms (a row, and bytes) reduces
+        as the same values read as Metrics events: the columns are not misaligned."""
+        from ranklog.schemas import MetricsPacked
+        from ranklog.shippers._steps import StepPartial
+
+        names = ("a", "b", "c")
+        vals = [(1.0, 2.0, 3.0), (4.0, 8.0, 16.0), (0.5, -1.0, 2.5)]
+        mixed = {
+            0: [MetricsPacked(1.0, 0, names, vals[0])],
+            1: [MetricsPacked(1.0, 0, names, (), "mean", struct.pack("<3d", *vals[1]))],
+            2: [MetricsPacked(1.0, 0, names, vals[2])],
+        }
+        plain = {r: [Metrics(1.0, 0, dict(zip(names, v, strict=True)))] for r, v in enumerate(vals)}
+        got = StepPartial.build(0, _acc(mixed)).finish(closed=3, world_size=3)
+        want = StepPartial.build(0, _acc(plain)).finish(closed=3, world_size=3)
+        assert _bits(got.metrics) == _bits(want.metrics)
+        assert got.metrics["c"] == (3.0 + 16.0 + 2.5) / 3
+
+    def test_the_orders_of_names_kept_are_bounded(self) -> None:
+        """Names that change every step (a new list each time) keep no more than
+        ``_ORDERS_NAMES`` names in the cache of sort orders, and every step is still shipped
+        with its names in order."""
+        from ranklog.shippers import _gather
+        from ranklog.shippers._gather import Summed
+
+        n = 1_000
+        for s in range(2 * _gather._ORDERS_NAMES // n + 3):
+            names = [f"eval/{s}/m{(i * 7919) % n:04d}" for i in range(n)]  # not sorted
+            got = Summed(0, "mean", names, [2] * n, [float(i) for i in range(n)], 2)
+            out = got.sorted_results()
+            assert list(out) == sorted(names)
+            assert out[names[5]] == 2.5
+            assert sum(map(len, _gather._ORDERS)) <= _gather._ORDERS_NAMES
+
     def test_the_usual_step_takes_the_columns(self) -> None:
         """One rank or several, finite values: the step is kept as columns (no Named)."""
         from ranklog.shippers._steps import StepPartial

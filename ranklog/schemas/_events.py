@@ -126,7 +126,7 @@ class MetricsPacked(msgspec.Struct, frozen=True, gc=False):
     and segment, so ``is`` compares them) and their values in that order, with no dict.
 
     Not an event kind of its own, and never written: ``values`` makes the dict on demand,
-    for the paths that want one; the usual step takes the rows as columns instead.
+    for the paths that want one; the usual step takes the values as columns instead.
     """
 
     ts: float
@@ -134,8 +134,8 @@ class MetricsPacked(msgspec.Struct, frozen=True, gc=False):
     names: tuple[str, ...]
     row: tuple[float, ...]
     reduce: str = DEFAULT_METRIC_REDUCE
-    #: the values still packed (little-endian float64), ``row`` left empty: compaction
-    #: hands the bytes of many events to numpy at once
+    #: the values still packed (little-endian float64), ``row`` left empty: the shipper
+    #: unpacks a step's at once, compaction hands the bytes of many events to numpy
     packed: bytes = b""
 
     @property

@@ -94,9 +94,9 @@ def _canonical(names: list[str]) -> tuple[str, ...]:
 class Layouts:
     """The layouts a reader has met in one segment (numbers are an incarnation's own).
 
-    ``rows``: packed values come out as :class:`MetricsPacked` (the shipper's reader), not
+    ``rows``: packed values come out as :class:`MetricsPacked` with a row of floats, not
     as Metrics events with a dict each; ``packed``: as MetricsPacked that keep their bytes
-    (compaction's reader).
+    (the shipper's and compaction's readers).
     """
 
     __slots__ = ("_by_id", "last_ts", "packed", "rows")

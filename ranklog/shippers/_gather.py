@@ -76,8 +76,11 @@ class Summed:
         key = names if type(names) is tuple else tuple(names)
         known = _ORDERS.get(key)
         if known is None:
-            if len(_ORDERS) >= _ORDERS_MAX:
-                _ORDERS.clear()
+            global _orders_held
+            if _orders_held + len(key) > _ORDERS_NAMES:  # names that change every step:
+                _ORDERS.clear()  # what is kept stays bounded (the order is found again)
+                _orders_held = 0
+            _orders_held += len(key)
             order = sorted(range(len(key)), key=key.__getitem__)
             same = order == list(range(len(key)))
             known = _ORDERS[key] = (tuple(key[i] for i in order), None if same else order)
@@ -105,7 +108,10 @@ class Summed:
 
 #: names of a Summed -> (the names sorted, where each comes from; None: sorted already)
 _ORDERS: dict[tuple[str, ...], tuple[tuple[str, ...], list[int] | None]] = {}
-_ORDERS_MAX: Final = 4_096
+#: names the kept orders hold at most, all together (~100 bytes each): a run whose names
+#: change every step would otherwise keep an order per step
+_ORDERS_NAMES: Final = 100_000
+_orders_held = 0
 
 
 def summed_columns(first: int, spec: str, values: dict[str, Sequence[float]]) -> Summed | None:
@@ -228,5 +234,8 @@ def shared_values(logged: list[Metrics | MetricsPacked]) -> list[float] | None:
         if type(ev) is not MetricsPacked or ev.names is not names:
             return None
     if first.row:
-        return list(chain.from_iterable(map(_ROW, logged)))
-    return le_floats(b"".join(map(_PACKED, logged)))
+        flat = list(chain.from_iterable(map(_ROW, logged)))
+    else:
+        flat = le_floats(b"".join(map(_PACKED, logged)))
+    # (events of both forms, rows and bytes, would not add up: the general path takes them)
+    return flat if len(flat) == len(names) * len(logged) else None

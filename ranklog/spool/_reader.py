@@ -131,8 +131,9 @@ class SegmentReader:
 
     With ``decode=False`` frames keep their payload, undecoded (and undecodable events
     are not looked for): for a caller that decodes them its own way. With ``rows=True``
-    packed values come out as :class:`~ranklog.schemas.MetricsPacked` (the shipper's); with
-    ``packed=True`` as MetricsPacked that keep their bytes (compaction's).
+    packed values come out as :class:`~ranklog.schemas.MetricsPacked` holding a row of
+    floats; with ``packed=True`` as MetricsPacked that keep their bytes (the shipper's and
+    compaction's: one unpack per step, or numpy over many).
     """
 
     def __init__(
