@@ -851,13 +851,19 @@ class TestUsualStepsReduced:
     reduced straight from a window's rows, against the live engine's steps."""
 
     @staticmethod
-    def replay(rows: list[tuple[int, int, str, float, str]], grow: bool = False) -> Any:
+    def replay(
+        rows: list[tuple[int, int, str, float, str]], grow: bool = False, kept: Any = None
+    ) -> Any:
         """(rank, step, name, value, spec) rows reduced as one window; ``grow``: the loader
-        thread meets a new name (for a later window) while this one is reduced."""
+        thread meets a new name (for a later window) while this one is reduced; ``kept``: a
+        list the tails are put in."""
         from ranklog.archive._windows import Words
 
         tails = object.__new__(columnar_mod.ColumnarTails)
+        if kept is not None:
+            kept.append(tails)
         tails._names, tails._specs = Words(), Words()
+        tails._tuples, tails._tuples_held = {}, 0
         names = np.array([tails._names.code(r[2]) for r in rows])
         specs = np.array([tails._specs.code(r[4]) for r in rows])
         cols = (
@@ -900,6 +906,24 @@ class TestUsualStepsReduced:
         rows = [(0, s, n, float(s * 10 + i), "mean") for s in range(3)
                 for i, n in enumerate(["a", "b"])]  # fmt: skip
         assert self.replay(rows, grow=True) == self.live(rows) == self.replay(rows)
+
+    def test_names_of_a_step_are_one_tuple_and_stay_bounded(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Steps that log the same names share one tuple of them (their order is found once
+        when shipped); names that change every step are not all kept; the output is live's
+        either way, for one rank and for several."""
+        monkeypatch.setattr(columnar_mod, "_TUPLES_NAMES", 6)
+        same = [(r, s, n, float(s + r), "mean") for s in range(4) for r in range(2)
+                for n in ("b", "a")]  # fmt: skip
+        kept: list[Any] = []
+        assert self.replay(same, kept=kept) == self.live(same)
+        (tails,) = kept
+        assert list(tails._tuples.values()) == [("b", "a")]
+        changing = [(0, s, f"m{s}/{n}", 1.5 * s, "mean") for s in range(10) for n in "xyz"]
+        kept.clear()
+        assert self.replay(changing, kept=kept) == self.live(changing)
+        assert kept[0]._tuples_held <= 6
 
     @pytest.mark.parametrize("spec", ["bogus", "sum,sum", "mean, mean", ""])
     def test_a_spec_not_written_as_one_op_is_reduced_as_live(self, spec: str) -> None:

@@ -66,6 +66,10 @@ class ColumnarTails:
         self._done = False
         self._params_sent = False
         self._built: dict[int, StepPartial] = {}
+        #: a step's names (their ids, in order) -> the names, one tuple for every step that
+        #: logs them (what live shipping's layouts give: orders found once, no list a step)
+        self._tuples: dict[tuple[int, ...], tuple[str, ...]] = {}
+        self._tuples_held = 0
 
     def start(self) -> None:
         """Start reading the first window now (the plan's check may still be running: a
@@ -180,14 +184,23 @@ class ColumnarTails:
             return None
         stops = np.append(bounds[1:], len(steps))
         counts, names = count.tolist(), (key % width).tolist()
+        # the count every name of a step shares (every rank logged every name), else 0
+        each = np.where(_uniform(count, bounds), count[bounds], 0)[usual].tolist()
         words, specs = self._names.words, self._specs.words
-        for a, b, s in zip(bounds[usual].tolist(), stops[usual].tolist(),
-                           (steps[bounds[usual]] + lo).tolist(), strict=True):  # fmt: skip
+        tuples = self._tuples
+        for a, b, s, n in zip(bounds[usual].tolist(), stops[usual].tolist(),
+                              (steps[bounds[usual]] + lo).tolist(), each, strict=True):  # fmt: skip
             part = built.get(s)
             if part is None:
                 built[s] = part = StepPartial(s)
-            at = [words[j] for j in names[a:b]]
-            part.summed = Summed(firsts[a], specs[group_specs[a]], at, counts[a:b], totals[a:b])
+            ids = tuple(names[a:b])
+            at = tuples.get(ids)
+            if at is None:
+                at = tuple(words[j] for j in ids)
+                if self._tuples_held + len(ids) <= _TUPLES_NAMES:  # (names that change
+                    tuples[ids] = at  # every step are not kept: memory stays bounded)
+                    self._tuples_held += len(ids)
+            part.summed = Summed(firsts[a], specs[group_specs[a]], at, counts[a:b], totals[a:b], n)
         return np.repeat(usual, stops - bounds)
 
     def _reduce(
@@ -259,6 +272,10 @@ class ColumnarTails:
                     assert part is not None
                     part.slowest[words[j]] = _slowest(vals, rank_list[a:b])
             into[words[j]] = Named(first, specs[sid], Partial.of(vals, last=last, ops=ops))
+
+
+#: names the kept tuples of names hold at most, all together
+_TUPLES_NAMES: Final = 100_000
 
 
 def _uniform(values: Any, bounds: Any) -> Any:
