@@ -37,6 +37,18 @@ def ship(spool: Path, out: Path, *, name: str = "t", **kw: Any) -> Shipper:
     return shipper
 
 
+def live_and_replayed(spool: Path, tmp: Path, **kw: Any) -> tuple[Path, Path]:
+    """``spool`` shipped live to ``tmp/live.jsonl``, compacted to ``tmp/pq`` and replayed
+    from there to ``tmp/replay.jsonl`` (``kw``: for both, ``late=``...): the two files."""
+    from ranklog.archive import compact, replay
+
+    live, again = tmp / "live.jsonl", tmp / "replay.jsonl"
+    ship(spool, live, **kw)
+    compact(spool, tmp / "pq")
+    replay(tmp / "pq", JsonlTarget(again), **kw)
+    return live, again
+
+
 def lines(out: Path) -> list[dict[str, Any]]:
     """Step lines of a JSONL target (params lines left out)."""
     return [x for x in read_jsonl(out) if "step" in x] if out.exists() else []

@@ -17,7 +17,7 @@ from .conftest import ROOT
 PACKAGE = ROOT / "ranklog"
 
 #: imported by anything: they import nothing of ranklog's layers
-BASE = {"ranklog.errors", "ranklog._version", "ranklog._fs", "ranklog._proc"}
+BASE = {"ranklog.errors", "ranklog._version", "ranklog._fs", "ranklog._proc", "ranklog._kept"}
 #: layer -> the layers its modules may import (BASE always allowed)
 ALLOWED: dict[str, set[str]] = {
     "schemas": set(),

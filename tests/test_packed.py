@@ -43,7 +43,7 @@ from ranklog.spool import (
 from ranklog.spool._format import FLAG_NAMES, HEADER_SIZE, msgpack_array_header
 
 from .conftest import run_python
-from .shiphelp import lines, rank, ship
+from .shiphelp import lines, live_and_replayed, rank, ship
 from .test_everyday import ranklog_cmd
 
 DATA = Path(__file__).parent / "data"
@@ -636,9 +636,6 @@ class TestCompaction:
         w.write_events(2, [msgpack_array_header(2), bad + encoder.encode(StepEnd(3.0, 2))])
         _frame(w, [Packed(0, 3, 0, struct.pack("<d", 3.0)), StepEnd(3.0, 3)])
         w.close()
-        live, again = tmp_path / "live.jsonl", tmp_path / "replay.jsonl"
-        ship(spool, live)
-        compact(spool, tmp_path / "ds")
-        replay(tmp_path / "ds", JsonlTarget(again))
+        live, again = live_and_replayed(spool, tmp_path)
         assert again.read_bytes() == live.read_bytes()
         assert [x["metrics"].get("c") for x in lines(live)] == [None] * 4

@@ -378,19 +378,19 @@ class TestUsualStepColumns:
 
     def test_the_orders_of_names_kept_are_bounded(self) -> None:
         """Names that change every step (a new list each time) keep no more than
-        ``_ORDERS_NAMES`` names in the cache of sort orders, and every step is still shipped
+        ``_ORDERS.limit`` names in the cache of sort orders, and every step is still shipped
         with its names in order."""
         from ranklog.shippers import _gather
         from ranklog.shippers._gather import Summed
 
         n = 1_000
-        for s in range(2 * _gather._ORDERS_NAMES // n + 3):
+        for s in range(2 * _gather._ORDERS.limit // n + 3):
             names = [f"eval/{s}/m{(i * 7919) % n:04d}" for i in range(n)]  # not sorted
             got = Summed(0, "mean", names, [2] * n, [float(i) for i in range(n)], 2)
             out = got.sorted_results()
             assert list(out) == sorted(names)
             assert out[names[5]] == 2.5
-            assert sum(map(len, _gather._ORDERS)) <= _gather._ORDERS_NAMES
+            assert _gather._ORDERS.held <= _gather._ORDERS.limit
 
     def test_the_usual_step_takes_the_columns(self) -> None:
         """One rank or several, finite values: the step is kept as columns (no Named)."""

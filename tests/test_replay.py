@@ -12,7 +12,7 @@ from ranklog.cli import main
 from ranklog.shippers.targets.jsonl import JsonlTarget
 from ranklog.testing import crash
 
-from .shiphelp import build_target, lines, log_steps, rank, ship
+from .shiphelp import build_target, lines, live_and_replayed, log_steps, rank, ship
 
 
 def _job(spool: Path) -> None:
@@ -48,10 +48,7 @@ class TestEquivalence:
     def test_jsonl_byte_for_byte(self, spool: Path, tmp_path: Path, late: str) -> None:
         """Live shipping and replay after compaction write the same JSONL bytes."""
         _job(spool)
-        live, again = tmp_path / "live.jsonl", tmp_path / "replay.jsonl"
-        ship(spool, live, late=late)
-        compact(spool, tmp_path / "pq")
-        replay(tmp_path / "pq", JsonlTarget(again), late=late)
+        live, again = live_and_replayed(spool, tmp_path, late=late)
         assert live.read_bytes() == again.read_bytes()
         got = [x for x in lines(live) if "shipped_with" not in x]
         assert [x["step"] for x in got] == list(range(45))
@@ -71,10 +68,7 @@ class TestEquivalence:
                 run.step_end(s)
         for run in runs:
             run.close()
-        live, again = tmp_path / "live.jsonl", tmp_path / "replay.jsonl"
-        ship(spool, live)
-        compact(spool, tmp_path / "pq")
-        replay(tmp_path / "pq", JsonlTarget(again))
+        live, again = live_and_replayed(spool, tmp_path)
         assert live.read_bytes() == again.read_bytes()
         for x in lines(live):
             z, w, t = x["metrics"]["z"], x["metrics"]["w"], x["metrics"]["t"]

@@ -20,6 +20,7 @@ import ranklog.archive._compact as compact_mod
 import ranklog.archive._replay as replay_mod
 import ranklog.archive._spill as spill_mod
 import ranklog.archive._windows as windows_mod
+from ranklog._kept import Kept
 from ranklog.archive import compact, replay
 from ranklog.archive._manifest import load_manifest
 from ranklog.archive._plan import plan
@@ -863,7 +864,7 @@ class TestUsualStepsReduced:
         if kept is not None:
             kept.append(tails)
         tails._names, tails._specs = Words(), Words()
-        tails._tuples, tails._tuples_held = {}, 0
+        tails._tuples = Kept(columnar_mod._TUPLES_NAMES)
         names = np.array([tails._names.code(r[2]) for r in rows])
         specs = np.array([tails._specs.code(r[4]) for r in rows])
         cols = (
@@ -923,7 +924,7 @@ class TestUsualStepsReduced:
         changing = [(0, s, f"m{s}/{n}", 1.5 * s, "mean") for s in range(10) for n in "xyz"]
         kept.clear()
         assert self.replay(changing, kept=kept) == self.live(changing)
-        assert kept[0]._tuples_held <= 6
+        assert kept[0]._tuples.held <= 6
 
     @pytest.mark.parametrize("spec", ["bogus", "sum,sum", "mean, mean", ""])
     def test_a_spec_not_written_as_one_op_is_reduced_as_live(self, spec: str) -> None:

@@ -11,15 +11,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ranklog.archive import compact, replay
 from ranklog.errors import InvalidValueError
 from ranklog.schemas import Table
 from ranklog.shippers.targets._media import rank_tags, table_markdown
 from ranklog.shippers.targets.console import ConsoleTarget
-from ranklog.shippers.targets.jsonl import JsonlTarget
 from ranklog.testing import read_events
 
-from .shiphelp import lines, rank, ship
+from .shiphelp import lines, live_and_replayed, rank, ship
 
 COLUMNS = ["prompt", "score", "ok"]
 
@@ -116,10 +114,7 @@ class TestShipped:
     def test_replay_gives_the_same_tables(self, spool: Path, tmp_path: Path) -> None:
         """Compacted to Parquet and replayed, the tables ship byte for byte as live."""
         table_spool(spool)
-        live, again = tmp_path / "live.jsonl", tmp_path / "again.jsonl"
-        ship(spool, live)
-        compact(spool, tmp_path / "pq")
-        replay(tmp_path / "pq", JsonlTarget(again))
+        live, again = live_and_replayed(spool, tmp_path)
         assert live.read_bytes() == again.read_bytes()
         import pyarrow.parquet as pq
 

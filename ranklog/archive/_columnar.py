@@ -32,6 +32,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from ranklog._kept import Kept
 from ranklog.archive._plan import REDUCED, Plan
 from ranklog.archive._windows import Loader, Window, Words
 from ranklog.errors import ArchiveError
@@ -68,8 +69,7 @@ class ColumnarTails:
         self._built: dict[int, StepPartial] = {}
         #: a step's names (their ids, in order) -> the names, one tuple for every step that
         #: logs them (what live shipping's layouts give: orders found once, no list a step)
-        self._tuples: dict[tuple[int, ...], tuple[str, ...]] = {}
-        self._tuples_held = 0
+        self._tuples: Kept[tuple[int, ...], tuple[str, ...]] = Kept(_TUPLES_NAMES)
 
     def start(self) -> None:
         """Start reading the first window now (the plan's check may still be running: a
@@ -196,10 +196,7 @@ class ColumnarTails:
             ids = tuple(names[a:b])
             at = tuples.get(ids)
             if at is None:
-                at = tuple(words[j] for j in ids)
-                if self._tuples_held + len(ids) <= _TUPLES_NAMES:  # (names that change
-                    tuples[ids] = at  # every step are not kept: memory stays bounded)
-                    self._tuples_held += len(ids)
+                at = tuples.keep(ids, tuple(words[j] for j in ids))
             part.summed = Summed(firsts[a], specs[group_specs[a]], at, counts[a:b], totals[a:b], n)
         return np.repeat(usual, stops - bounds)
 

@@ -76,20 +76,18 @@ class Packer:
         that a retry would use without its record."""
         # the usual chunk, one frame: every call of a layout known already, all of it within
         # a frame's cap (at durability ``step``, a step's calls and its step_end)
-        layouts, encode = self._layouts, self._encode
+        layouts = self._layouts
         parts: list[bytes] = []
         for item in chunk:
             if type(item) is bytes:
                 parts.append(item)
                 continue
-            ts, step, values, op = item
+            _ts, _step, values, op = item
             known = layouts.get(op)
             got = None if known is None else known.get(tuple(values))
             if got is None:
                 return self._frames(chunk)
-            number, pack, base = got
-            parts.append(encode(Packed(round((ts - base) * 1000), step, number,
-                                       pack(*values.values()))))  # fmt: skip
+            parts.append(self._record(item, got))
         body = b"".join(parts)
         if len(body) > self._max_frame:
             return self._frames(chunk)
@@ -144,9 +142,14 @@ class Packer:
             got, record = new
             made.append((op, names, got, record))
             records = (record,)
+        return records, self._record(call, got)
+
+    def _record(self, call: Call, got: tuple[int, Any, float]) -> bytes:
+        """The encoded Packed record of ``call``, of the layout ``got`` (its number, its
+        values' packer, its record's time)."""
+        ts, step, values, _ = call
         number, pack, base = got
-        ms = round((ts - base) * 1000)
-        return records, self._encode(Packed(ms, step, number, pack(*values.values())))
+        return self._encode(Packed(round((ts - base) * 1000), step, number, pack(*values.values())))
 
     def _new(
         self, ts: float, names: tuple[str, ...], op: str

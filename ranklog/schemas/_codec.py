@@ -91,12 +91,8 @@ def decode_events(
     if out is None:
         stats = stats if stats is not None else DecodeStats()
         out = _decode_slow(payload, schema, stats)
-    if not any(map(_RECORDS.__contains__, map(type, out))):
-        return out
-    problems: list[str] = []
-    out = resolve(out, Layouts() if layouts is None else layouts, problems)
-    if problems and stats is not None:
-        _unresolved(stats, problems)
+    if any(map(_RECORDS.__contains__, map(type, out))):
+        return _resolve(out, layouts, stats)
     return out
 
 
@@ -130,16 +126,11 @@ def _resolve(events: list[Any], layouts: Layouts | None, stats: DecodeStats | No
     problems: list[str] = []
     out = resolve(events, Layouts() if layouts is None else layouts, problems)
     if problems and stats is not None:
-        _unresolved(stats, problems)
+        stats.invalid_events += len(problems)
+        stats.unresolved += len(problems)
+        for why in problems:
+            stats.note(why)
     return out
-
-
-def _unresolved(stats: DecodeStats, problems: list[str]) -> None:
-    """Count packed records that did not resolve (``problems``: why, one each)."""
-    stats.invalid_events += len(problems)
-    stats.unresolved += len(problems)
-    for why in problems:
-        stats.note(why)
 
 
 def metrics_values(event: MetricsRaw) -> dict[str, float]:

@@ -32,6 +32,7 @@ from typing import Any, Final
 
 import msgspec
 
+from ranklog._kept import Kept
 from ranklog.schemas._events import (
     DEFAULT_METRIC_REDUCE,
     Event,
@@ -71,24 +72,16 @@ class Packed(msgspec.Struct, array_like=True, tag="mp", frozen=True, gc=False):
 WIRE_KINDS: Final[dict[str, type[msgspec.Struct]]] = {"names": Names, "mp": Packed}
 
 
-#: one tuple per distinct list of names, process-wide (:class:`MetricsPacked` shares them)
-_CANON: Final[dict[tuple[str, ...], tuple[str, ...]]] = {}
-#: names the shared tuples hold at most, all together (a shipper lives long; past it, new
-#: lists of names are not shared: their steps take the dict path, as correct, slower)
-_CANON_NAMES: Final = 1_000_000
-_canon_held = 0
+#: one tuple per distinct list of names, process-wide (:class:`MetricsPacked` shares them),
+#: holding at most 1,000,000 names (a shipper lives long; past it, new lists of names are
+#: not shared: their steps take the dict path, as correct, slower)
+_CANON: Final[Kept[tuple[str, ...], tuple[str, ...]]] = Kept(1_000_000)
 
 
 def _canonical(names: list[str]) -> tuple[str, ...]:
-    global _canon_held
     key = tuple(names)
     got = _CANON.get(key)
-    if got is None:
-        if _canon_held + len(key) > _CANON_NAMES:
-            return key
-        _canon_held += len(key)
-        got = _CANON[key] = key
-    return got
+    return got if got is not None else _CANON.keep(key, key)
 
 
 class Layouts:

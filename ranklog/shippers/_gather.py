@@ -19,6 +19,7 @@ from itertools import chain
 from operator import attrgetter, itemgetter, truediv
 from typing import Final, TypeGuard
 
+from ranklog._kept import Kept
 from ranklog.errors import ConfigError
 from ranklog.schemas import DEFAULT_METRIC_REDUCE, Metrics, MetricsPacked
 from ranklog.shippers._reduce import SUMMED_OPS, Partial, zero_sign
@@ -76,14 +77,9 @@ class Summed:
         key = names if type(names) is tuple else tuple(names)
         known = _ORDERS.get(key)
         if known is None:
-            global _orders_held
-            if _orders_held + len(key) > _ORDERS_NAMES:  # names that change every step:
-                _ORDERS.clear()  # what is kept stays bounded (the order is found again)
-                _orders_held = 0
-            _orders_held += len(key)
             order = sorted(range(len(key)), key=key.__getitem__)
             same = order == list(range(len(key)))
-            known = _ORDERS[key] = (tuple(key[i] for i in order), None if same else order)
+            known = _ORDERS.keep(key, (tuple(key[i] for i in order), None if same else order))
         in_order, perm = known
         if perm is None:
             return dict(zip(in_order, self.results(), strict=True))
@@ -106,12 +102,10 @@ class Summed:
         raise ConfigError(f"columns of a step with spec {self.spec!r}: not mean, sum or count")
 
 
-#: names of a Summed -> (the names sorted, where each comes from; None: sorted already)
-_ORDERS: dict[tuple[str, ...], tuple[tuple[str, ...], list[int] | None]] = {}
-#: names the kept orders hold at most, all together (~100 bytes each): a run whose names
-#: change every step would otherwise keep an order per step
-_ORDERS_NAMES: Final = 100_000
-_orders_held = 0
+#: names of a Summed -> (the names sorted, where each comes from; None: sorted already),
+#: for lists of 100,000 names in all (~100 bytes each: names that change every step
+#: would otherwise keep an order per step)
+_ORDERS: Final[Kept[tuple[str, ...], tuple[tuple[str, ...], list[int] | None]]] = Kept(100_000)
 
 
 def summed_columns(first: int, spec: str, values: dict[str, Sequence[float]]) -> Summed | None:

@@ -326,10 +326,7 @@ class RankTail:
                 elif seg.consumed_state is None:
                     seg.consumed_state = (inc.closed, inc.max_step)
                 for frame in res.frames:
-                    if frame.seq != seg.next_seq or frame.seq < 0:
-                        self._sequence(rank, seg, frame.seq)
-                    else:  # the next frame of its incarnation (self._sequence's usual case)
-                        seg.next_seq = frame.seq + 1
+                    self._sequence(rank, seg, frame.seq)
                     if self._damaged_from:
                         self._damage_until(rank, seg.name.incarnation, frame.events)
                     max_step, holds = self._apply(rank, seg, frame.events, frame.end)
