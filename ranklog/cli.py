@@ -5,7 +5,7 @@
     ranklog ship SPOOL --to TARGET [--to TARGET ...] [--once] [--poll S] [--dead-after S]
                  [--name N] [--per-rank] [--late count|ship] [--ray [ADDRESS]]
                  [target options]
-    ranklog compact SPOOL --out DIR [--delete]
+    ranklog compact SPOOL --out DIR [--delete] [--layout 2]
     ranklog replay DIR --to TARGET [--to TARGET ...] [--steps A:B] [--names GLOB]
                    [--relogged first|last] [--late count|ship] [target options]
     ranklog inspect SPOOL [--json]
@@ -114,7 +114,8 @@ def _compact(args: argparse.Namespace) -> int:
     from ranklog.archive import compact
 
     long_running()
-    res = compact(args.spool, args.out, delete=args.delete, force=args.force)
+    res = compact(args.spool, args.out, delete=args.delete, force=args.force,
+                  dataset_layout=args.layout)  # fmt: skip
     rows = ", ".join(f"{t} {n:,}" for t, n in sorted(res.rows.items())) or "nothing new"
     print(f"compacted {res.files} files into {args.out}: {rows}")
     for b in res.bad:
@@ -312,6 +313,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "--force", action="store_true",
         help="with --delete: delete verified segments even if a shipper has not shipped them "
         "(it then says to replay them from the dataset)",
+    )  # fmt: skip
+    comp.add_argument(
+        "--layout", type=int, choices=(1, 2), default=None,
+        help="a new dataset's layout: 1, a file per table per segment; 2, a few files per "
+        "table, rows sorted by step (default: 1; an existing dataset keeps its own)",
     )  # fmt: skip
     comp.set_defaults(func=_compact)
 

@@ -73,6 +73,16 @@ def spool(tmp_path: Path) -> Path:
     return tmp_path / "spool"
 
 
+@pytest.fixture(params=[1, 2], ids=["layout1", "layout2"])
+def dataset_layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Each dataset layout in turn, as what ``compact`` writes a new dataset in."""
+    import ranklog.archive._compact as compact_mod
+
+    layout = int(request.param)
+    monkeypatch.setattr(compact_mod, "DEFAULT_LAYOUT", layout)
+    return layout
+
+
 @pytest.fixture
 def work(tmp_path: Path) -> Path:
     """An empty directory for a target's backend storage (the compliance suites')."""

@@ -17,6 +17,9 @@ from ranklog.testing import crash, events_by_incarnation
 
 from .shiphelp import log_steps, rank
 
+#: every test here, for a dataset of each layout
+pytestmark = pytest.mark.usefixtures("dataset_layout")
+
 
 def _job(spool: Path, *, close_last: bool = True) -> None:
     """3 ranks, small segments (many per rank), a restart of rank 1, every kind of event."""
@@ -39,6 +42,12 @@ def _job(spool: Path, *, close_last: bool = True) -> None:
             run.close()
         else:
             run.flush()
+
+
+def _pieces(out: Path) -> int:
+    """How many pieces of part files the manifest names (layout 2)."""
+    segments = load_manifest(out).segments.values()
+    return sum(len(held) for e in segments for held in e.pieces.values())
 
 
 def _table(out: Path, name: str) -> pa.Table:
@@ -144,17 +153,22 @@ class TestRoundTrip:
         assert "RLE_DICTIONARY" in cols["name"].encodings
 
     def test_chunks_give_the_same_rows(
-        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dataset_layout: int
     ) -> None:
-        """A segment read in several chunks (several files) gives the rows of one read."""
+        """A segment read in several chunks (several files; in layout 2, several blocks of
+        one part) gives the rows of one read."""
         import ranklog.archive._compact as parquet
 
         _job(spool)
         compact(spool, tmp_path / "whole")
         monkeypatch.setattr(parquet, "CHUNK_BYTES", 512)
         chunked = compact(spool, tmp_path / "pq")
-        per_segment = len(list((tmp_path / "whole").rglob("*.parquet")))
-        assert chunked.files > per_segment
+        if dataset_layout == 1:
+            per_segment = len(list((tmp_path / "whole").rglob("*.parquet")))
+            assert chunked.files > per_segment
+        else:
+            assert chunked.files == len(list((tmp_path / "whole").rglob("*.parquet")))
+            assert _pieces(tmp_path / "pq") > _pieces(tmp_path / "whole")
         assert _dataset(tmp_path / "pq") == _dataset(tmp_path / "whole")
 
     def test_twice_is_once(self, spool: Path, tmp_path: Path) -> None:
@@ -265,12 +279,13 @@ class TestIncremental:
         assert _dataset(out) == _dataset(whole)
 
     def test_orphans_of_a_grown_segment_are_removed(
-        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dataset_layout: int
     ) -> None:
         """A crashed run's unlisted file of a live segment is removed once the segment grew.
 
         The rerun writes the segment's frames under another byte range (the segment is
-        longer now): the old file would hold its rows a second time.
+        longer now): the old file would hold its rows a second time. (In layout 2 the rerun
+        writes a part of the same name, the orphan removed first.)
         """
         import ranklog.archive._compact as parquet
 
@@ -291,43 +306,53 @@ class TestIncremental:
         log_steps(run, range(10, 20))
         run.close()
         compact(spool, out)
-        assert not orphan.exists()
+        assert not orphan.exists() or dataset_layout == 2
         compact(spool, tmp_path / "whole")
         assert _dataset(out) == _dataset(tmp_path / "whole")
         assert _table(out, "metrics").num_rows == 20
 
     @pytest.mark.parametrize("save_bytes", [0, 64 << 20])
     def test_failed_write_is_raised_and_never_listed(
-        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, save_bytes: int
+        self,
+        spool: Path,
+        tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch,
+        save_bytes: int,
+        dataset_layout: int,
     ) -> None:
         """A write that fails on the writer thread is raised; the manifest never lists its files.
 
         The rerun compacts what was not listed and ends equal to an uninterrupted run.
         """
         import ranklog.archive._compact as parquet
+        import ranklog.archive._parts as parts
 
         monkeypatch.setattr(parquet, "SAVE_BYTES", save_bytes)
+        monkeypatch.setattr(parquet, "CHUNK_BYTES", 2048)  # (layout 2: several blocks)
         _job(spool)
         whole = tmp_path / "whole"
         compact(spool, whole)
         out = tmp_path / "pq"
-        real = parquet._write_tables
+        owner: Any = parquet if dataset_layout == 1 else parts._Part
+        name = "_write_tables" if dataset_layout == 1 else "write"
+        real = getattr(owner, name)
         calls = {"n": 0}
 
-        def failing(*args: Any) -> list[str]:
+        def failing(*args: Any) -> Any:
             calls["n"] += 1
             if calls["n"] == 3:
                 raise OSError(28, "No space left on device")
             return real(*args)
 
-        monkeypatch.setattr(parquet, "_write_tables", failing)
+        monkeypatch.setattr(owner, name, failing)
         with pytest.raises(OSError, match="No space left"):
             compact(spool, out)
         # the failure stopped the run at the next save, or once the writers were all busy
-        assert 3 <= calls["n"] <= 2 + parquet.WRITERS
+        if dataset_layout == 1:
+            assert 3 <= calls["n"] <= 2 + parquet.WRITERS
         listed = {f for e in load_manifest(out).segments.values() for f in e.files}
         assert all((out / f).is_file() for f in listed)
-        monkeypatch.setattr(parquet, "_write_tables", real)
+        monkeypatch.setattr(owner, name, real)
         compact(spool, out)
         assert _dataset(out) == _dataset(whole)
 

@@ -14,6 +14,9 @@ from ranklog.testing import crash
 
 from .shiphelp import build_target, lines, live_and_replayed, log_steps, rank, ship
 
+#: every replay here, from a dataset of each layout
+pytestmark = pytest.mark.usefixtures("dataset_layout")
+
 
 def _job(spool: Path) -> None:
     """4 ranks, a requeue, late and re-logged values, params mid-run, text, timers, NaN."""
@@ -95,16 +98,23 @@ class TestReading:
         monkeypatch: pytest.MonkeyPatch,
         rows_per_read: int,
         by_group: bool,
+        dataset_layout: int,
     ) -> None:
         """Row groups of 7 rows (frames cut by their ends) replay byte for byte with a cache
         that holds one group: read by group, and, when a group is larger than four reads
-        (datasets compacted with large row groups), read whole."""
+        (datasets compacted with large row groups), read whole. In layout 2, blocks of a
+        few frames each (groups a segment has to itself, read by group), or of every
+        segment (groups they share, read whole), with a cache of shared groups that holds
+        one."""
         import ranklog.archive._compact as compact_mod
         import ranklog.archive._replay as replay_mod
         from ranklog.archive._rows import RowGroups
 
-        monkeypatch.setattr(compact_mod, "_ROW_GROUP", 7)
+        monkeypatch.setattr(compact_mod, "ROW_GROUP", 7)
         monkeypatch.setattr(replay_mod, "_CACHE_BYTES", 1)
+        monkeypatch.setattr(replay_mod, "_SHARED_BYTES", 1)
+        if by_group:
+            monkeypatch.setattr(compact_mod, "CHUNK_BYTES", 512)
         monkeypatch.setattr(replay_mod, "_ROWS_PER_READ", rows_per_read)
         _job(spool)
         live, again = tmp_path / "live.jsonl", tmp_path / "replay.jsonl"

@@ -300,7 +300,7 @@ class TestSameBytes:
     ) -> None:
         """Windows of a step over row groups of 5 rows, with a cache that holds nothing:
         groups are read by several windows and their steps still reduce together."""
-        monkeypatch.setattr(compact_mod, "_ROW_GROUP", 5)
+        monkeypatch.setattr(compact_mod, "ROW_GROUP", 5)
         monkeypatch.setattr(windows_mod, "WINDOW_BYTES", 1)  # a step or so a window
         monkeypatch.setattr(replay_mod, "_CACHE_BYTES", 1)
         monkeypatch.setattr(windows_mod, "_OPEN", 1)
@@ -429,7 +429,7 @@ class TestWindows:
     ) -> None:
         """Steps crowded at the start and a few far away: each window holds about
         WINDOW_BYTES (never the crowd at once), and the result is the event path's."""
-        monkeypatch.setattr(compact_mod, "_ROW_GROUP", 50)
+        monkeypatch.setattr(compact_mod, "ROW_GROUP", 50)
         info = ensure_run(spool, world_size=2)
         for r in range(2):
             w = IncarnationWriter.create(SpoolLayout(spool), info, r, world_size=2)
@@ -461,7 +461,7 @@ class TestWindows:
     ) -> None:
         """One rank with many small steps: WINDOW_BYTES would take them all at once, each
         window takes at most WINDOW_STEPS, and the result is the event path's."""
-        monkeypatch.setattr(compact_mod, "_ROW_GROUP", 50)
+        monkeypatch.setattr(compact_mod, "ROW_GROUP", 50)
         info = ensure_run(spool, world_size=1)
         w = IncarnationWriter.create(SpoolLayout(spool), info, 0, world_size=1)
         for s in range(500):
@@ -488,7 +488,7 @@ class TestDecodedOnce:
     @staticmethod
     def _tiny(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
         """Row groups of 50 rows, windows of a step or so; the groups decoded, recorded."""
-        monkeypatch.setattr(compact_mod, "_ROW_GROUP", 50)
+        monkeypatch.setattr(compact_mod, "ROW_GROUP", 50)
         monkeypatch.setattr(windows_mod, "WINDOW_BYTES", 1)
         decoded: list[tuple[str, int]] = []
         real = windows_mod.Loader._decode

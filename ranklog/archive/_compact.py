@@ -32,25 +32,24 @@ from pathlib import Path
 from typing import Final
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ranklog._fs import DIR_MODE, atomic_write, fsync_dir
+from ranklog.archive._delete import delete_verified
 from ranklog.archive._manifest import (
     Manifest,
     SegmentEntry,
     load_manifest,
     save_manifest,
 )
+from ranklog.archive._parts import ROW_GROUP, Parts, parquet_options, remove_orphans
 from ranklog.archive._tables import (
-    SCHEMAS,
     TABLES,
     NamesRow,
     names_row,
     raw_segment_tables,
-    segment_tables,
 )
-from ranklog.errors import ConfigError, CursorError, RunMismatchError
+from ranklog.errors import ArchiveError, ConfigError, RunMismatchError
 from ranklog.schemas import (
     DecodeStats,
     Event,
@@ -65,15 +64,13 @@ from ranklog.spool import (
     UNRESOLVED,
     BadRange,
     Frame,
-    SegmentId,
     SegmentName,
     SegmentReader,
     SpoolLayout,
-    record_deleted,
     require_run,
 )
 
-__all__ = ["CompactResult", "compact"]
+__all__ = ["DEFAULT_LAYOUT", "LAYOUTS", "CompactResult", "compact"]
 
 log = logging.getLogger("ranklog.compact")
 
@@ -86,15 +83,10 @@ SAVE_BYTES: Final = 64 * 1024 * 1024
 #: chunks written at once: the writer encodes a chunk's Parquet in ~1.5x the time the main
 #: thread takes to read and build it, so a second thread keeps both cores busy
 WRITERS: Final = 2
-#: rows per row group: replay reads by row group, so this bounds what it decodes at once
-_ROW_GROUP: Final = 8_192
-_ENCODINGS: Final = {
-    "seq": "DELTA_BINARY_PACKED",
-    "idx": "DELTA_BINARY_PACKED",
-    "ts": "DELTA_BINARY_PACKED",
-    "step": "DELTA_BINARY_PACKED",
-    "value": "BYTE_STREAM_SPLIT",
-}
+#: the dataset layouts this release reads and writes
+LAYOUTS: Final = (1, 2)
+#: the layout of a new dataset
+DEFAULT_LAYOUT: Final = 1
 
 
 @dataclass(slots=True)
@@ -176,6 +168,8 @@ class _Saver:
         self.pending = 0  # spool bytes compacted since the last save
         self._bad = 0  # damaged ranges of this run already in the manifest
         self.writer = _Writer()
+        #: layout 2: the part files being written
+        self.parts = Parts(out, manifest, CHUNK_BYTES, ROW_GROUP) if manifest.layout >= 2 else None
 
     def wrote(self, files: list[str], nbytes: int) -> None:
         self.dirs.update((self.out / rel).parent for rel in files)
@@ -187,6 +181,8 @@ class _Saver:
 
     def save(self) -> None:
         self.writer.wait()
+        if self.parts is not None:
+            self.result.files += len(self.parts.close_part())
         for d in sorted(self.dirs):
             fsync_dir(d)
         self.dirs.clear()
@@ -196,37 +192,16 @@ class _Saver:
         save_manifest(self.out, self.manifest)
         self.pending = 0
 
-
-_DICTIONARY: Final = ("run_id", "name", "reduce", "kind", "host", "status", "format",
-                      "gpu_name", "version")  # fmt: skip
-#: columns written without min/max statistics: payloads no reader filters on, where
-#: statistics cost more than they serve (replay plans with step, name and reduce's)
-_NO_STATISTICS: Final = ("run_id", "idx", "value", "text", "values", "data", "columns", "rows")
+    def close(self) -> None:
+        """Stop the writing threads (whatever happened)."""
+        self.writer.close()
+        if self.parts is not None:
+            self.parts.close()
 
 
 def _parquet_writer(data: pa.Table) -> Callable[[str], None]:
-    schema = data.schema
-    names = set(schema.names)
-    encodings = {
-        c: e
-        for c, e in _ENCODINGS.items()
-        if c in names and (e != "BYTE_STREAM_SPLIT" or pa.types.is_floating(schema.field(c).type))
-    }
-    # dictionary columns (the metrics table's strings) are written as the plain strings
-    # of SCHEMAS: no Arrow schema is stored, so every reader reads them back as strings
-    encoded = any(pa.types.is_dictionary(f.type) for f in schema)
-
     def write(path: str) -> None:
-        pq.write_table(
-            data,
-            path,
-            compression="zstd",
-            row_group_size=_ROW_GROUP,
-            use_dictionary=[c for c in _DICTIONARY if c in names],
-            column_encoding=encodings,
-            write_statistics=[c for c in schema.names if c not in _NO_STATISTICS],
-            store_schema=not encoded,
-        )
+        pq.write_table(data, path, row_group_size=ROW_GROUP, **parquet_options(data.schema))
 
     return write
 
@@ -266,11 +241,14 @@ def compact(
     *,
     delete: bool = False,
     force: bool = False,
+    dataset_layout: int | None = None,
 ) -> CompactResult:
     """Compact every new complete frame of ``spool`` into the dataset at ``out``.
 
     ``delete``: then delete sealed segments whose rows read back equal, once every
     shipper the spool knows has shipped them (``force``: whether they did or not).
+    ``dataset_layout``: the layout of a new dataset (1 or 2; default
+    :data:`DEFAULT_LAYOUT`); an existing dataset keeps its own.
     """
     layout = SpoolLayout(spool)
     outdir = Path(out)
@@ -282,11 +260,23 @@ def compact(
     manifest = load_manifest(outdir)
     if manifest.run_id and manifest.run_id != run.run_id:
         raise RunMismatchError(f"{outdir} holds run {manifest.run_id}, not {run.run_id}")
+    if not manifest.run_id:  # a new dataset
+        manifest.layout = DEFAULT_LAYOUT if dataset_layout is None else dataset_layout
+    elif dataset_layout is not None and dataset_layout != manifest.layout:
+        raise ConfigError(
+            f"{outdir} is a dataset of layout {manifest.layout}: compact into it without "
+            f"--layout, or into a new directory with --layout {dataset_layout}"
+        )
+    if manifest.layout not in LAYOUTS:
+        raise ArchiveError(f"{outdir}: dataset layout {manifest.layout} is newer than this "
+                           "ranklog (upgrade it)")  # fmt: skip
     manifest.run_id, manifest.name = run.run_id, run.name
     manifest.world_size, manifest.created = run.world_size, run.created
     result = CompactResult()
     saver = _Saver(outdir, manifest, result)
-    orphans = _Orphans(outdir)
+    orphans = _Orphans(outdir) if manifest.layout == 1 else None
+    if orphans is None:
+        remove_orphans(outdir, manifest)
     try:
         for rank in layout.ranks():
             segs = layout.segments(rank)
@@ -296,14 +286,17 @@ def compact(
                 entry = manifest.segments.setdefault(key, SegmentEntry())
                 if entry.done:
                     continue
-                orphans.remove(key, entry)
+                if orphans is not None:
+                    orphans.remove(key, entry)
                 _compact_segment(run.run_id, seg, later, outdir, key, entry, result, saver)
                 saver.maybe()
         saver.save()
     finally:
-        saver.writer.close()
+        saver.close()
     if delete:
-        _delete_verified(layout, run.run_id, outdir, manifest, result, force=force)
+        deleted, kept = delete_verified(layout, run.run_id, outdir, manifest, force=force)
+        result.deleted += deleted
+        result.kept += kept
         save_manifest(outdir, manifest)
     return result
 
@@ -355,13 +348,17 @@ def _compact_segment(
             return
         if res.frames:
             start = res.frames[0].offset
-            files = saver.writer.submit(outdir, key, start, res.end, tables)
-            saver.wrote(files, res.end - entry.offset)
-            entry.files += files
+            if saver.parts is not None:
+                saver.parts.add(entry, tables, res.end - entry.offset)
+                saver.pending += res.end - entry.offset
+            else:
+                files = saver.writer.submit(outdir, key, start, res.end, tables)
+                saver.wrote(files, res.end - entry.offset)
+                entry.files += files
+                result.files += len(files)
             for table, data in tables.items():
                 entry.rows[table] = entry.rows.get(table, 0) + data.num_rows
                 result.rows[table] = result.rows.get(table, 0) + data.num_rows
-            result.files += len(files)
             result.values += tables["metrics"].num_rows if "metrics" in tables else 0
         entry.offset = max(entry.offset, res.end)
         entry.names = reader.names_before(entry.offset)
@@ -408,148 +405,3 @@ def _decode(
         if stats.invalid_events != before:
             bad.append(BadRange(path, frame.offset, frame.end - frame.offset, UNDECODABLE))
     return out, bad
-
-
-def _delete_verified(
-    layout: SpoolLayout,
-    run_id: str,
-    outdir: Path,
-    manifest: Manifest,
-    result: CompactResult,
-    *,
-    force: bool = False,
-) -> None:
-    """Delete sealed segments whose rows read back equal to a fresh read of the segment.
-
-    A segment a shipper has not finished with is kept (deleting it would take data from
-    under a shipper that will ship it later): every shipper the spool knows counts, those
-    with a cursor that does not mark it done and those holding a lease that have not yet
-    written a cursor. ``force`` deletes anyway. The segments are listed in the spool's
-    ``deleted.json`` (with the dataset) before they go, so that a shipper started later
-    says where their rows are instead of shipping nothing.
-    """
-    unfinished, who = (set(), "") if force else _unfinished_by_shippers(layout)
-    doomed: list[tuple[SegmentName, SegmentEntry]] = []
-    steps: dict[SegmentId, list[tuple[int, int]]] = {}
-    for rank in layout.ranks():
-        for seg in layout.segments(rank):
-            key = seg.id.stem
-            entry = manifest.segments.get(key)
-            why = _why_keep(entry, key, unfinished, who)
-            if why is None:
-                assert entry is not None
-                why, steps[seg.id] = _verify(run_id, seg, outdir, entry)
-            if why is not None:
-                result.kept.append(f"{seg.path}: {why}")
-                continue
-            assert entry is not None
-            entry.verified = True
-            doomed.append((seg, entry))
-    record_deleted(layout.root, outdir, [(seg.id, steps[seg.id]) for seg, _ in doomed])
-    for seg, entry in doomed:
-        seg.path.unlink()
-        fsync_dir(seg.path.parent)
-        entry.deleted = True
-        result.deleted.append(str(seg.path))
-
-
-def _why_keep(
-    entry: SegmentEntry | None, key: str, unfinished: set[SegmentId], who: str
-) -> str | None:
-    if entry is None or not entry.done:
-        return "not fully compacted yet"
-    if not entry.sealed:
-        return "not sealed (its writer may be alive, or it died without a seal)"
-    if SegmentId.parse(key) in unfinished:
-        return f"{who} has not shipped all of it yet (--force deletes it anyway)"
-    return None
-
-
-def _unfinished_by_shippers(layout: SpoolLayout) -> tuple[set[SegmentId], str]:
-    """Segments some shipper has not finished with, and which shipper (for the message).
-
-    A cursor that does not mark a segment done, and a lease whose shipper has not yet
-    written a cursor (it has finished with nothing), keep it; an unreadable cursor keeps
-    every segment too.
-    """
-    from ranklog.shippers import load_cursor  # the shipper engine: only --delete needs it
-    from ranklog.shippers._lease import read_leases
-
-    out: set[SegmentId] = set()
-    segments = [seg.id for seg in layout.all_segments()]
-    d = layout.cursors_dir
-    names = {p.stem for p in d.glob("*.json")} if d.is_dir() else set()
-    leases = {lease.key: lease for lease in read_leases(layout.root)}
-    who: list[str] = []
-    for name in sorted(names):
-        try:
-            cursor = load_cursor(layout.root, name)
-        except CursorError:
-            cursor = None
-        left = [s for s in segments if cursor is None or not cursor.done(s)]
-        if left:
-            out.update(left)
-            who.append(f"shipper {name}" + (f" ({cursor.target})" if cursor else ""))
-    for name in sorted(set(leases) - names):
-        out.update(segments)
-        who.append(f"shipper of {leases[name].target} ({leases[name].state()}, no cursor yet)")
-    return out, " and ".join(who[:2]) + (f" and {len(who) - 2} more" if len(who) > 2 else "")
-
-
-def _verify(
-    run_id: str, seg: SegmentName, outdir: Path, entry: SegmentEntry
-) -> tuple[str | None, list[tuple[int, int]]]:
-    """(None when the Parquet rows of ``seg`` equal a fresh read of it, else why not; the
-    steps its values are for, as inclusive ranges)."""
-    res = SegmentReader(seg.path).read(0, writer_gone=True)
-    upto = load_manifest(outdir).relogged_upto(seg.rank, seg.incarnation)
-    expected = segment_tables(run_id, seg, res.frames, upto)
-    for table in TABLES:
-        files = sorted(f for f in entry.files if f.startswith(f"{table}/"))
-        want = expected.get(table)
-        if not files:
-            if want is not None and want.num_rows:
-                return f"{table}: no Parquet file for {want.num_rows} rows", []
-            continue
-        got = pa.concat_tables([pq.read_table(outdir / f) for f in files]).cast(SCHEMAS[table])
-        if want is None or not _same(got, want):
-            return f"{table}: the Parquet rows differ from the segment", []
-    return None, _step_ranges(expected)
-
-
-def _step_ranges(tables: dict[str, pa.Table]) -> list[tuple[int, int]]:
-    """The steps rows of ``tables`` hold values for (a step_end alone, or a GPU sample
-    without a step, is no value of a step), as inclusive ranges."""
-    cols = [t["step"] for name, t in tables.items() if name != "ranks" and "step" in t.schema.names]
-    if not cols:
-        return []
-    steps = pc.unique(pa.chunked_array([c.cast(pa.int64()) for c in cols], pa.int64()))
-    out: list[tuple[int, int]] = []
-    for s in sorted(x for x in steps.to_pylist() if x is not None):
-        if out and s == out[-1][1] + 1:
-            out[-1] = (out[-1][0], s)
-        else:
-            out.append((s, s))
-    return out
-
-
-def _same(a: pa.Table, b: pa.Table) -> bool:
-    """Whether two tables hold the same rows, floats compared bit for bit.
-
-    (``Table.equals`` takes NaN for unequal to itself: a segment with a NaN loss would
-    never verify.)
-    """
-    x, y = _bits(a), _bits(b)
-    return len(x) == len(y) and all(p.equals(q) for p, q in zip(x, y, strict=True))
-
-
-def _bits(table: pa.Table) -> list[pa.Array]:
-    """The columns of ``table``, float64 values as their bits (lists: lengths, then values)."""
-    out = []
-    for column in table.itercolumns():
-        arr = column.combine_chunks()
-        if pa.types.is_list(arr.type) and pa.types.is_float64(arr.type.value_type):
-            out.append(pc.list_value_length(arr))
-            arr = arr.flatten()
-        out.append(arr.view(pa.int64()) if pa.types.is_float64(arr.type) else arr)
-    return out

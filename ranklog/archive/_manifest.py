@@ -45,12 +45,20 @@ class SegmentEntry(msgspec.Struct, forbid_unknown_fields=False):
     #: offsets of the frames before ``offset`` that hold names records (segment format 2):
     #: the next run reads them alone (None: not saved; it follows frame headers)
     names: list[int] | None = None
+    #: layout 2: per table, the row groups of the part files that hold its rows, as
+    #: ``[part, first group, end group]`` (``files`` names those files); empty in layout 1
+    pieces: dict[str, list[list[int]]] = msgspec.field(default_factory=dict)
 
 
 class Manifest(msgspec.Struct, forbid_unknown_fields=False):
     """Which frames of which segment are in which files, and each incarnation's marks."""
 
     version: int = 1
+    #: 1: a file per table per segment and chunk; 2: a few part files per table, rows
+    #: sorted by step (:mod:`ranklog.archive._parts`). Absent (older datasets): 1
+    layout: int = 1
+    #: layout 2: the number of the next part
+    parts: int = 0
     run_id: str = ""
     name: str = ""
     world_size: int | None = None

@@ -28,7 +28,7 @@ import tempfile
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import numpy as np
 import pyarrow as pa
@@ -37,14 +37,18 @@ import pyarrow.parquet as pq
 
 from ranklog.archive._columnar import ColumnarTails
 from ranklog.archive._manifest import Manifest, load_manifest, require_manifest
+from ranklog.archive._parts import part_file
 from ranklog.archive._plan import check, scan
 from ranklog.archive._rows import (
     COLUMNS,
     GroupCache,
+    Piece,
     RowGroups,
+    Shared,
+    Source,
     frame_events,
-    open_file,
     read_rows,
+    source_rows,
 )
 from ranklog.archive._tables import STEP_TABLES, TABLES
 from ranklog.errors import ConfigError, SpoolFormatError
@@ -71,17 +75,33 @@ log = logging.getLogger("ranklog.replay")
 _ROWS_PER_READ: Final = 8_192  # about what 256 KiB of a segment holds
 #: decoded row groups kept for every segment of a replay together
 _CACHE_BYTES: Final = 32 * 1024 * 1024
+#: decoded row groups of part files (layout 2) kept, split by segment
+_SHARED_BYTES: Final = 96 * 1024 * 1024
 #: parsed footers the event path keeps (it reads each segment's files through once)
 _EVENT_FOOTERS: Final = 256
 
 
-def _segment_files(dataset: Path, listed: set[str]) -> dict[SegmentId, dict[str, list[Path]]]:
-    """Each source segment -> table -> its Parquet files (names start with the segment's stem).
+def _segment_files(dataset: Path, manifest: Manifest) -> dict[SegmentId, dict[str, list[Source]]]:
+    """Each source segment -> table -> where its rows are, in write order: its Parquet
+    files (layout 1: names start with the segment's stem) or its pieces of part files.
 
     Only files the manifest lists: a file a crashed compaction wrote but never listed is
     not part of the dataset (the next compaction removes it and writes its range again).
     """
-    out: dict[SegmentId, dict[str, list[Path]]] = defaultdict(lambda: defaultdict(list))
+    if manifest.layout >= 2:
+        pieces: dict[SegmentId, dict[str, list[Source]]] = {}
+        for key, entry in manifest.segments.items():
+            if not entry.pieces:
+                continue
+            sid = SegmentId.parse(key)
+            pieces[sid] = {
+                table: [Piece(dataset / part_file(table, p), a, b, sid) for p, a, b in held]
+                for table, held in entry.pieces.items()
+                if held
+            }
+        return dict(sorted(pieces.items()))
+    listed = {f for entry in manifest.segments.values() for f in entry.files}
+    out: dict[SegmentId, dict[str, list[Source]]] = defaultdict(lambda: defaultdict(list))
     for name in TABLES:
         for path in sorted((dataset / name).glob("*.parquet")):
             if f"{name}/{path.name}" not in listed:
@@ -91,7 +111,7 @@ def _segment_files(dataset: Path, listed: set[str]) -> dict[SegmentId, dict[str,
             except SpoolFormatError:
                 continue  # not a file compaction wrote
             out[seg][name].append(path)
-    return dict(sorted(out.items()))
+    return {sid: dict(tables) for sid, tables in sorted(out.items())}
 
 
 class _ParquetReader:
@@ -105,7 +125,7 @@ class _ParquetReader:
 
     def __init__(
         self,
-        files: dict[str, list[Path]],
+        files: dict[str, list[Source]],
         header: SegmentHeader,
         *,
         last: bool,
@@ -114,6 +134,7 @@ class _ParquetReader:
         cutoff: int | None = None,
         seal_seq: int | None = None,
         cache: GroupCache | None = None,
+        shared: Shared | None = None,
     ) -> None:
         self.header: SegmentHeader | None = header
         #: the source segment's seal frame's sequence number, when it had one
@@ -124,6 +145,7 @@ class _ParquetReader:
         self._tables: dict[str, tuple[pa.Table | None, Any]] | None = None
         self._groups: dict[str, RowGroups] = {}
         self._cache = cache if cache is not None else GroupCache(_CACHE_BYTES)
+        self._shared = shared if shared is not None else Shared(_CACHE_BYTES)
         #: each frame's seq, and the rows (all tables) up to and with it: 16 bytes a frame
         self._seqs: Any = np.zeros(0, np.int64)
         self._cum: Any = np.zeros(0, np.int64)
@@ -145,18 +167,14 @@ class _ParquetReader:
         seqs: list[Any] = []
         ended = False
         for name, files in self._files.items():
-            metas = {}
-            for path in files:
-                pf = open_file(path)
-                metas[path] = pf.metadata
-                t = pf.read(
-                    columns=["seq", "kind"] if name == "ranks" else ["seq"], use_threads=False
-                )
+            for src in files:
+                t = source_rows(src, name, ["seq", "kind"] if name == "ranks" else ["seq"],
+                                self._shared)  # fmt: skip
                 seqs.append(t["seq"].to_numpy())
                 if name == "ranks":
                     ended = ended or bool(pc.any(pc.equal(t["kind"], "rank_end")).as_py())
             most = 4 * _ROWS_PER_READ  # larger groups (older datasets): read whole
-            groups = RowGroups.of(files, name, COLUMNS[name], self._cache, most, metas)
+            groups = RowGroups.of(files, name, COLUMNS[name], self._cache, most)
             if groups is not None:  # as compaction writes: read by row group
                 self._groups[name] = groups
         if seqs:
@@ -176,7 +194,7 @@ class _ParquetReader:
             if self._tables is None:
                 self._tables = {}
             if name not in self._tables:  # files out of order: read whole, sorted
-                t = read_rows(files, name, COLUMNS[name])
+                t = read_rows(files, name, COLUMNS[name], self._shared)
                 self._tables[name] = (t, None if t is None else t["seq"].to_numpy())
             t, seqs = self._tables[name]
             if t is None or seqs is None:
@@ -295,11 +313,12 @@ class ParquetSource:
         self.step_range = steps
         manifest = load_manifest(self.dataset)
         listed = {f for entry in manifest.segments.values() for f in entry.files}
-        files = _segment_files(self.dataset, listed)
+        files = _segment_files(self.dataset, manifest)
         last_of_rank = {k.rank: k for k in files}  # sorted: the last key of each rank wins
         cutoffs = _cutoffs(self.dataset, listed) if relogged == "last" else {}
         # footers of the last files read only: the engine reads each segment through once
         cache = GroupCache(_CACHE_BYTES, footers=_EVENT_FOOTERS, latest=True)
+        shared = Shared(_SHARED_BYTES)  # layout 2: the groups a block's segments share
         for sid, tables in files.items():
             rank, inc, seg = sid
             header = SegmentHeader(rank, inc, seg, run.created, run.run_id, run.world_size)
@@ -309,7 +328,7 @@ class ParquetSource:
                 dict(tables), header, last=last_of_rank[rank] == sid,
                 steps=steps, names=names, cutoff=cutoffs.get((rank, inc)),
                 seal_seq=entry.next_seq - 1 if sealed and entry is not None else None,
-                cache=cache,
+                cache=cache, shared=shared,
             )  # fmt: skip
             path = self.dataset / sid.stem
             state = SegState(SegmentName(rank, inc, seg, path), sid.key, reader)
@@ -346,8 +365,11 @@ def _columnar(dataset: Path, manifest: Manifest) -> ColumnarTails | None:
     The first window is read (by the tails' thread) while the plan's second pass checks
     the key columns, unless GPU samples wait for that pass (their steps come from it).
     """
-    listed = {f for entry in manifest.segments.values() for f in entry.files}
-    found, why = scan(_segment_files(dataset, listed), GroupCache(_CACHE_BYTES))
+    if manifest.layout >= 2:
+        log.info("replay of %s event by event: dataset layout 2", dataset)
+        return None
+    files = cast(dict[SegmentId, dict[str, list[Path]]], _segment_files(dataset, manifest))
+    found, why = scan(files, GroupCache(_CACHE_BYTES))  # (layout 1: files only)
     tails = None
     if found is not None:
         tails = ColumnarTails(found, dataset)

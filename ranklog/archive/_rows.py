@@ -14,6 +14,8 @@ from __future__ import annotations
 import bisect
 import fnmatch
 import json
+from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
@@ -39,11 +41,14 @@ from ranklog.schemas import (
     Timer,
     params_event,
 )
+from ranklog.spool import SegmentId
 
 __all__ = [
     "COLUMNS",
     "GroupCache",
+    "Piece",
     "RowGroups",
+    "Shared",
     "column_names",
     "frame_events",
     "open_file",
@@ -52,6 +57,7 @@ __all__ = [
 
 Slot = tuple[int, Event]  # an event and its index in its frame
 _KEY: Final = ("incarnation", "segment", "seq", "idx")
+_SEGMENT: Final = ("rank", "incarnation", "segment")
 
 
 def column_names(meta: Any) -> list[str]:
@@ -109,7 +115,116 @@ def _ordered(t: pa.Table) -> pa.Table:
     return t.set_column(t.schema.get_field_index("ts"), "ts", t["ts"].cast(pa.int64()))
 
 
-def read_rows(files: list[Path] | None, table: str, columns: list[str]) -> pa.Table | None:
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Row groups ``first <= group < end`` of a part file (dataset layout 2) that hold
+    rows of ``segment``, among other segments' rows."""
+
+    path: Path
+    first: int
+    end: int
+    segment: SegmentId
+
+
+#: a segment's rows of one table: a file of its own (layout 1), or groups of a part
+Source = Path | Piece
+
+
+def _segment_key(rank: Any, incarnation: Any, segment: Any) -> Any:
+    """One integer per (rank, incarnation, segment) (numbers or numpy arrays)."""
+    return (rank << 40) | (incarnation << 20) | segment
+
+
+#: a row group sorted by segment, and where each segment's rows are
+_Split = tuple[pa.Table, dict[int, tuple[int, int]]]
+
+
+class Shared:
+    """Row groups of part files, decoded once and split by segment, kept up to ``limit``
+    bytes (least recently used first out).
+
+    The segments of a block share its row groups (rows sorted by step): each segment
+    read takes its slice of every group of the block, so the block is decoded once for
+    all of them while readers go through its segments in turn.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._items: OrderedDict[tuple[Path, int], _Split]
+        self._items = OrderedDict()
+        self._bytes = 0
+
+    def rows(self, piece: Piece, table: str, footer: Any = None) -> pa.Table | None:
+        """The piece's rows of its segment, in file order, with every column of ``table``
+        (absent ones as nulls); None if none."""
+        sid = piece.segment
+        key = _segment_key(sid.rank, sid.incarnation, sid.segment)
+        parts = []
+        pf: pq.ParquetFile | None = None
+        for g in range(piece.first, piece.end):
+            item = self._items.get((piece.path, g))
+            if item is None:
+                if pf is None:
+                    pf = open_file(piece.path, footer)
+                item = self._split(pf, table, g)
+                self._put((piece.path, g), item)
+            else:
+                self._items.move_to_end((piece.path, g))
+            t, at = item
+            span = at.get(key)
+            if span is not None:
+                parts.append(t.slice(span[0], span[1] - span[0]))
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+
+    @staticmethod
+    def _split(
+        pf: pq.ParquetFile, table: str, g: int
+    ) -> tuple[pa.Table, dict[int, tuple[int, int]]]:
+        t = _read(pf, table, list(SCHEMAS[table].names), g)
+        keys = _segment_key(*(t[c].to_numpy().astype(np.int64) for c in _SEGMENT))
+        if len(keys) > 1 and not bool(np.all(keys[1:] >= keys[:-1])):
+            order = np.argsort(keys, kind="stable")  # a segment's rows stay in file order
+            keys = keys[order]
+            t = t.take(pa.array(order))
+        cut = np.flatnonzero(keys[1:] != keys[:-1]) + 1
+        starts = np.concatenate(([0], cut)).tolist()
+        stops = np.concatenate((cut, [len(keys)])).tolist()
+        at = {int(keys[a]): (a, b) for a, b in zip(starts, stops, strict=True)}
+        return t, at
+
+    def _put(
+        self, key: tuple[Path, int], item: tuple[pa.Table, dict[int, tuple[int, int]]]
+    ) -> None:
+        self._items[key] = item
+        self._bytes += item[0].nbytes
+        while self._bytes > self.limit and len(self._items) > 1:
+            _, (old, _) = self._items.popitem(last=False)
+            self._bytes -= old.nbytes
+
+
+def source_rows(
+    source: Source, table: str, columns: list[str], shared: Shared | None = None
+) -> pa.Table:
+    """A segment's rows of one source, in file order, with ``columns`` (absent ones as
+    nulls): a whole file, or the segment's rows of a part's groups."""
+    if isinstance(source, Path):
+        return _read(open_file(source), table, columns)
+    t = (shared if shared is not None else Shared(0)).rows(source, table)
+    if t is None:
+        return _empty(table, columns)
+    return t.select(columns)
+
+
+def _empty(table: str, columns: list[str]) -> pa.Table:
+    schema = SCHEMAS[table]
+    return pa.schema([schema.field(c) for c in columns]).empty_table()
+
+
+def read_rows(
+    files: list[Source] | None, table: str, columns: list[str], shared: Shared | None = None
+) -> pa.Table | None:
     """The rows of ``files`` (one segment's, of ``table``), sorted in write order; None if none.
 
     Columns a file written by an older release lacks are read as nulls. Files are read
@@ -118,7 +233,7 @@ def read_rows(files: list[Path] | None, table: str, columns: list[str]) -> pa.Ta
     if not files:
         return None
     wanted = [*_KEY, "ts", *columns]
-    parts = [_read(open_file(path), table, wanted) for path in files]
+    parts = [source_rows(src, table, wanted, shared) for src in files]
     t = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
     return None if t.num_rows == 0 else _ordered(t)
 
@@ -145,7 +260,7 @@ class RowGroups:
     @classmethod
     def of(
         cls,
-        files: list[Path],
+        files: list[Source],
         table: str,
         columns: list[str],
         cache: GroupCache,
@@ -153,14 +268,21 @@ class RowGroups:
         metas: dict[Path, Any] | None = None,
     ) -> RowGroups | None:
         """The row groups of ``files``; None when their statistics do not show them in
-        ``seq`` order, or a group has more than ``most`` rows (read such files whole)."""
+        ``seq`` order, a group has more than ``most`` rows, or holds other segments' rows
+        too (read such files whole)."""
         out = cls(table, columns, cache)
         prev = -1
-        for path in files:
-            meta = metas[path] if metas is not None else pq.read_metadata(path)
-            cache.footer(path, meta)
-            col = column_names(meta).index("seq")
-            for i in range(meta.num_row_groups):
+        for src in files:
+            path = src if isinstance(src, Path) else src.path
+            meta = cache.footer(path, metas.get(path) if metas is not None else None)
+            names = column_names(meta)
+            col = names.index("seq")
+            groups = range(meta.num_row_groups)
+            if isinstance(src, Piece):
+                groups = range(src.first, src.end)
+                if not _exclusive(meta, names, groups, src.segment):
+                    return None
+            for i in groups:
                 group = meta.row_group(i)
                 stats = group.column(col).statistics
                 if stats is None or not stats.has_min_max or stats.min < prev:
@@ -220,6 +342,19 @@ class RowGroups:
         if not parts:
             return None
         return parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+
+
+def _exclusive(meta: Any, names: list[str], groups: range, sid: SegmentId) -> bool:
+    """Whether the statistics show every row of ``groups`` to be of segment ``sid``."""
+    want = (sid.rank, sid.incarnation, sid.segment)
+    cols = [names.index(c) for c in _SEGMENT]
+    for i in groups:
+        group = meta.row_group(i)
+        for c, v in zip(cols, want, strict=True):
+            stats = group.column(c).statistics
+            if stats is None or not stats.has_min_max or not stats.min == stats.max == v:
+                return False
+    return True
 
 
 #: parsed footers kept at most: about 22 KB each (a table's dozen columns, one row group),

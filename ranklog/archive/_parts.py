@@ -1,0 +1,220 @@
+"""Dataset layout 2: the rows of many segments in a few files per table, sorted by step.
+
+A compaction run writes *parts*: ``<table>/part-<n:06d>.parquet``, one file per table
+for every :data:`~ranklog.archive._compact.SAVE_BYTES` of spool compacted (and one at
+the end of the run). A part is a sequence of *blocks*: the rows of the chunks read since
+the block before (one chunk of a large segment, or the whole of many small ones, about
+:data:`~ranklog.archive._compact.CHUNK_BYTES` of spool). Within a block, rows of the
+step tables are sorted by step; rows of one step keep the order ranks wrote them in
+(rank, incarnation, segment, seq, idx), so an event's values stay together and in the
+order they were logged. The other tables (params, ranks, GPU samples) keep that write
+order. A block is written as row groups of its own (none holds two blocks' rows), so
+the manifest can name, per segment and table, the row groups that hold its rows: its
+*pieces*, ``[part, first group, end group]``.
+
+Parts are written on a thread of their own (Parquet encoding, compression and fsync
+release the GIL) while the next chunk is read: to a temporary name, fsync'd and renamed
+when the part closes, before the manifest that lists them is saved. A crash leaves files
+the manifest does not list; the next run removes them before writing parts again.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ranklog._fs import DIR_MODE, fsync_dir, fsync_file
+from ranklog.archive._manifest import Manifest, SegmentEntry
+from ranklog.archive._tables import STEP_TABLES, TABLES
+from ranklog.errors import ArchiveError
+
+__all__ = ["PART", "ROW_GROUP", "Parts", "parquet_options", "part_file", "remove_orphans"]
+
+#: rows per row group: replay reads by row group, so this bounds what it decodes at once
+ROW_GROUP: Final = 8_192
+#: the name of a part's file in its table's directory
+PART: Final = re.compile(r"part-(\d{6,})\.parquet")
+
+_ENCODINGS: Final = {
+    "seq": "DELTA_BINARY_PACKED",
+    "idx": "DELTA_BINARY_PACKED",
+    "ts": "DELTA_BINARY_PACKED",
+    "step": "DELTA_BINARY_PACKED",
+    "value": "BYTE_STREAM_SPLIT",
+}
+_DICTIONARY: Final = ("run_id", "name", "reduce", "kind", "host", "status", "format",
+                      "gpu_name", "version")  # fmt: skip
+#: columns written without min/max statistics: payloads no reader filters on, where
+#: statistics cost more than they serve (replay plans with step, name and reduce's)
+_NO_STATISTICS: Final = ("run_id", "idx", "value", "text", "values", "data", "columns", "rows")
+
+
+def part_file(table: str, part: int) -> str:
+    """A part's file of ``table``, relative to the dataset."""
+    return f"{table}/part-{part:06d}.parquet"
+
+
+def parquet_options(schema: pa.Schema) -> dict[str, Any]:
+    """How compaction writes a table of ``schema`` (both layouts): zstd, dictionaries for
+    strings, delta and byte-stream-split encodings, statistics where readers filter."""
+    names = set(schema.names)
+    encodings = {
+        c: e
+        for c, e in _ENCODINGS.items()
+        if c in names and (e != "BYTE_STREAM_SPLIT" or pa.types.is_floating(schema.field(c).type))
+    }
+    # dictionary columns (the metrics table's strings) are written as the plain strings
+    # of SCHEMAS: no Arrow schema is stored, so every reader reads them back as strings
+    encoded = any(pa.types.is_dictionary(f.type) for f in schema)
+    return {
+        "compression": "zstd",
+        "use_dictionary": [c for c in _DICTIONARY if c in names],
+        "column_encoding": encodings,
+        "write_statistics": [c for c in schema.names if c not in _NO_STATISTICS],
+        "store_schema": not encoded,
+    }
+
+
+def _by_step(t: pa.Table) -> pa.Table:
+    """``t`` (rows in write order, rank by rank) sorted by step, stably."""
+    step = t["step"].to_numpy()
+    if len(step) < 2 or bool(np.all(step[1:] >= step[:-1])):
+        return t
+    return t.take(pa.array(np.argsort(step, kind="stable")))
+
+
+class _Part:
+    """One part being written: a Parquet writer per table, on the writer thread only."""
+
+    def __init__(self, out: Path, number: int, row_group: int) -> None:
+        self.out, self.number, self.row_group = out, number, row_group
+        self.writers: dict[str, pq.ParquetWriter] = {}
+        self.groups: dict[str, int] = {}  # row groups written so far, per table
+
+    def tmp(self, table: str) -> Path:
+        final = self.out / part_file(table, self.number)
+        return final.with_name(f".{final.name}.tmp")
+
+    def write(self, table: str, data: pa.Table) -> None:
+        writer = self.writers.get(table)
+        if writer is None:
+            path = self.tmp(table)
+            path.parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+            writer = pq.ParquetWriter(str(path), data.schema, **parquet_options(data.schema))
+            self.writers[table] = writer
+        writer.write_table(data, row_group_size=self.row_group)
+
+    def close(self) -> list[str]:
+        """Finish every file: fsync'd and renamed to its name (directories: the caller's)."""
+        files = []
+        for table, writer in self.writers.items():
+            writer.close()
+            tmp, rel = self.tmp(table), part_file(table, self.number)
+            groups = pq.read_metadata(tmp).num_row_groups
+            if groups != self.groups[table]:  # the pieces the manifest lists would be wrong
+                raise AssertionError(
+                    f"{tmp}: {groups} row groups written, not {self.groups[table]}"
+                )
+            fsync_file(tmp)
+            os.replace(tmp, self.out / rel)
+            files.append(rel)
+        return files
+
+
+class Parts:
+    """The blocks of a compaction run, written as parts (see the module)."""
+
+    def __init__(
+        self, out: Path, manifest: Manifest, block_bytes: int, row_group: int = ROW_GROUP
+    ) -> None:
+        self.out, self.manifest = out, manifest
+        self._block_bytes, self._row_group = block_bytes, row_group
+        #: chunks of the block being gathered: (its segment's entry, its tables)
+        self._chunks: list[tuple[SegmentEntry, dict[str, pa.Table]]] = []
+        self._pending = 0  # spool bytes of those chunks
+        self._part: _Part | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ranklog-compact")
+        self._writes: list[Future[None]] = []
+
+    def add(self, entry: SegmentEntry, tables: dict[str, pa.Table], nbytes: int) -> None:
+        """A chunk's tables (one segment's), written with the block they fall in."""
+        self._chunks.append((entry, tables))
+        self._pending += nbytes
+        if self._pending >= self._block_bytes:
+            self.block()
+
+    def block(self) -> None:
+        """Write the chunks gathered so far as one block, and name its pieces."""
+        chunks, self._chunks, self._pending = self._chunks, [], 0
+        if not chunks:
+            return
+        if self._part is None:
+            self._part = _Part(self.out, self.manifest.parts, self._row_group)
+            self.manifest.parts += 1
+        part = self._part
+        for table in TABLES:
+            parts = [t[table] for _, t in chunks if table in t and t[table].num_rows]
+            if not parts:
+                continue
+            data = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+            first = part.groups.get(table, 0)
+            end = part.groups[table] = first + -(-data.num_rows // self._row_group)
+            rel = part_file(table, part.number)
+            piece = [part.number, first, end]
+            for entry, t in chunks:
+                if table not in t or not t[table].num_rows:
+                    continue
+                held = entry.pieces.setdefault(table, [])
+                if not held or held[-1] != piece:
+                    held.append(piece)
+                if rel not in entry.files:
+                    entry.files.append(rel)
+            self._writes.append(self._pool.submit(self._write, part, table, data))
+
+    @staticmethod
+    def _write(part: _Part, table: str, data: pa.Table) -> None:
+        part.write(table, _by_step(data) if table in STEP_TABLES else data)
+
+    def close_part(self) -> list[str]:
+        """The blocks gathered written, and the part closed: its files, durable (their
+        directories fsync'd), relative to the dataset."""
+        self.block()
+        self._wait()
+        part, self._part = self._part, None
+        if part is None:
+            return []
+        files = self._pool.submit(part.close).result()
+        for d in sorted({(self.out / f).parent for f in files}):
+            fsync_dir(d)
+        return files
+
+    def _wait(self) -> None:
+        writes, self._writes = self._writes, []
+        for w in writes:
+            w.result()
+
+    def close(self) -> None:
+        """Stop the thread (whatever happened); a part left open stays unlisted."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def remove_orphans(out: Path, manifest: Manifest) -> None:
+    """Remove the part files (and temporary files) of ``out`` that ``manifest`` does not
+    list: what a crashed run left."""
+    listed = {f for entry in manifest.segments.values() for f in entry.files}
+    for table in TABLES:
+        try:
+            names = os.listdir(out / table)
+        except FileNotFoundError:
+            continue
+        for name in names:
+            tmp = name.startswith(".part-") and name.endswith(".tmp")
+            if tmp or (PART.fullmatch(name) and f"{table}/{name}" not in listed):
+                (out / table / name).unlink(missing_ok=True)
