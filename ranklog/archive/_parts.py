@@ -119,9 +119,7 @@ class _Part:
             tmp, rel = self.tmp(table), part_file(table, self.number)
             groups = pq.read_metadata(tmp).num_row_groups
             if groups != self.groups[table]:  # the pieces the manifest lists would be wrong
-                raise AssertionError(
-                    f"{tmp}: {groups} row groups written, not {self.groups[table]}"
-                )
+                raise ArchiveError(f"{tmp}: {groups} row groups written, not {self.groups[table]}")
             fsync_file(tmp)
             os.replace(tmp, self.out / rel)
             files.append(rel)
