@@ -50,6 +50,9 @@ from ranklog.spool import IncarnationWriter, RunInfo, SpoolLayout, ensure_run
 from .shiphelp import lines, ship
 from .spoolgen import write_frame
 
+#: every dataset here, in each layout
+pytestmark = pytest.mark.usefixtures("dataset_layout")
+
 T0 = 1_000_000.0  # exact in microseconds, as every offset below
 SPECS = ["mean", "sum", "min", "max", "last", "median", "std", "count", "mean,max", "last,min"]
 STEP_EVENTS = (Metrics, Timer, Text, Histogram, Image, Table)
@@ -175,8 +178,7 @@ def _job(spool: Path, seed: int, *, ends: str = "ok", params_ranks: int = 1,
 
 def _planned(dataset: Path) -> tuple[bool, str]:
     manifest = load_manifest(dataset)
-    listed = {f for entry in manifest.segments.values() for f in entry.files}
-    found, why = plan(_segment_files(dataset, listed), manifest, GroupCache(1 << 20))
+    found, why = plan(_segment_files(dataset, manifest), manifest, GroupCache(1 << 20))
     return found is not None, why
 
 
@@ -215,6 +217,7 @@ def _replays(dataset: Path, out: Path, monkeypatch: pytest.MonkeyPatch, **kw: An
     replay(dataset, fast_rec, **kw)
     with monkeypatch.context() as m:
         m.setattr(replay_mod, "scan", lambda *a, **k: (None, "the event path, for comparison"))
+        m.setattr(replay_mod, "scan_parts", replay_mod.scan)
         replay(dataset, JsonlTarget(slow), **kw)
         replay(dataset, slow_rec, **kw)
     assert fast.read_bytes() == slow.read_bytes()
@@ -720,9 +723,8 @@ class TestGroupCache:
         _job(spool, 3)
         dataset = spool.parent / "pq"
         manifest = load_manifest(dataset)
-        listed = {f for entry in manifest.segments.values() for f in entry.files}
         cache = GroupCache(1 << 20)
-        found, why = plan(_segment_files(dataset, listed), manifest, cache)
+        found, why = plan(_segment_files(dataset, manifest), manifest, cache)
         assert found is not None, why
         for table, kept in (("metrics", True), ("ranks", False), ("params", False)):
             files = sorted((dataset / table).glob("*.parquet"))
@@ -816,8 +818,9 @@ class TestMoreDepartures:
         compact(spool, tmp_path / "pq")
         _event_path(tmp_path / "pq", tmp_path, monkeypatch, "outside the world size 2")
 
+    @pytest.mark.parametrize("dataset_layout", [1], indirect=True)
     def test_a_dataset_from_an_older_release(
-        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dataset_layout: int
     ) -> None:
         """Ranks files without the ``events`` column (an older release): the event path,
         which reads absent columns as nulls, replays them; no crash."""

@@ -210,14 +210,17 @@ class ColumnarTails:
             return
         width = len(self._names.words)
         key = (step - lo) * width + name
-        order = np.argsort(key, kind="stable")
+        # values in rank order, each rank's in write order (lanes come in write order; a
+        # dataset of layout 2 holds a step's values of a rank in one lane, or in lanes of
+        # later parts)
+        order = np.argsort(key * (int(rank.max()) + 1) + rank, kind="stable")
         key = key[order]
         cut = np.flatnonzero(key[1:] != key[:-1]) + 1
         starts = np.concatenate(([0], cut))
         stops = np.concatenate((cut, [n]))
         # a step's names in the order they first appear (rank order, then write order), as
         # the engine meets them: an output name two names share keeps the later one's value
-        seen = np.lexsort((order[starts], key[starts] // width))
+        seen = np.lexsort((order[starts], rank[order[starts]], key[starts] // width))
         starts, stops = starts[seen], stops[seen]
         begins, ends = starts.tolist(), stops.tolist()
         values = value[order].tolist()
@@ -299,20 +302,13 @@ def _slowest(values: list[float], ranks: list[int]) -> tuple[float, int]:
     return best
 
 
-def _ranks_and_ts(built: dict[int, StepPartial], marks: dict[int, list[tuple[Any, Any]]]) -> None:
+def _ranks_and_ts(built: dict[int, StepPartial], marks: list[tuple[Any, Any, Any]]) -> None:
     """Each step's count of ranks that logged for it, and its latest event time."""
     if not marks:
         return
-    steps = np.concatenate([p[0] for parts in marks.values() for p in parts])
-    ts = np.concatenate([p[1] for parts in marks.values() for p in parts])
+    ranks, steps, ts = (np.concatenate(col) for col in zip(*marks, strict=True))
     if not len(steps):
         return
-    lengths = [len(p[0]) for parts in marks.values() for p in parts]
-    owners = np.repeat(np.arange(len(lengths)), lengths)  # the part of each mark...
-    rank_of = np.repeat(
-        np.arange(len(marks)), [len(parts) for parts in marks.values()]
-    )  # ...and the rank of each part
-    ranks = rank_of[owners]
     order = np.lexsort((ranks, steps))
     steps, ts, ranks = steps[order], ts[order], ranks[order]
     new_step = steps[1:] != steps[:-1]

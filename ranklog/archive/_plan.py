@@ -38,9 +38,19 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from ranklog.archive._blocks import BlockHeads
 from ranklog.archive._manifest import Manifest
-from ranklog.archive._rows import COLUMNS, GroupCache, column_names, open_file
-from ranklog.archive._tables import TABLES
+from ranklog.archive._rows import (
+    COLUMNS,
+    GroupCache,
+    Piece,
+    Shared,
+    Source,
+    column_names,
+    open_file,
+    source_rows,
+)
+from ranklog.archive._tables import SCHEMAS, TABLES
 from ranklog.schemas import ParamValue, is_meta_key
 from ranklog.shippers._tail import ParamsRead
 from ranklog.spool import NO_STEP, SegmentId
@@ -56,6 +66,7 @@ __all__ = [
     "check",
     "plan",
     "scan",
+    "scan_parts",
 ]
 
 #: tables reduced on columns (each row group is indexed by its steps)
@@ -108,9 +119,11 @@ class RankPlan:
     #: the gpu table's files (rows in write order) and the step of each of their rows
     gpu_files: list[tuple[Path, int]] = field(default_factory=list)
     gpu_steps: Any = None
+    #: layout 2: the rank's GPU samples (rows in write order), read by the check
+    gpu_rows: Any = None
 
 
-Segments = list[tuple[SegmentId, dict[str, list[Path]]]]
+Segments = list[tuple[SegmentId, dict[str, list[Source]]]]
 
 
 @dataclass(slots=True)
@@ -124,6 +137,20 @@ class Plan:
     cache: GroupCache
     #: each rank's segments and their files, in write order
     segments: dict[int, Segments] = field(default_factory=dict)
+    #: layout 2: the blocks of the reduced and item tables, each a lane of row groups whose
+    #: steps never go down (rows of many ranks); None: each rank's groups are its lanes
+    lanes: list[list[RowGroup]] | None = None
+    #: layout 2: the small tables' groups that segments share, decoded once for the check
+    shared: Shared | None = None
+    #: layout 2: the events of the blocks, by segment, for the check
+    heads: BlockHeads | None = None
+
+    @property
+    def gpu(self) -> bool:
+        """Whether the dataset holds GPU samples (their steps come from the check)."""
+        return any(rp.gpu_files for rp in self.ranks) or any(
+            "gpu" in tables for segs in self.segments.values() for _, tables in segs
+        )
 
 
 class _No(Exception):
@@ -131,18 +158,19 @@ class _No(Exception):
 
 
 def plan(
-    files: dict[SegmentId, dict[str, list[Path]]], manifest: Manifest, cache: GroupCache
+    files: dict[SegmentId, dict[str, list[Source]]], manifest: Manifest, cache: GroupCache
 ) -> tuple[Plan | None, str]:
-    """The dataset's plan, or (None, why it needs the event path): :func:`scan`, then
-    :func:`check`."""
-    found, why = scan(files, cache)
+    """The dataset's plan, or (None, why it needs the event path): :func:`scan` (or
+    :func:`scan_parts`, layout 2), then :func:`check`."""
+    scanned = scan_parts if manifest.layout >= 2 else scan
+    found, why = scanned(files, cache)
     if found is not None:
         why = check(found, manifest, cache)
     return (found if not why else None), why
 
 
 def scan(
-    files: dict[SegmentId, dict[str, list[Path]]], cache: GroupCache
+    files: dict[SegmentId, dict[str, list[Source]]], cache: GroupCache
 ) -> tuple[Plan | None, str]:
     """The first pass, on the files' footers: each rank's row groups (all a reader needs
     to start), or (None, why the dataset needs the event path)."""
@@ -156,12 +184,60 @@ def scan(
     return Plan(ranks, cache, by_rank), ""
 
 
+def scan_parts(
+    files: dict[SegmentId, dict[str, list[Source]]], cache: GroupCache
+) -> tuple[Plan | None, str]:
+    """:func:`scan` for a dataset of layout 2: the blocks of its parts are the lanes
+    (footers only)."""
+    by_rank: dict[int, Segments] = {}
+    for sid, tables in files.items():  # sorted: write order within a rank
+        by_rank.setdefault(sid.rank, []).append((sid, tables))
+    blocks: set[tuple[str, Path, int, int]] = set()
+    try:
+        for rank, segs in by_rank.items():
+            _segments_ok(rank, segs)
+            for _, tables in segs:
+                for table in (*REDUCED, *ITEMS):
+                    for src in tables.get(table, []):
+                        assert isinstance(src, Piece)  # (layout 2)
+                        blocks.add((table, src.path, src.first, src.end))
+        lanes = []
+        order = {t: i for i, t in enumerate((*REDUCED, *ITEMS))}
+        for table, path, first, end in sorted(blocks, key=lambda b: (order[b[0]], *b[1:])):
+            meta = _open(path, table, cache).metadata
+            lanes.append(list(_groups(table, -1, path, meta, range(first, end))))
+    except _No as why:
+        return None, str(why)
+    ranks = [RankPlan(r, watermark=NO_STEP, ended=True, world_size=None) for r in sorted(by_rank)]
+    shared = Shared(_SHARED_BYTES, _CHECKED)
+    return Plan(ranks, cache, by_rank, lanes, shared, BlockHeads(_SHARED_BYTES)), ""
+
+
+def _segments_ok(rank: int, segs: Segments) -> None:
+    """One incarnation, its segments numbered 1, 2, ..., no table of a later release."""
+    if len({sid.incarnation for sid, _ in segs}) > 1:
+        raise _No(f"rank {rank} has several incarnations")
+    if [sid.segment for sid, _ in segs] != list(range(1, len(segs) + 1)):
+        raise _No(f"rank {rank}: a segment is missing")
+    for sid, tables in segs:
+        unknown = set(tables) - set(TABLES)
+        if unknown:
+            raise _No(f"{sid.stem} holds {', '.join(sorted(unknown))}")
+
+
+#: decoded groups of part files the check keeps (key columns only, split by segment)
+_SHARED_BYTES: Final = 64 * 1024 * 1024
+#: the columns the check reads of the reduced and item tables (the others: all)
+_CHECKED: Final = {t: ["rank", "incarnation", "segment", "seq", "idx", "step"]
+                   for t in (*REDUCED, *ITEMS)}  # fmt: skip
+
+
 def check(found: Plan, manifest: Manifest, cache: GroupCache) -> str:
     """The second pass, on the key columns: what the engine would end with, filled into
     ``found``; '' when the dataset replays on columns, else why not."""
     try:
         for rp in found.ranks:
-            _check_rank(rp, found.segments[rp.rank], manifest, cache)
+            _check_rank(rp, found.segments[rp.rank], manifest, cache, found.shared, found.heads)
         ranks = found.ranks
         _one_config(ranks)
         sizes = [rp.world_size for rp in ranks if rp.world_size is not None]
@@ -209,19 +285,14 @@ def _one_config(ranks: list[RankPlan]) -> None:
 
 
 def _scan_rank(rank: int, segs: Segments, cache: GroupCache) -> RankPlan:
-    if len({sid.incarnation for sid, _ in segs}) > 1:
-        raise _No(f"rank {rank} has several incarnations")
-    if [sid.segment for sid, _ in segs] != list(range(1, len(segs) + 1)):
-        raise _No(f"rank {rank}: a segment is missing")
+    _segments_ok(rank, segs)
     out = RankPlan(rank, watermark=NO_STEP, ended=True, world_size=None)
-    for sid, tables in segs:
-        unknown = set(tables) - set(TABLES)
-        if unknown:
-            raise _No(f"{sid.stem} holds {', '.join(sorted(unknown))}")
+    for _, tables in segs:
         for table, paths in tables.items():
             if table in _ONCE:  # read by the check alone
                 continue
             for path in paths:
+                assert isinstance(path, Path)  # (layout 1)
                 pf = _open(path, table, cache)
                 if table == "gpu":
                     out.gpu_files.append((path, pf.metadata.num_rows))
@@ -230,7 +301,15 @@ def _scan_rank(rank: int, segs: Segments, cache: GroupCache) -> RankPlan:
     return out
 
 
-def _check_rank(rp: RankPlan, segs: Segments, manifest: Manifest, cache: GroupCache) -> None:
+def _check_rank(
+    rp: RankPlan,
+    segs: Segments,
+    manifest: Manifest,
+    cache: GroupCache,
+    shared: Shared | None,
+    blocks: BlockHeads | None,
+) -> None:
+    gpu_rows: list[pa.Table] = []  # layout 2: the rank's GPU samples, kept
     heads: list[tuple[Any, ...]] = []  # per table and file: (seq, idx, step, code, events counted)
     params: dict[tuple[int, int], list[tuple[str, str]]] = {}
     expected = 0
@@ -241,25 +320,44 @@ def _check_rank(rp: RankPlan, segs: Segments, manifest: Manifest, cache: GroupCa
     for n, (sid, tables) in enumerate(segs):
         seqs = []
         for table in (*REDUCED, *ITEMS, "gpu"):
-            for path in tables.get(table, []):
-                pf = _open(path, table, cache)
-                seq, idx, step, last[table] = _heads(pf, path, last.get(table))
+            for src in tables.get(table, []):
+                if isinstance(src, Path):
+                    pf = _open(src, table, cache)
+                    seq, idx, step, last[table] = _heads(pf, src, last.get(table))
+                elif table != "gpu" and blocks is not None:
+                    seq, idx, step = blocks.heads(src, cache.footer(src.path))
+                    _in_order(seq, idx, src.path, last.get(table))
+                    if len(seq):
+                        last[table] = (int(seq[-1]), int(idx[-1]))
+                else:
+                    t = _piece_rows(src, table, shared)
+                    seq, idx, step, last[table] = _heads_of(t, src.path, last.get(table))
+                    if table == "gpu":
+                        gpu_rows.append(t.select(["seq", "idx", *READ["gpu"]]))
                 what = _GPU if table == "gpu" else _STEP
                 heads.append((seq, idx, step, np.full(len(seq), what, np.int8), _uncounted(seq)))
                 seqs.append(seq)
-        for path in tables.get("params", []):
-            pf = _open(path, "params", cache)
-            t = pf.read(columns=["seq", "idx", "name", "value"], use_threads=False)
+        for src in tables.get("params", []):
+            if isinstance(src, Path):
+                pf = _open(src, "params", cache)
+                t = pf.read(columns=["seq", "idx", "name", "value"], use_threads=False)
+                seq, idx, _, last["params"] = _heads(pf, src, last.get("params"))
+            else:
+                t = _piece_rows(src, "params", shared).select(["seq", "idx", "name", "value"])
+                seq, idx, _, last["params"] = _heads_of(t, src.path, last.get("params"))
             for q, i, name, value in zip(*(t[c].to_pylist() for c in t.column_names), strict=True):
                 params.setdefault((q, i), []).append((name, value))
-            seq, idx, _, last["params"] = _heads(pf, path, last.get("params"))
             heads.append((seq, idx, np.full(len(seq), NO_STEP), np.full(len(seq), _PARAMS, np.int8),
                           _uncounted(seq)))  # fmt: skip
             seqs.append(seq)
-        for path in tables.get("ranks", []):
-            t = _open(path, "ranks", cache).read(
-                columns=["seq", "idx", *READ["ranks"]], use_threads=False
-            )
+        for src in tables.get("ranks", []):
+            if isinstance(src, Path):
+                t = _open(src, "ranks", cache).read(
+                    columns=["seq", "idx", *READ["ranks"]], use_threads=False
+                )
+            else:
+                t = _piece_rows(src, "ranks", shared).select(["seq", "idx", *READ["ranks"]])
+            path = src if isinstance(src, Path) else src.path
             seq, idx = t["seq"].to_numpy(), t["idx"].to_numpy()
             _in_order(seq, idx, path)
             is_end = pc.equal(t["kind"], "step_end").to_numpy(zero_copy_only=False)
@@ -285,6 +383,8 @@ def _check_rank(rp: RankPlan, segs: Segments, manifest: Manifest, cache: GroupCa
                 raise _No(f"{sid.stem}: frames before the seal are missing")
             expected += 1
     _stream(rp, heads, params, segs[0][0].key)
+    if gpu_rows:
+        rp.gpu_rows = pa.concat_tables(gpu_rows)
     rp.world_size = world
     rp.status = status if ended_last and status is not None else "unknown"
     rp.ended = rp.status != "signal"
@@ -382,6 +482,13 @@ def _uncounted(seq: Any) -> Any:
     return np.full(len(seq), -1, np.int64)
 
 
+def _piece_rows(piece: Piece, table: str, shared: Shared | None) -> pa.Table:
+    """A piece's rows of its segment (the check's columns), in write order."""
+    t = source_rows(piece, table, list(_CHECKED.get(table, SCHEMAS[table].names)), shared)
+    # sorted by step in the part: back in write order (stable: an event's rows stay)
+    return t.sort_by([("seq", "ascending"), ("idx", "ascending")])
+
+
 def _heads(
     pf: pq.ParquetFile, path: Path, last: tuple[int, int] | None
 ) -> tuple[Any, Any, Any, tuple[int, int] | None]:
@@ -391,14 +498,28 @@ def _heads(
     A step that is null (a GPU sample's, or a table without steps) reads as ``_NULL``.
     """
     columns = ["seq", "idx"] + (["step"] if "step" in pf.schema_arrow.names else [])
-    parts: list[list[Any]] = [[], [], []]
     if pf.metadata.num_rows <= _BATCH:  # one read: quicker for a small file
         batches: Iterable[pa.RecordBatch] = pf.read(columns=columns, use_threads=False).to_batches()
     else:
         batches = pf.iter_batches(batch_size=_BATCH, columns=columns)
+    return _batch_heads(batches, len(columns) == 3, path, last)
+
+
+def _heads_of(
+    t: pa.Table, path: Path, last: tuple[int, int] | None
+) -> tuple[Any, Any, Any, tuple[int, int] | None]:
+    """:func:`_heads` of rows already read (in write order)."""
+    columns = ["seq", "idx"] + (["step"] if "step" in t.column_names else [])
+    return _batch_heads(t.select(columns).to_batches(), len(columns) == 3, path, last)
+
+
+def _batch_heads(
+    batches: Iterable[pa.RecordBatch], stepped: bool, path: Path, last: tuple[int, int] | None
+) -> tuple[Any, Any, Any, tuple[int, int] | None]:
+    parts: list[list[Any]] = [[], [], []]
     for batch in batches:
         seq, idx = batch.column(0).to_numpy(), batch.column(1).to_numpy()
-        if len(columns) == 3:
+        if stepped:
             step = batch.column(2).fill_null(_NULL).to_numpy()
         else:
             step = np.full(len(seq), _NULL, np.int64)
@@ -426,12 +547,15 @@ def _in_order(seq: Any, idx: Any, path: Path, last: tuple[int, int] | None = Non
         raise _No(f"{path.name}: rows out of order")
 
 
-def _groups(table: str, rank: int, path: Path, meta: Any) -> Iterable[RowGroup]:
-    """The file's row groups with the steps they span (from the footer's statistics)."""
+def _groups(
+    table: str, rank: int, path: Path, meta: Any, groups: range | None = None
+) -> Iterable[RowGroup]:
+    """The file's row groups (or ``groups`` of them) with the steps they span (from the
+    footer's statistics)."""
     names = column_names(meta)
     col, name = names.index("step"), names.index("name")
     red = names.index("reduce") if table in REDUCED else None
-    for i in range(meta.num_row_groups):
+    for i in range(meta.num_row_groups) if groups is None else groups:
         group = meta.row_group(i)
         if group.num_rows == 0:
             continue

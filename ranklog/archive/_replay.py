@@ -28,7 +28,7 @@ import tempfile
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Final, cast
+from typing import Any, Final
 
 import numpy as np
 import pyarrow as pa
@@ -38,7 +38,7 @@ import pyarrow.parquet as pq
 from ranklog.archive._columnar import ColumnarTails
 from ranklog.archive._manifest import Manifest, load_manifest, require_manifest
 from ranklog.archive._parts import part_file
-from ranklog.archive._plan import check, scan
+from ranklog.archive._plan import check, scan, scan_parts
 from ranklog.archive._rows import (
     COLUMNS,
     GroupCache,
@@ -365,16 +365,13 @@ def _columnar(dataset: Path, manifest: Manifest) -> ColumnarTails | None:
     The first window is read (by the tails' thread) while the plan's second pass checks
     the key columns, unless GPU samples wait for that pass (their steps come from it).
     """
-    if manifest.layout >= 2:
-        log.info("replay of %s event by event: dataset layout 2", dataset)
-        return None
-    files = cast(dict[SegmentId, dict[str, list[Path]]], _segment_files(dataset, manifest))
-    found, why = scan(files, GroupCache(_CACHE_BYTES))  # (layout 1: files only)
+    scanned = scan_parts if manifest.layout >= 2 else scan
+    found, why = scanned(_segment_files(dataset, manifest), GroupCache(_CACHE_BYTES))
     tails = None
     if found is not None:
         tails = ColumnarTails(found, dataset)
         try:
-            if not any(rp.gpu_files for rp in found.ranks):
+            if not found.gpu:
                 tails.start()
             why = check(found, manifest, found.cache)  # its footers, parsed once
         except BaseException:

@@ -148,15 +148,17 @@ class Shared:
     all of them while readers go through its segments in turn.
     """
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, columns: dict[str, list[str]] | None = None) -> None:
         self.limit = limit
+        #: the columns decoded of a table (the segment's key among them); others: all
+        self._columns = columns or {}
         self._items: OrderedDict[tuple[Path, int], _Split]
         self._items = OrderedDict()
         self._bytes = 0
 
     def rows(self, piece: Piece, table: str, footer: Any = None) -> pa.Table | None:
         """The piece's rows of its segment, in file order, with every column of ``table``
-        (absent ones as nulls); None if none."""
+        decoded (absent ones as nulls); None if none."""
         sid = piece.segment
         key = _segment_key(sid.rank, sid.incarnation, sid.segment)
         parts = []
@@ -166,7 +168,7 @@ class Shared:
             if item is None:
                 if pf is None:
                     pf = open_file(piece.path, footer)
-                item = self._split(pf, table, g)
+                item = self._split(pf, table, g, self._columns.get(table))
                 self._put((piece.path, g), item)
             else:
                 self._items.move_to_end((piece.path, g))
@@ -179,10 +181,8 @@ class Shared:
         return parts[0] if len(parts) == 1 else pa.concat_tables(parts)
 
     @staticmethod
-    def _split(
-        pf: pq.ParquetFile, table: str, g: int
-    ) -> tuple[pa.Table, dict[int, tuple[int, int]]]:
-        t = _read(pf, table, list(SCHEMAS[table].names), g)
+    def _split(pf: pq.ParquetFile, table: str, g: int, columns: list[str] | None) -> _Split:
+        t = _read(pf, table, list(SCHEMAS[table].names) if columns is None else columns, g)
         keys = _segment_key(*(t[c].to_numpy().astype(np.int64) for c in _SEGMENT))
         if len(keys) > 1 and not bool(np.all(keys[1:] >= keys[:-1])):
             order = np.argsort(keys, kind="stable")  # a segment's rows stay in file order

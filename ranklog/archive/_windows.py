@@ -16,6 +16,7 @@ is read by both; the part after the first window stays in the cache, up to its s
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, cast
@@ -112,8 +113,8 @@ class Window:
     hi: int
     #: table -> (rank, ts, step, name, value, spec) columns
     rows: dict[str, tuple[Any, ...]]
-    #: rank -> (steps, latest ts of each) per part read
-    marks: dict[int, list[tuple[Any, Any]]]
+    #: (ranks, steps, latest ts) per part read: each (rank, step) and its latest time stamp
+    marks: list[tuple[Any, Any, Any]]
     #: no row is left after this window
     last: bool
     #: texts, distributions, images, tables and GPU samples: (rank, step, event), in rank
@@ -128,8 +129,21 @@ class _GpuLane:
     rank: int
     files: list[tuple[Path, int]]
     steps: Any
+    #: layout 2: the samples themselves (read by the plan's check), not their files
+    rows: Any = None
     #: the next row to read
     next: int = 0
+
+
+def _by_rank(t: pa.Table) -> list[tuple[int, pa.Table]]:
+    """Rows of many ranks (a block's, by step) split by rank, each rank's in their order."""
+    ranks = t["rank"].to_numpy()
+    order = np.argsort(ranks, kind="stable")
+    ranks = ranks[order]
+    cut = np.flatnonzero(ranks[1:] != ranks[:-1]) + 1
+    t = t.take(pa.array(order)).drop_columns(["rank"])
+    bounds = [0, *cut.tolist(), len(ranks)]
+    return [(int(ranks[a]), t.slice(a, b - a)) for a, b in itertools.pairwise(bounds)]
 
 
 class Loader:
@@ -139,7 +153,10 @@ class Loader:
         self._cache = plan.cache
         self._names, self._specs = names, specs
         #: (rank, groups of one table in write order: their steps never go down)
+        #: (layout 2: the blocks of the parts, rows of many ranks, rank -1)
         self._lanes: list[tuple[int, list[RowGroup]]] = []
+        if plan.lanes is not None:
+            self._lanes = [(-1, lane) for lane in plan.lanes if lane]
         for rp in plan.ranks:
             for table in (*REDUCED, *ITEMS):
                 lane = [g for g in rp.groups if g.table == table]
@@ -160,8 +177,8 @@ class Loader:
 
     def _start(self) -> list[_GpuLane]:
         """The GPU samples' lanes, and the first window's width (once)."""
-        gpu = [_GpuLane(rp.rank, rp.gpu_files, rp.gpu_steps) for rp in self._plan.ranks
-               if rp.gpu_steps is not None]  # fmt: skip
+        gpu = [_GpuLane(rp.rank, rp.gpu_files, rp.gpu_steps, rp.gpu_rows)
+               for rp in self._plan.ranks if rp.gpu_steps is not None]  # fmt: skip
         lows = [lane[0].lo for _, lane in self._lanes] + [int(g.steps[0]) for g in gpu]
         top = max([g.hi for _, lane in self._lanes for g in lane]
                   + [int(g.steps[-1]) for g in gpu], default=0)  # fmt: skip
@@ -192,7 +209,7 @@ class Loader:
         width = self._width = min(width, WINDOW_STEPS)
         hi = lo + width
         rows = {t: _Rows() for t in REDUCED}
-        marks: dict[int, list[tuple[Any, Any]]] = {}
+        marks: list[tuple[Any, Any, Any]] = []
         other: dict[int, dict[str, pa.Table]] = {}  # rank -> item table -> its rows
         for k, (rank, lane) in enumerate(self._lanes):
             if lane[0].table in REDUCED:
@@ -208,14 +225,16 @@ class Loader:
             if not picked:
                 continue
             table = picked[0].table
-            t = self._rows(picked, lo, hi, _ITEM_COLUMNS[table])
+            t = self._rows(picked, lo, hi, _ITEM_COLUMNS[table] + (["rank"] if rank < 0 else []))
             if t is not None:
-                other.setdefault(rank, {})[table] = t
+                for r, part in _by_rank(t) if rank < 0 else [(rank, t)]:
+                    had = other.setdefault(r, {}).get(table)
+                    other[r][table] = part if had is None else pa.concat_tables([had, part])
         gpu_steps: dict[int, Any] = {}
         for g in gpu:
             end = int(np.searchsorted(g.steps, hi))
             if end > g.next:
-                other.setdefault(g.rank, {})["gpu"] = self._gpu_rows(g.files, g.next, end)
+                other.setdefault(g.rank, {})["gpu"] = self._gpu_rows(g, end)
                 gpu_steps[g.rank] = g.steps[g.next : end]
                 g.next = end
         self._hi = hi
@@ -230,7 +249,7 @@ class Loader:
         self,
         other: dict[int, dict[str, pa.Table]],
         gpu_steps: dict[int, Any],
-        marks: dict[int, list[tuple[Any, Any]]],
+        marks: list[tuple[Any, Any, Any]],
     ) -> list[tuple[int, int, Contributed]]:
         """The window's events of the item tables, rebuilt (they are few), with their steps."""
         items: list[tuple[int, int, Contributed]] = []
@@ -238,7 +257,8 @@ class Loader:
             tables = other[rank]
             for name, t in tables.items():
                 steps = gpu_steps[rank] if name == "gpu" else t["step"].to_numpy()
-                marks.setdefault(rank, []).append((steps, t["ts"].to_numpy()))
+                ts = t["ts"].to_numpy()
+                marks.append((np.full(len(ts), rank), steps, ts))
             sampled = iter(gpu_steps.get(rank, ()).tolist() if rank in gpu_steps else ())
             events = frame_events(dict(tables), rank, "")
             for seq in sorted(events):
@@ -276,7 +296,7 @@ class Loader:
         return total
 
     def _reduced(
-        self, k: int, rank: int, hi: int, into: _Rows, marks: dict[int, list[tuple[Any, Any]]]
+        self, k: int, rank: int, hi: int, into: _Rows, marks: list[tuple[Any, Any, Any]]
     ) -> None:
         """Lane ``k``'s metrics or timers for steps below ``hi`` (the window's first step is
         its first row not taken yet) into ``into``, and each step's latest time stamp into
@@ -305,18 +325,25 @@ class Loader:
         self._next[k] = i
         for part in parts:
             step = part["step"]
-            first = np.concatenate(([0], np.flatnonzero(step[1:] != step[:-1]) + 1))
-            marks.setdefault(rank, []).append((step[first], np.maximum.reduceat(part["ts"], first)))
+            new = np.ones(len(step), bool)
+            new[1:] = step[1:] != step[:-1]
+            if rank < 0:  # rows of many ranks (layout 2): by step, then rank
+                ranks = part["rank"]
+                new[1:] |= ranks[1:] != ranks[:-1]
+            first = np.flatnonzero(new)
+            latest = np.maximum.reduceat(part["ts"], first)
+            marks.append((part["rank"][first], step[first], latest))
             into.parts.append(part)
 
     def _decode(self, rank: int, g: RowGroup) -> Any:
         """One metrics or timers row group of ``rank``'s, as :data:`ROW` records."""
         one = g.spec is not None
+        columns = (_ONE_SPEC if one else _COLUMNS) + (["rank"] if rank < 0 else [])
         t = self._file(g.path).read_row_group(
-            g.index, columns=_ONE_SPEC if one else _COLUMNS, use_threads=g.nbytes > _THREADS
+            g.index, columns=columns, use_threads=g.nbytes > _THREADS
         )
         rows = np.empty(t.num_rows, ROW)
-        rows["rank"] = rank
+        rows["rank"] = rank if rank >= 0 else t["rank"].to_numpy()
         rows["ts"] = t["ts"].to_numpy().view(np.int64)  # microseconds
         rows["step"] = t["step"].to_numpy()
         rows["name"] = self._names.codes(t["name"])
@@ -361,8 +388,13 @@ class Loader:
             return None
         return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
 
-    def _gpu_rows(self, files: list[tuple[Path, int]], a: int, b: int) -> pa.Table:
-        """Rows ``a <= row < b`` of a rank's gpu table (its files one after another)."""
+    def _gpu_rows(self, lane: _GpuLane, b: int) -> pa.Table:
+        """The rank's GPU samples from its next one to row ``b`` (its files one after
+        another, or the rows the check kept)."""
+        files, a = lane.files, lane.next
+        if lane.rows is not None:
+            t = lane.rows.slice(a, b - a)
+            return t.set_column(t.schema.get_field_index("ts"), "ts", t["ts"].cast(pa.int64()))
         parts = []
         base = 0
         for path, n in files:
