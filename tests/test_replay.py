@@ -146,6 +146,7 @@ class TestReading:
 
         monkeypatch.setattr(replay_mod, "_ROWS_PER_READ", 64)
         monkeypatch.setattr(replay_mod, "scan", lambda *a, **k: (None, "the event path"))
+        monkeypatch.setattr(replay_mod, "scan_parts", replay_mod.scan)
         run = rank(spool, 0, 1)
         for s in range(400):
             if s % 50 == 0:
