@@ -17,9 +17,10 @@ shipper engine) is imported on first use: ``ranklog compact`` starts without the
 
 from typing import TYPE_CHECKING, Any
 
+from ranklog.archive._block import segment_tables
 from ranklog.archive._compact import CompactResult, compact
 from ranklog.archive._manifest import MANIFEST, Manifest, load_manifest, require_manifest
-from ranklog.archive._tables import COMMON, SCHEMAS, STEP_TABLES, TABLES, segment_tables
+from ranklog.archive._tables import COMMON, SCHEMAS, STEP_TABLES, TABLES
 
 if TYPE_CHECKING:
     from ranklog.archive._replay import ParquetSource, replay

@@ -35,6 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ranklog._fs import DIR_MODE, atomic_write, fsync_dir
+from ranklog.archive._block import Block
 from ranklog.archive._delete import delete_verified
 from ranklog.archive._manifest import (
     Manifest,
@@ -43,12 +44,7 @@ from ranklog.archive._manifest import (
     save_manifest,
 )
 from ranklog.archive._parts import ROW_GROUP, Parts, parquet_options, remove_orphans
-from ranklog.archive._tables import (
-    TABLES,
-    NamesRow,
-    names_row,
-    raw_segment_tables,
-)
+from ranklog.archive._tables import TABLES, NamesRow, names_row
 from ranklog.errors import ArchiveError, ConfigError, RunMismatchError
 from ranklog.schemas import (
     DecodeStats,
@@ -86,7 +82,7 @@ WRITERS: Final = 2
 #: the dataset layouts this release reads and writes
 LAYOUTS: Final = (1, 2)
 #: the layout of a new dataset
-DEFAULT_LAYOUT: Final = 1
+DEFAULT_LAYOUT: Final = 2
 
 
 @dataclass(slots=True)
@@ -324,16 +320,20 @@ def _compact_segment(
             run_id, seg.rank, seg.incarnation,
         )  # fmt: skip
         tables: dict[str, pa.Table] = {}
+        added: dict[str, int] = {}
         if res.frames and not foreign:
             layouts = reader.layouts.copy()  # as they were before these frames (for a retry)
             decoded, undecodable = _decode(str(seg.path), res.frames, reader.layouts, raw=True)
-            built = raw_segment_tables(run_id, seg, decoded, upto, mark=mark, dictionary=True)
-            if built is None:  # a values map Metrics refuses: the events as the reader has them
+            block = saver.parts.block if saver.parts is not None else Block(run_id)
+            got = block.add(seg, decoded, upto, mark)
+            if got is None:  # a values map Metrics refuses: the events as the reader has them
                 decoded, undecodable = _decode(str(seg.path), res.frames, layouts,
                                                raw=False)  # fmt: skip
-                built = raw_segment_tables(run_id, seg, decoded, upto, mark=mark, dictionary=True)
-            assert built is not None  # decoded Metrics: no map to refuse
-            tables = built
+                got = block.add(seg, decoded, upto, mark)
+            assert got is not None  # decoded Metrics: no map to refuse
+            added = got
+            if saver.parts is None:
+                tables = block.tables(dictionary=True)
             res.bad = sorted(res.bad + undecodable, key=lambda b: b.offset)  # in file order
         for b in res.bad:
             if b.offset >= entry.offset:
@@ -349,17 +349,17 @@ def _compact_segment(
         if res.frames:
             start = res.frames[0].offset
             if saver.parts is not None:
-                saver.parts.add(entry, tables, res.end - entry.offset)
+                saver.parts.added(entry, added, res.end - entry.offset)
                 saver.pending += res.end - entry.offset
             else:
                 files = saver.writer.submit(outdir, key, start, res.end, tables)
                 saver.wrote(files, res.end - entry.offset)
                 entry.files += files
                 result.files += len(files)
-            for table, data in tables.items():
-                entry.rows[table] = entry.rows.get(table, 0) + data.num_rows
-                result.rows[table] = result.rows.get(table, 0) + data.num_rows
-            result.values += tables["metrics"].num_rows if "metrics" in tables else 0
+            for table, n in added.items():
+                entry.rows[table] = entry.rows.get(table, 0) + n
+                result.rows[table] = result.rows.get(table, 0) + n
+            result.values += added.get("metrics", 0)
         entry.offset = max(entry.offset, res.end)
         entry.names = reader.names_before(entry.offset)
         entry.sealed = entry.sealed or res.sealed

@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ranklog._fs import DIR_MODE, fsync_dir, fsync_file
+from ranklog.archive._block import Block
 from ranklog.archive._manifest import Manifest, SegmentEntry
 from ranklog.archive._tables import STEP_TABLES, TABLES
 from ranklog.errors import ArchiveError
@@ -134,40 +135,39 @@ class Parts:
     ) -> None:
         self.out, self.manifest = out, manifest
         self._block_bytes, self._row_group = block_bytes, row_group
-        #: chunks of the block being gathered: (its segment's entry, its tables)
-        self._chunks: list[tuple[SegmentEntry, dict[str, pa.Table]]] = []
+        #: the block being gathered, and which segment added rows to which tables
+        self.block = Block(manifest.run_id)
+        self._chunks: list[tuple[SegmentEntry, dict[str, int]]] = []
         self._pending = 0  # spool bytes of those chunks
         self._part: _Part | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ranklog-compact")
         self._writes: list[Future[None]] = []
 
-    def add(self, entry: SegmentEntry, tables: dict[str, pa.Table], nbytes: int) -> None:
-        """A chunk's tables (one segment's), written with the block they fall in."""
-        self._chunks.append((entry, tables))
+    def added(self, entry: SegmentEntry, rows: dict[str, int], nbytes: int) -> None:
+        """A chunk of ``entry``'s segment was added to :attr:`block` (``rows``: per table);
+        the block is written once it holds ``block_bytes`` of spool."""
+        self._chunks.append((entry, rows))
         self._pending += nbytes
         if self._pending >= self._block_bytes:
-            self.block()
+            self.flush()
 
-    def block(self) -> None:
-        """Write the chunks gathered so far as one block, and name its pieces."""
+    def flush(self) -> None:
+        """Write the block gathered so far, and name its pieces."""
         chunks, self._chunks, self._pending = self._chunks, [], 0
+        block, self.block = self.block, Block(self.manifest.run_id)
         if not chunks:
             return
         if self._part is None:
             self._part = _Part(self.out, self.manifest.parts, self._row_group)
             self.manifest.parts += 1
         part = self._part
-        for table in TABLES:
-            parts = [t[table] for _, t in chunks if table in t and t[table].num_rows]
-            if not parts:
-                continue
-            data = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+        for table, data in block.tables(dictionary=True).items():
             first = part.groups.get(table, 0)
             end = part.groups[table] = first + -(-data.num_rows // self._row_group)
             rel = part_file(table, part.number)
             piece = [part.number, first, end]
-            for entry, t in chunks:
-                if table not in t or not t[table].num_rows:
+            for entry, rows in chunks:
+                if not rows.get(table):
                     continue
                 held = entry.pieces.setdefault(table, [])
                 if not held or held[-1] != piece:
@@ -183,7 +183,7 @@ class Parts:
     def close_part(self) -> list[str]:
         """The blocks gathered written, and the part closed: its files, durable (their
         directories fsync'd), relative to the dataset."""
-        self.block()
+        self.flush()
         self._wait()
         part, self._part = self._part, None
         if part is None:
