@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from ranklog.archive._rows import Piece, open_file
 from ranklog.spool import SegmentId
 
-__all__ = ["BlockHeads"]
+__all__ = ["BlockHeads", "RanksHeads", "ranks_heads"]
 
 _COLUMNS: Final = ("rank", "incarnation", "segment", "seq", "idx")
 #: a step that is null (a table without steps)
@@ -28,10 +30,57 @@ _NULL: Final = -(2**62)
 
 #: one segment's events: (seq, idx, step), numpy arrays in write order
 Heads = tuple[Any, Any, Any]
+#: one segment's rows of the ranks table, in write order: (seq, idx, step (a step_end's;
+#: else none), code (step_end or other), events (-1: none)) as numpy arrays, and the
+#: (kind, world_size, status) of its rows other than step_ends
+RanksHeads = tuple[Any, Any, Any, Any, Any, list[tuple[Any, Any, Any]]]
+#: the event codes of the plan's check (its ``_END`` and ``_OTHER``)
+END, OTHER = 1, 3
+_NO_STEP: Final = -1
+_RANKS: Final = ("seq", "idx", "kind", "step", "events", "world_size", "status")
+
+
+def ranks_heads(t: pa.Table) -> RanksHeads:
+    """One segment's rows of the ranks table (``t``, in write order) as the check reads them."""
+    is_end = pc.equal(t["kind"], "step_end").to_numpy(zero_copy_only=False)
+    code = np.where(is_end, END, OTHER).astype(np.int8)
+    step = np.where(is_end, t["step"].fill_null(_NO_STEP).to_numpy(), _NO_STEP)
+    events = t["events"].fill_null(-1).to_numpy()
+    other = t.filter(pc.invert(pa.chunked_array([is_end])))  # a few rows: in order
+    rows = list(zip(*(other[c].to_pylist() for c in ("kind", "world_size", "status")),
+                    strict=True))  # fmt: skip
+    return t["seq"].to_numpy(), t["idx"].to_numpy(), step, code, events, rows
 
 
 def _key(rank: Any, incarnation: Any, segment: Any) -> Any:
     return (rank << 40) | (incarnation << 20) | segment
+
+
+#: blocks of the ranks table kept split (a block of small segments holds thousands)
+_RANKS_BLOCKS: Final = 4
+
+
+def _ranks_block(piece: Piece, footer: Any) -> dict[int, RanksHeads]:
+    """A block of the ranks table (rows in write order: segment by segment), split."""
+    pf = open_file(piece.path, footer)
+    have = set(pf.schema_arrow.names)
+    t = pf.read_row_groups(list(range(piece.first, piece.end)),
+                           columns=[c for c in ("rank", "incarnation", "segment", *_RANKS)
+                                    if c in have], use_threads=False)  # fmt: skip
+    keys = _key(*(t[c].to_numpy().astype(np.int64) for c in ("rank", "incarnation", "segment")))
+    if not len(keys):
+        return {}
+    seq, idx, step, code, events, rows = ranks_heads(t)
+    cut = np.flatnonzero(keys[1:] != keys[:-1]) + 1
+    bounds = [0, *cut.tolist(), len(keys)]
+    is_other = code == OTHER
+    others = np.cumsum(is_other) - is_other  # each row's place among the other rows
+    out: dict[int, RanksHeads] = {}
+    for a, b in itertools.pairwise(bounds):
+        o0 = int(others[a])
+        o1 = o0 + int(is_other[a:b].sum())
+        out[int(keys[a])] = (seq[a:b], idx[a:b], step[a:b], code[a:b], events[a:b], rows[o0:o1])
+    return out
 
 
 class BlockHeads:
@@ -42,6 +91,23 @@ class BlockHeads:
         self._blocks: OrderedDict[tuple[Path, int, int], dict[int, Heads]] = OrderedDict()
         self._bytes = 0
         self._sizes: dict[tuple[Path, int, int], int] = {}
+        self._ranks: OrderedDict[tuple[Path, int, int], dict[int, RanksHeads]] = OrderedDict()
+
+    def ranks(self, piece: Piece, footer: Any = None) -> RanksHeads:
+        """The rows of ``piece``'s segment in its block of the ranks table, as
+        :func:`ranks_heads` gives them (the block read and split once)."""
+        key = (piece.path, piece.first, piece.end)
+        block = self._ranks.get(key)
+        if block is None:
+            block = self._ranks[key] = _ranks_block(piece, footer)
+            while len(self._ranks) > _RANKS_BLOCKS:
+                self._ranks.popitem(last=False)
+        sid: SegmentId = piece.segment
+        got = block.get(int(_key(sid.rank, sid.incarnation, sid.segment)))
+        if got is None:
+            empty = np.zeros(0, np.int64)
+            return empty, empty, empty, np.zeros(0, np.int8), empty, []
+        return got
 
     def heads(self, piece: Piece, footer: Any = None) -> Heads:
         """The events of ``piece``'s segment in its block, in write order."""

@@ -35,10 +35,9 @@ from typing import Any, Final
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ranklog.archive._blocks import BlockHeads
+from ranklog.archive._blocks import END, OTHER, BlockHeads, ranks_heads
 from ranklog.archive._manifest import Manifest
 from ranklog.archive._rows import (
     COLUMNS,
@@ -82,7 +81,7 @@ _SHORT: Final = 64
 #: once; the window reader does not)
 _ONCE: Final = ("params", "ranks")
 # event codes in a rank's stream
-_STEP, _END, _PARAMS, _OTHER, _GPU = 0, 1, 2, 3, 4
+_STEP, _END, _PARAMS, _OTHER, _GPU = 0, END, 2, OTHER, 4
 
 
 @dataclass(slots=True, frozen=True)
@@ -355,19 +354,17 @@ def _check_rank(
                 t = _open(src, "ranks", cache).read(
                     columns=["seq", "idx", *READ["ranks"]], use_threads=False
                 )
+                seq, idx = t["seq"].to_numpy(), t["idx"].to_numpy()
+                _in_order(seq, idx, src)
+                got = ranks_heads(t)
             else:
-                t = _piece_rows(src, "ranks", shared).select(["seq", "idx", *READ["ranks"]])
-            path = src if isinstance(src, Path) else src.path
-            seq, idx = t["seq"].to_numpy(), t["idx"].to_numpy()
-            _in_order(seq, idx, path)
-            is_end = pc.equal(t["kind"], "step_end").to_numpy(zero_copy_only=False)
-            code = np.where(is_end, _END, _OTHER).astype(np.int8)
-            step = np.where(is_end, t["step"].fill_null(NO_STEP).to_numpy(), NO_STEP)
-            heads.append((seq, idx, step, code, t["events"].fill_null(-1).to_numpy()))
+                assert blocks is not None
+                got = blocks.ranks(src)  # (read once a block: its footer not kept)
+                seq, idx = got[0], got[1]
+                _in_order(seq, idx, src.path)
+            heads.append(got[:5])
             seqs.append(seq)
-            other = t.filter(pc.invert(pa.chunked_array([is_end])))  # a few rows: in order
-            for k, w, st in zip(*(other[c].to_pylist() for c in ("kind", "world_size", "status")),
-                                strict=True):  # fmt: skip
+            for k, w, st in got[5]:  # the rows other than step_ends (a few), in order
                 if k == "rank_start":
                     world = w
                 elif k == "rank_end":
