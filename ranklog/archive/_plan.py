@@ -235,8 +235,21 @@ def check(found: Plan, manifest: Manifest, cache: GroupCache) -> str:
     """The second pass, on the key columns: what the engine would end with, filled into
     ``found``; '' when the dataset replays on columns, else why not."""
     try:
+        batch: list[_Walk] = []
+        size = 0
         for rp in found.ranks:
-            _check_rank(rp, found.segments[rp.rank], manifest, cache, found.shared, found.heads)
+            try:
+                walk = _check_rank(rp, found.segments[rp.rank], manifest, cache, found.shared,
+                                   found.heads)  # fmt: skip
+            except _No:
+                _streams(batch)  # a rank before it may have failed first
+                raise
+            batch.append(walk)
+            size += sum(len(h[0]) for h in walk[1])
+            if size >= _WALK_EVENTS:
+                _streams(batch)
+                batch, size = [], 0
+        _streams(batch)
         ranks = found.ranks
         _one_config(ranks)
         sizes = [rp.world_size for rp in ranks if rp.world_size is not None]
@@ -307,7 +320,9 @@ def _check_rank(
     cache: GroupCache,
     shared: Shared | None,
     blocks: BlockHeads | None,
-) -> None:
+) -> _Walk:
+    """One rank's checks of its own, and its events' heads (the walk, for
+    :func:`_streams`); its world size, status and GPU samples filled into ``rp``."""
     gpu_rows: list[pa.Table] = []  # layout 2: the rank's GPU samples, kept
     heads: list[tuple[Any, ...]] = []  # per table and file: (seq, idx, step, code, events counted)
     params: dict[tuple[int, int], list[tuple[str, str]]] = {}
@@ -379,68 +394,117 @@ def _check_rank(
             if entry.next_seq - 1 != expected:
                 raise _No(f"{sid.stem}: frames before the seal are missing")
             expected += 1
-    _stream(rp, heads, params, segs[0][0].key)
     if gpu_rows:
         rp.gpu_rows = pa.concat_tables(gpu_rows)
     rp.world_size = world
     rp.status = status if ended_last and status is not None else "unknown"
     rp.ended = rp.status != "signal"
+    return rp, heads, params, segs[0][0].key
 
 
-def _stream(
-    out: RankPlan,
-    heads: list[tuple[Any, ...]],
-    params: dict[tuple[int, int], list[tuple[str, str]]],
-    where: str,
-) -> None:
-    """Walk one rank's events in write order, as the engine's watermarks would."""
-    rank = out.rank
-    if not heads:
+#: one rank to walk: its plan, its events' heads per table and file, its params (by
+#: (seq, idx)), and where they were read (for the params' source)
+_Walk = tuple[RankPlan, list[tuple[Any, ...]], dict[tuple[int, int], list[tuple[str, str]]], str]
+#: events walked at once (ranks are walked together, as one set of arrays, up to this many)
+_WALK_EVENTS: Final = 1 << 20
+
+
+def _streams(batch: list[_Walk]) -> None:
+    """Walk ranks' events in write order, as the engine's watermarks would: every rank of
+    ``batch`` at once, its rows sorted by (rank, seq, idx) and each running maximum kept
+    within its rank (an offset per rank). The first rank (in order) that departs from
+    the plain stream is named, with the first of its departures."""
+    walks = [w for w in batch if w[1] and sum(len(h[0]) for h in w[1])]
+    if not walks:
         return
-    seq, idx, step, code, counted = (np.concatenate(col) for col in zip(*heads, strict=True))
-    if not len(seq):
+    cols = [np.concatenate(col) for col in zip(*(h for w in walks for h in w[1]), strict=True)]
+    lengths = [sum(len(h[0]) for h in w[1]) for w in walks]
+    who = np.repeat(np.arange(len(walks)), lengths)
+    seq, idx, step, code, counted = cols
+    order = np.lexsort((idx, seq, who))
+    who, seq, idx = who[order], seq[order], idx[order]
+    step, code, counted = step[order], code[order], counted[order]
+    first = np.ones(len(who), bool)  # each rank's first event
+    first[1:] = who[1:] != who[:-1]
+    ends = np.flatnonzero(np.append(first[1:], True))  # each rank's last event
+    is_end, is_step = code == _END, code == _STEP
+    marked = np.where(is_end | is_step, step, NO_STEP)
+    span = int(marked.max()) - NO_STEP + 1  # a rank's running maxima stay below the next's
+    if span * len(walks) >= 2**62:  # (steps too far apart to offset: one rank at a time)
+        for w in walks:
+            _streams([w])
         return
-    order = np.lexsort((idx, seq))
-    seq, idx, step, code, counted = seq[order], idx[order], step[order], code[order], counted[order]
-    closed = np.maximum.accumulate(np.where(code == _END, step, NO_STEP))
-    top = np.maximum.accumulate(np.where(code == _STEP, step, NO_STEP))
-    before_closed = np.concatenate(([NO_STEP], closed[:-1]))
-    before_top = np.concatenate(([NO_STEP], top[:-1]))
+    offset = who.astype(np.int64) * span
+
+    def running(values: Any) -> Any:  # the running maximum within each rank
+        return np.maximum.accumulate(values + offset) - offset
+
+    def before(values: Any) -> Any:  # the value at the event before, within its rank
+        out = np.empty_like(values)
+        out[1:] = values[:-1]
+        out[first] = NO_STEP
+        return out
+
+    closed = running(np.where(is_end, step, NO_STEP))
+    top = running(np.where(is_step, step, NO_STEP))
+    before_closed, before_top = before(closed), before(top)
     own = np.where(before_closed != NO_STEP, before_closed, before_top - 1)  # the watermark
-    is_step = code == _STEP
-    if np.any(is_step & (step <= own)):
-        raise _No(f"rank {rank} logged late values")
-    logged = step[is_step]
-    checked = (code == _END) & (counted >= 0)
+    failed: list[tuple[int, int, str]] = []  # (rank's place, check's place, why)
+    late = np.flatnonzero(is_step & (step <= own))
+    if len(late):
+        failed.append((int(who[late[0]]), 0, "logged late values"))
+    checked = is_end & (counted >= 0)
     if np.any(checked):
-        steps, counts = np.unique(logged, return_counts=True)
-        ends, want = step[checked], counted[checked]
-        got = np.zeros(len(ends), np.int64)
-        if len(steps):
-            at = np.minimum(np.searchsorted(steps, ends), len(steps) - 1)
-            got = np.where(steps[at] == ends, counts[at], 0)
-        if np.any(got != want):
-            raise _No(f"rank {rank}: a step_end counts other events than the dataset holds")
+        # each (rank, step)'s step events against what its step_end counts
+        key = who.astype(np.int64) * span + (step - NO_STEP)
+        keys, counts = np.unique(key[is_step], return_counts=True)
+        want_key, want = key[checked], counted[checked]
+        got = np.zeros(len(want_key), np.int64)
+        if len(keys):
+            at = np.minimum(np.searchsorted(keys, want_key), len(keys) - 1)
+            got = np.where(keys[at] == want_key, counts[at], 0)
+        wrong = np.flatnonzero(got != want)
+        if len(wrong):
+            failed.append((int(who[checked][wrong[0]]), 1,
+                           "a step_end counts other events than the dataset holds"))  # fmt: skip
     is_gpu = code == _GPU
+    steps_of: Any = None
     if np.any(is_gpu):  # the step a sample goes to: its own, or the one its rank is in
-        raw, mine = step[is_gpu], own[is_gpu]
+        raw, mine, gwho = step[is_gpu], own[is_gpu], who[is_gpu]
         given = raw != _NULL
-        if np.any(given & (raw <= mine)):
-            raise _No(f"rank {rank} has GPU samples for steps it had closed")
+        bad = np.flatnonzero(given & (raw <= mine))
+        if len(bad):
+            failed.append((int(gwho[bad[0]]), 2, "has GPU samples for steps it had closed"))
         steps_of = np.where(given, raw, mine + 1)
-        if np.any(steps_of[1:] < steps_of[:-1]):
-            raise _No(f"rank {rank} has GPU samples out of step order")
-        out.gpu_steps = steps_of
-    out.watermark = int(closed[-1] if closed[-1] != NO_STEP else top[-1] - 1)
+        down = np.flatnonzero((steps_of[1:] < steps_of[:-1]) & (gwho[1:] == gwho[:-1]))
+        if len(down):
+            failed.append((int(gwho[down[0] + 1]), 3, "has GPU samples out of step order"))
+    said = []  # (rank's place, effective step, seq, idx) of each params event
     for i in np.flatnonzero(code == _PARAMS).tolist():
-        q, k = int(seq[i]), int(idx[i])
         effective = int(before_top[i]) + 1 if before_top[i] >= 0 else 0
+        place = int(who[i])
         if effective <= own[i]:  # the step they apply to may be shipped when they are read
-            raise _No(f"rank {rank} logged params for step {effective}, which it had closed")
+            failed.append((place, 4, f"logged params for step {effective}, which it had closed"))
+        said.append((place, effective, int(seq[i]), int(idx[i])))
+    if failed:
+        place, _, why = min(failed)
+        rank = walks[place][0].rank
+        raise _No(f"rank {rank}: {why}" if why.startswith("a ") else f"rank {rank} {why}")
+    if steps_of is not None:
+        gwho = who[is_gpu]
+        cut = np.flatnonzero(gwho[1:] != gwho[:-1]) + 1
+        for at, part in zip(gwho[np.concatenate(([0], cut))].tolist(), np.split(steps_of, cut),
+                            strict=True):  # fmt: skip
+            walks[at][0].gpu_steps = part
+    last_closed, last_top = closed[ends].tolist(), top[ends].tolist()
+    for w, c, t in zip(walks, last_closed, last_top, strict=True):
+        w[0].watermark = int(c if c != NO_STEP else t - 1)
+    for place, effective, q, k in said:
+        rp, _, params, where = walks[place]
         items = params[(q, k)]
         values: dict[str, ParamValue] = {name: json.loads(text) for name, text in items}
-        out.params.append(ParamsRead(effective, rank, values, True, f"{where}#{q}.{k}"))
-        out.said.append((effective, tuple(items)))
+        rp.params.append(ParamsRead(effective, rp.rank, values, True, f"{where}#{q}.{k}"))
+        rp.said.append((effective, tuple(items)))
 
 
 #: the columns the columnar path reads of each table, besides seq and idx (as
