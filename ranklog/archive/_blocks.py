@@ -70,6 +70,14 @@ def _ranks_block(piece: Piece, footer: Any) -> dict[int, RanksHeads]:
     keys = _key(*(t[c].to_numpy().astype(np.int64) for c in ("rank", "incarnation", "segment")))
     if not len(keys):
         return {}
+    q, i = t["seq"].to_numpy(), t["idx"].to_numpy()
+    same = keys[1:] == keys[:-1]
+    back = (keys[1:] < keys[:-1]) | (
+        same & ((q[1:] < q[:-1]) | ((q[1:] == q[:-1]) & (i[1:] < i[:-1])))
+    )
+    if bool(back.any()):  # (compaction writes them in order: another writer's file)
+        order = np.lexsort((i, q, keys))
+        keys, t = keys[order], t.take(pa.array(order))
     seq, idx, step, code, events, rows = ranks_heads(t)
     cut = np.flatnonzero(keys[1:] != keys[:-1]) + 1
     bounds = [0, *cut.tolist(), len(keys)]
@@ -148,17 +156,16 @@ class BlockHeads:
         keys = _key(rank, inc, seg)
         order = np.argsort(keys, kind="stable")
         keys, seq, idx, step = keys[order], seq[order], idx[order], step[order]
-        cut = np.flatnonzero(keys[1:] != keys[:-1]) + 1
-        bounds = [0, *cut.tolist(), len(keys)]
-        out: dict[int, Heads] = {}
-        for a, b in itertools.pairwise(bounds):
-            q, i, s = seq[a:b], idx[a:b], step[a:b]
-            ok = (q[1:] > q[:-1]) | ((q[1:] == q[:-1]) & (i[1:] >= i[:-1]))
-            if not bool(np.all(ok)):  # steps that go down in write order (a late value)
-                back = np.lexsort((i, q))
-                q, i, s = q[back], i[back], s[back]
-            out[int(keys[a])] = (q, i, s)
-        return out
+        same = keys[1:] == keys[:-1]
+        back = same & ((seq[1:] < seq[:-1]) | ((seq[1:] == seq[:-1]) & (idx[1:] < idx[:-1])))
+        if bool(back.any()):  # steps that go down in write order (a late value): sort
+            order = np.lexsort((idx, seq, keys))
+            keys, seq, idx, step = keys[order], seq[order], idx[order], step[order]
+            same = keys[1:] == keys[:-1]
+        bounds = [0, *(np.flatnonzero(~same) + 1).tolist(), len(keys)]
+        return {
+            int(keys[a]): (seq[a:b], idx[a:b], step[a:b]) for a, b in itertools.pairwise(bounds)
+        }
 
     def _keep(self, key: tuple[Path, int, int], block: dict[int, Heads]) -> None:
         size = sum(3 * len(h[0]) * 8 for h in block.values())

@@ -339,9 +339,12 @@ def _check_rank(
                     pf = _open(src, table, cache)
                     seq, idx, step, last[table] = _heads(pf, src, last.get(table))
                 elif table != "gpu" and blocks is not None:
-                    seq, idx, step = blocks.heads(src, cache.footer(src.path))
-                    _in_order(seq, idx, src.path, last.get(table))
+                    seq, idx, step = blocks.heads(src, cache.footer(src.path))  # in order
                     if len(seq):
+                        at = (int(seq[0]), int(idx[0]))
+                        before = last.get(table)
+                        if before is not None and at < before:
+                            raise _No(f"{src.path.name}: rows out of order")
                         last[table] = (int(seq[-1]), int(idx[-1]))
                 else:
                     t = _piece_rows(src, table, shared)
@@ -374,9 +377,8 @@ def _check_rank(
                 got = ranks_heads(t)
             else:
                 assert blocks is not None
-                got = blocks.ranks(src)  # (read once a block: its footer not kept)
+                got = blocks.ranks(src)  # (read once a block: its footer not kept; in order)
                 seq, idx = got[0], got[1]
-                _in_order(seq, idx, src.path)
             heads.append(got[:5])
             seqs.append(seq)
             for k, w, st in got[5]:  # the rows other than step_ends (a few), in order
