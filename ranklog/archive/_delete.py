@@ -16,8 +16,8 @@ import pyarrow.parquet as pq
 from ranklog._fs import fsync_dir
 from ranklog.archive._block import segment_tables
 from ranklog.archive._manifest import Manifest, SegmentEntry, load_manifest
-from ranklog.archive._parts import part_file
-from ranklog.archive._rows import Piece, Shared, source_rows
+from ranklog.archive._parts import pieces_of
+from ranklog.archive._rows import Shared, source_rows
 from ranklog.archive._tables import SCHEMAS, TABLES
 from ranklog.errors import CursorError
 from ranklog.spool import SegmentId, SegmentName, SegmentReader, SpoolLayout, record_deleted
@@ -143,7 +143,7 @@ def _rows_of(
         return pa.concat_tables([pq.read_table(outdir / f) for f in files]).cast(SCHEMAS[table])
     shared = Shared(64 << 20)
     names = list(SCHEMAS[table].names)
-    pieces = [Piece(outdir / part_file(table, p), a, b, sid) for p, a, b in held]
+    pieces = pieces_of(outdir, sid, entry)[table]
     got = pa.concat_tables([source_rows(piece, table, names, shared) for piece in pieces])
     # rows sorted by step in the parts: back in write order (stable: an event's rows stay)
     return got.sort_by([("seq", "ascending"), ("idx", "ascending")])

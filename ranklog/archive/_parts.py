@@ -33,15 +33,25 @@ import pyarrow.parquet as pq
 from ranklog._fs import DIR_MODE, fsync_dir, fsync_file
 from ranklog.archive._block import Block
 from ranklog.archive._manifest import Manifest, SegmentEntry
+from ranklog.archive._rows import Piece
 from ranklog.archive._tables import STEP_TABLES, TABLES
 from ranklog.errors import ArchiveError
+from ranklog.spool import SegmentId
 
-__all__ = ["PART", "ROW_GROUP", "Parts", "parquet_options", "part_file", "remove_orphans"]
+__all__ = [
+    "PART",
+    "ROW_GROUP",
+    "Parts",
+    "parquet_options",
+    "part_file",
+    "pieces_of",
+    "remove_orphans",
+]
 
 #: rows per row group: replay reads by row group, so this bounds what it decodes at once
 ROW_GROUP: Final = 8_192
 #: the name of a part's file in its table's directory
-PART: Final = re.compile(r"part-(\d{6,})\.parquet")
+PART: Final = re.compile(r"part-(\d{6,})(\.g\d+)?\.parquet")
 
 _ENCODINGS: Final = {
     "seq": "DELTA_BINARY_PACKED",
@@ -57,9 +67,19 @@ _DICTIONARY: Final = ("run_id", "name", "reduce", "kind", "host", "status", "for
 _NO_STATISTICS: Final = ("run_id", "idx", "value", "text", "values", "data", "columns", "rows")
 
 
-def part_file(table: str, part: int) -> str:
-    """A part's file of ``table``, relative to the dataset."""
-    return f"{table}/part-{part:06d}.parquet"
+def part_file(table: str, part: int, gen: int = 0) -> str:
+    """A part's file of ``table``, relative to the dataset (``gen``: how many merges made
+    it; a merge of parts ``a..b`` is part ``a`` of a higher generation)."""
+    return f"{table}/part-{part:06d}{f'.g{gen}' if gen else ''}.parquet"
+
+
+def pieces_of(dataset: Path, sid: SegmentId, entry: SegmentEntry) -> dict[str, list[Piece]]:
+    """Where the manifest says ``entry``'s segment has rows, per table, in write order."""
+    return {
+        table: [Piece(dataset / part_file(table, p, g), a, b, sid, p) for p, g, a, b in held]
+        for table, held in entry.pieces.items()
+        if held
+    }
 
 
 def parquet_options(schema: pa.Schema) -> dict[str, Any]:
@@ -165,7 +185,7 @@ class Parts:
             first = part.groups.get(table, 0)
             end = part.groups[table] = first + -(-data.num_rows // self._row_group)
             rel = part_file(table, part.number)
-            piece = [part.number, first, end]
+            piece = [part.number, 0, first, end]
             for entry, rows in chunks:
                 if not rows.get(table):
                     continue

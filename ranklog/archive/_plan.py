@@ -191,7 +191,8 @@ def scan_parts(
     by_rank: dict[int, Segments] = {}
     for sid, tables in files.items():  # sorted: write order within a rank
         by_rank.setdefault(sid.rank, []).append((sid, tables))
-    blocks: set[tuple[str, Path, int, int]] = set()
+    blocks: set[tuple[int, int, int, int, Path]] = set()
+    order = {t: i for i, t in enumerate((*REDUCED, *ITEMS))}
     try:
         for rank, segs in by_rank.items():
             _segments_ok(rank, segs)
@@ -199,10 +200,10 @@ def scan_parts(
                 for table in (*REDUCED, *ITEMS):
                     for src in tables.get(table, []):
                         assert isinstance(src, Piece)  # (layout 2)
-                        blocks.add((table, src.path, src.first, src.end))
+                        blocks.add((order[table], src.part, src.first, src.end, src.path))
         lanes = []
-        order = {t: i for i, t in enumerate((*REDUCED, *ITEMS))}
-        for table, path, first, end in sorted(blocks, key=lambda b: (order[b[0]], *b[1:])):
+        for t, _, first, end, path in sorted(blocks):  # parts in write order
+            table = (*REDUCED, *ITEMS)[t]
             meta = _open(path, table, cache).metadata
             lanes.append(list(_groups(table, -1, path, meta, range(first, end))))
     except _No as why:

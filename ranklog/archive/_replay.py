@@ -37,12 +37,11 @@ import pyarrow.parquet as pq
 
 from ranklog.archive._columnar import ColumnarTails
 from ranklog.archive._manifest import Manifest, load_manifest, require_manifest
-from ranklog.archive._parts import part_file
+from ranklog.archive._parts import pieces_of
 from ranklog.archive._plan import check, scan, scan_parts
 from ranklog.archive._rows import (
     COLUMNS,
     GroupCache,
-    Piece,
     RowGroups,
     Shared,
     Source,
@@ -94,11 +93,7 @@ def _segment_files(dataset: Path, manifest: Manifest) -> dict[SegmentId, dict[st
             if not entry.pieces:
                 continue
             sid = SegmentId.parse(key)
-            pieces[sid] = {
-                table: [Piece(dataset / part_file(table, p), a, b, sid) for p, a, b in held]
-                for table, held in entry.pieces.items()
-                if held
-            }
+            pieces[sid] = {t: list(held) for t, held in pieces_of(dataset, sid, entry).items()}
         return dict(sorted(pieces.items()))
     listed = {f for entry in manifest.segments.values() for f in entry.files}
     out: dict[SegmentId, dict[str, list[Source]]] = defaultdict(lambda: defaultdict(list))

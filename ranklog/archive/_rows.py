@@ -124,6 +124,8 @@ class Piece:
     first: int
     end: int
     segment: SegmentId
+    #: the part's number (parts in this order hold rows in the order ranks wrote them)
+    part: int = 0
 
 
 #: a segment's rows of one table: a file of its own (layout 1), or groups of a part
