@@ -120,6 +120,8 @@ def _compact(args: argparse.Namespace) -> int:
     print(f"compacted {res.files} files into {args.out}: {rows}")
     for b in res.bad:
         print(f"  corrupt: {b}")
+    if res.merged:
+        print(f"  merged {len(res.merged)} small files into larger ones")
     for path in res.deleted:
         print(f"  deleted (verified): {path}")
     for why in res.kept:

@@ -43,6 +43,7 @@ from ranklog.archive._manifest import (
     load_manifest,
     save_manifest,
 )
+from ranklog.archive._merge import merge_parts
 from ranklog.archive._parts import ROW_GROUP, Parts, parquet_options, remove_orphans
 from ranklog.archive._tables import TABLES, NamesRow, names_row
 from ranklog.errors import ArchiveError, ConfigError, RunMismatchError
@@ -95,6 +96,7 @@ class CompactResult:
     bad: list[BadRange] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)  # --delete refused, with why
+    merged: list[str] = field(default_factory=list)  # small parts merged into larger ones
 
 
 def _file(table: str, key: str, start: int, end: int) -> str:
@@ -289,6 +291,8 @@ def compact(
         saver.save()
     finally:
         saver.close()
+    if manifest.layout >= 2:
+        result.merged = merge_parts(outdir, manifest)
     if delete:
         deleted, kept = delete_verified(layout, run.run_id, outdir, manifest, force=force)
         result.deleted += deleted
