@@ -159,8 +159,8 @@ def _ship_cmd(spool: Path, out: Path, *extra: str) -> list[str]:
             "--quiet", *extra]  # fmt: skip
 
 
-def _compact_cmd(spool: Path, pq: Path) -> list[str]:
-    return [sys.executable, "-m", "ranklog.cli", "compact", str(spool), "--out", str(pq)]
+def _compact_cmd(spool: Path, pq: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "ranklog.cli", "compact", str(spool), "--out", str(pq), *extra]
 
 
 def _replay_cmd(pq: Path, out: Path) -> list[str]:
@@ -338,6 +338,7 @@ def _bench_shapes(base: Path, budget: Budget) -> list[Row]:
             spool, pq, live, again = tmp / "spool", tmp / "pq", tmp / "live.jsonl", tmp / "r.jsonl"
             write_spool(spool, ranks, steps, metrics)
             biggest = max(p.stat().st_size for p in (spool / "ranks").rglob("*.rlog"))
+            pq1, again1 = tmp / "pq1", tmp / "r1.jsonl"
             runs = {
                 "ship --once (jsonl)": run_measured(_ship_cmd(spool, live, "--once"), tmp,
                                                     budget.ship_timeout_s),
@@ -345,24 +346,69 @@ def _bench_shapes(base: Path, budget: Budget) -> list[Row]:
                                                   budget.ship_timeout_s),
                 "replay (jsonl)": run_measured(_replay_cmd(pq, again), tmp,
                                                budget.ship_timeout_s),
+                "compact --layout 1 (version-1 path)": run_measured(
+                    _compact_cmd(spool, pq1, "--layout", "1"), tmp, budget.ship_timeout_s),
+                "replay of layout 1 (version-1 path)": run_measured(
+                    _replay_cmd(pq1, again1), tmp, budget.ship_timeout_s),
             }  # fmt: skip
-            same = live.is_file() and again.is_file() and live.read_bytes() == again.read_bytes()
+            same = {
+                pq: live.is_file() and again.is_file() and live.read_bytes() == again.read_bytes(),
+                pq1: live.is_file()
+                and again1.is_file()
+                and live.read_bytes() == again1.read_bytes(),
+            }
+            files = {d: _files_per_table(d) for d in (pq, pq1)}
             floor = _read_limit(pq, size, values)
+            queries = _queries(pq, size, values) if ranks > 1 else []
         for label, run in runs.items():
             replayed = label.startswith("replay")
+            dataset = pq1 if "layout 1" in label else pq
             note = f"largest segment {biggest / 2**20:.1f} MiB"
+            if label.startswith("compact"):
+                note += f"; {files[dataset]} files per table (most)"
             if replayed:
                 note += "; JSONL byte-identical to live shipping"
-            problem = "JSONL differs from live shipping" if replayed and not same else ""
+            problem = "JSONL differs from live shipping" if replayed and not same[dataset] else ""
             rows.append(_run_row(label, size, run, values, note, problem))
         rows.append(floor)
+        rows.extend(queries)
     return rows
+
+
+def _files_per_table(dataset: Path) -> int:
+    """The most Parquet files any table of ``dataset`` holds."""
+    return max((sum(1 for _ in d.glob("*.parquet")) for d in dataset.iterdir() if d.is_dir()),
+               default=0)  # fmt: skip
+
+
+def _queries(dataset: Path, size: str, values: int) -> list[Row]:
+    """What an analyst runs on the dataset, in this process, timed: a DuckDB ``GROUP BY
+    step`` mean over every metric value, and a Polars ``scan_parquet`` filter on a tenth of
+    the steps (pruned by the row groups' step statistics)."""
+    import duckdb
+    import polars as pl
+
+    glob = str(dataset / "metrics" / "*.parquet")
+    out = []
+    c0, w0 = time.process_time(), time.perf_counter()
+    steps = duckdb.sql(f"SELECT step, avg(value) FROM read_parquet('{glob}') GROUP BY step"
+                       ).fetchall()  # fmt: skip
+    cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+    out.append(Row("DuckDB: GROUP BY step, avg(value)", size, wall, values / wall, None, cpu,
+                   note=f"{len(steps):,} steps; in-process, threads of its own"))  # fmt: skip
+    top = max(s for s, _ in steps)
+    lo, hi = top // 2, top // 2 + max(top // 10, 0)
+    c0, w0 = time.process_time(), time.perf_counter()
+    got = pl.scan_parquet(glob).filter(pl.col("step").is_between(lo, hi)).collect()
+    cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+    out.append(Row(f"Polars: scan_parquet, steps {lo}..{hi}", size, wall, None, None, cpu,
+                   note=f"{got.height:,} rows; in-process, threads of its own"))  # fmt: skip
+    return out
 
 
 def _read_limit(dataset: Path, size: str, values: int) -> Row:
     """Every Parquet file of ``dataset`` opened and the columns replay uses read once, in
-    this process: what a replay cannot beat, since the files are per segment (their names
-    say which)."""
+    this process: what a replay cannot beat."""
     import pyarrow.parquet as pq
 
     from ranklog.archive._plan import READ
@@ -936,7 +982,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines += _idle_targets(idle)
     comp, rep, live = archive
     comps = [comp, *(r for r in shapes if r.name.startswith("compact"))]
-    reps = [rep, *(r for r in shapes if r.name.startswith("replay"))]
+    reps = [rep, *(r for r in shapes if r.name.startswith("replay ("))]
+    # issue 32, item 2: the job of many ranks, in layout 2 (and the version-1 path beside)
+    wide = [r for r in shapes if r.size.startswith(("4,096 ranks", "1,024 ranks"))]
+    wide_comp = next(r for r in wide if r.name == "compact (parquet)")
+    wide_old = next(r for r in wide if r.name.startswith("compact --layout 1"))
+    wide_files = int(wide_comp.note.split("; ")[1].split()[0])
     live_of = {r.size: r for r in shapes if r.name.startswith("ship")}
     limit_of = {r.size: r for r in shapes if r.name == LIMIT}
     gain = (small.values_per_cpu_s or 0) / (format1.values_per_cpu_s or 1)
@@ -964,6 +1015,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                              for r in reps[1:]),
          "ok": all((r.values_per_s or 0) >= (live_of[r.size].values_per_s or 0)
                    for r in reps[1:])},
+        {"what": f"{wide_comp.size}: compaction >= 2 M values/s, <= 16 files per table",
+         "figure": f"{rate(wide_comp.values_per_s)} values/s, {wide_files} files per table "
+                   f"(version-1 path: {rate(wide_old.values_per_s)} values/s, "
+                   f"{wide_old.note.split('; ')[1]})",
+         "ok": (wide_comp.values_per_s or 0) >= 2e6 and wide_files <= 16},
         incremental_check,
         spool_bytes,
         {"what": "shipper: segment format 2 against format 1, same data, per CPU-second",

@@ -3,10 +3,19 @@
 ::
 
     _compact.py    ranklog compact: segments -> one long-format table per kind, incremental
-    _tables.py     the tables' schemas, and events turned into rows
+    _tables.py     the tables' schemas, and events of the other kinds turned into rows
+    _block.py      many segments' reads turned into one set of tables at once
     _bulk.py       metric values read in bulk from their msgpack bytes (no dict per event)
+    _parts.py      layout 2: blocks written as a few part files per table, rows by step
+    _merge.py      layout 2: small parts merged into larger ones, crash-safely
+    _delete.py     compact --delete: segments removed once their rows read back equal
     _manifest.py   DIR/_manifest.json: what is compacted, per segment and incarnation
-    _rows.py       rows turned back into events, in write order
+    _rows.py       rows turned back into events, in write order (files or part pieces)
+    _blocks.py     layout 2: a block's events split by segment, for replay's plan
+    _plan.py       whether a dataset replays on columns, and what the engine would know
+    _windows.py    windows of steps read for a replay on columns
+    _spill.py      rows a window read ahead of its steps, kept in memory or temporary files
+    _columnar.py   a replay on columns: windows reduced, no engine
     _replay.py     ranklog replay: the dataset as the engine's source, shipped like live
 
 It sits beside the pipeline (schemas -> spool -> shippers -> targets): it reads
