@@ -27,6 +27,7 @@ of key columns, and one rank's event heads (a few numbers per event), at a time.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -205,7 +206,10 @@ def scan_parts(
         for t, _, first, end, path in sorted(blocks):  # parts in write order
             table = (*REDUCED, *ITEMS)[t]
             meta = _open(path, table, cache).metadata
-            lanes.append(list(_groups(table, -1, path, meta, range(first, end))))
+            lane = list(_groups(table, -1, path, meta, range(first, end)))
+            if any(b.lo < a.hi for a, b in itertools.pairwise(lane)):
+                raise _No(f"{path.name}: a block's rows are not sorted by step")
+            lanes.append(lane)
     except _No as why:
         return None, str(why)
     ranks = [RankPlan(r, watermark=NO_STEP, ended=True, world_size=None) for r in sorted(by_rank)]

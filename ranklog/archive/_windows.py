@@ -30,6 +30,7 @@ from ranklog.archive._plan import ITEMS, READ, REDUCED, Plan, RowGroup
 from ranklog.archive._rows import column_names, frame_events, open_file
 from ranklog.archive._spill import ROW, Rest, Spill
 from ranklog.archive._tables import SCHEMAS
+from ranklog.errors import ArchiveError
 from ranklog.schemas import Gpu, StepEvent
 from ranklog.shippers._steps import Contributed
 
@@ -345,7 +346,9 @@ class Loader:
         rows = np.empty(t.num_rows, ROW)
         rows["rank"] = rank if rank >= 0 else t["rank"].to_numpy()
         rows["ts"] = t["ts"].to_numpy().view(np.int64)  # microseconds
-        rows["step"] = t["step"].to_numpy()
+        rows["step"] = step = t["step"].to_numpy()
+        if rank < 0 and bool(np.any(step[1:] < step[:-1])):  # (compaction sorts them)
+            raise ArchiveError(f"{g.path}: row group {g.index} is not sorted by step")
         rows["name"] = self._names.codes(t["name"])
         rows["value"] = t["value"].to_numpy()
         # one spec for the group (its statistics say so): not read
@@ -379,6 +382,9 @@ class Loader:
                     t = t.append_column(pa.field(c, kind), pa.nulls(t.num_rows, kind))
                 # ts as int, as frame_events takes it
                 t = t.set_column(t.schema.get_field_index("ts"), "ts", t["ts"].cast(pa.int64()))
+                steps = t["step"].to_numpy()
+                if g.rank < 0 and bool(np.any(steps[1:] < steps[:-1])):  # (compaction sorts)
+                    raise ArchiveError(f"{g.path}: row group {g.index} is not sorted by step")
             step = t["step"].to_numpy()
             a, b = np.searchsorted(step, [lo, hi]).tolist()  # steps never go down in a lane
             part = cache.cut(key, t, a, b)
