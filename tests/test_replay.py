@@ -146,7 +146,6 @@ class TestReading:
 
         monkeypatch.setattr(replay_mod, "_ROWS_PER_READ", 64)
         monkeypatch.setattr(replay_mod, "scan", lambda *a, **k: (None, "the event path"))
-        monkeypatch.setattr(replay_mod, "scan_parts", replay_mod.scan)
         run = rank(spool, 0, 1)
         for s in range(400):
             if s % 50 == 0:
@@ -186,7 +185,8 @@ class TestReading:
 
     def test_files_out_of_order_are_read_whole(self, spool: Path, tmp_path: Path) -> None:
         """Row groups whose seq ranges do not follow each other are not read by group."""
-        from ranklog.archive._rows import COLUMNS, GroupCache, RowGroups
+        from ranklog.archive._rows import COLUMNS, GroupCache, Piece, RowGroups
+        from ranklog.spool import SegmentId
 
         run = rank(spool, 0, 1)
         for half in (range(10), range(10, 20)):  # compacted twice: two files, one segment
@@ -196,8 +196,9 @@ class TestReading:
             run.flush()
             compact(spool, tmp_path / "pq")
         run.close()
-        files = sorted((tmp_path / "pq" / "metrics").glob("*.parquet"))
-        assert len(files) == 2
+        paths = sorted((tmp_path / "pq" / "metrics").glob("*.parquet"))
+        assert len(paths) == 2
+        files = [Piece.whole(p, SegmentId(0, 1, 1)) for p in paths]
         cache = GroupCache(1 << 20)
         assert RowGroups.of(files, "metrics", COLUMNS["metrics"], cache, 1 << 20) is not None
         assert RowGroups.of(files[::-1], "metrics", COLUMNS["metrics"], cache, 1 << 20) is None

@@ -64,7 +64,7 @@ def _ranks_block(piece: Piece, footer: Any) -> dict[int, RanksHeads]:
     """A block of the ranks table (rows in write order: segment by segment), split."""
     pf = open_file(piece.path, footer)
     have = set(pf.schema_arrow.names)
-    t = pf.read_row_groups(list(range(piece.first, piece.end)),
+    t = pf.read_row_groups(list(piece.groups(pf.metadata)),
                            columns=[c for c in ("rank", "incarnation", "segment", *_RANKS)
                                     if c in have], use_threads=False)  # fmt: skip
     keys = _key(*(t[c].to_numpy().astype(np.int64) for c in ("rank", "incarnation", "segment")))
@@ -100,6 +100,9 @@ class BlockHeads:
         self._bytes = 0
         self._sizes: dict[tuple[Path, int, int], int] = {}
         self._ranks: OrderedDict[tuple[Path, int, int], dict[int, RanksHeads]] = OrderedDict()
+        #: the first file read whose rows' steps go down in its order (windows of steps
+        #: cannot read it: the plan refuses the dataset once its ranks were walked)
+        self.unsorted: str | None = None
 
     def ranks(self, piece: Piece, footer: Any = None) -> RanksHeads:
         """The rows of ``piece``'s segment in its block of the ranks table, as
@@ -122,7 +125,9 @@ class BlockHeads:
         key = (piece.path, piece.first, piece.end)
         block = self._blocks.get(key)
         if block is None:
-            block = self._read(piece, footer)
+            block, unsorted = self._read(piece, footer)
+            if unsorted and self.unsorted is None:
+                self.unsorted = piece.path.name
             self._keep(key, block)
         else:
             self._blocks.move_to_end(key)
@@ -134,18 +139,20 @@ class BlockHeads:
         return got
 
     @staticmethod
-    def _read(piece: Piece, footer: Any) -> dict[int, Heads]:
+    def _read(piece: Piece, footer: Any) -> tuple[dict[int, Heads], bool]:
+        """The block's events by segment, and whether, in the file's order, its steps go
+        down (windows of steps cannot read it)."""
         pf = open_file(piece.path, footer)
         names = set(pf.schema_arrow.names)
         stepped = "step" in names
         t = pf.read_row_groups(
-            list(range(piece.first, piece.end)),
+            list(piece.groups(pf.metadata)),
             columns=[*_COLUMNS, *(["step"] if stepped else [])],
             use_threads=False,
         )
         cols = [t[c].to_numpy() for c in _COLUMNS]
         if not len(cols[0]):
-            return {}
+            return {}, False
         # one row per event: an event's rows are next to each other (one step, one key)
         new = np.zeros(len(cols[0]), bool)
         new[0] = True
@@ -153,6 +160,7 @@ class BlockHeads:
             new[1:] |= c[1:] != c[:-1]
         rank, inc, seg, seq, idx = (c[new].astype(np.int64) for c in cols)
         step = t["step"].fill_null(_NULL).to_numpy()[new] if stepped else np.full(len(seq), _NULL)
+        unsorted = stepped and bool(np.any(step[1:] < step[:-1]))
         keys = _key(rank, inc, seg)
         order = np.argsort(keys, kind="stable")
         keys, seq, idx, step = keys[order], seq[order], idx[order], step[order]
@@ -163,9 +171,8 @@ class BlockHeads:
             keys, seq, idx, step = keys[order], seq[order], idx[order], step[order]
             same = keys[1:] == keys[:-1]
         bounds = [0, *(np.flatnonzero(~same) + 1).tolist(), len(keys)]
-        return {
-            int(keys[a]): (seq[a:b], idx[a:b], step[a:b]) for a, b in itertools.pairwise(bounds)
-        }
+        pairs = itertools.pairwise(bounds)
+        return {int(keys[a]): (seq[a:b], idx[a:b], step[a:b]) for a, b in pairs}, unsorted
 
     def _keep(self, key: tuple[Path, int, int], block: dict[int, Heads]) -> None:
         size = sum(3 * len(h[0]) * 8 for h in block.values())

@@ -38,14 +38,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ranklog.archive._blocks import END, OTHER, BlockHeads, ranks_heads
+from ranklog.archive._blocks import END, OTHER, BlockHeads
 from ranklog.archive._manifest import Manifest
 from ranklog.archive._rows import (
     COLUMNS,
     GroupCache,
     Piece,
     Shared,
-    Source,
     column_names,
     open_file,
     source_rows,
@@ -66,7 +65,6 @@ __all__ = [
     "check",
     "plan",
     "scan",
-    "scan_parts",
 ]
 
 #: tables reduced on columns (each row group is indexed by its steps)
@@ -75,7 +73,6 @@ REDUCED: Final = ("metrics", "timers")
 ITEMS: Final = ("text", "histograms", "images", "tables")
 #: a GPU sample's step when it has none (the step its rank is in)
 _NULL: Final = -(2**62)
-_BATCH: Final = 256 * 1024
 #: a string statistic this short is never truncated
 _SHORT: Final = 64
 #: tables the scan does not open and whose footers are not kept (the check reads them
@@ -104,7 +101,7 @@ class RowGroup:
 
 @dataclass(slots=True)
 class RankPlan:
-    """What the engine would end with for one rank, and its row groups in write order."""
+    """What the engine would end with for one rank."""
 
     rank: int
     watermark: int
@@ -115,42 +112,37 @@ class RankPlan:
     params: list[ParamsRead] = field(default_factory=list)
     #: the params events as (effective step, ((key, value as JSON text), ...)), in order
     said: list[tuple[int, tuple[tuple[str, str], ...]]] = field(default_factory=list)
-    groups: list[RowGroup] = field(default_factory=list)
-    #: the gpu table's files (rows in write order) and the step of each of their rows
-    gpu_files: list[tuple[Path, int]] = field(default_factory=list)
-    gpu_steps: Any = None
-    #: layout 2: the rank's GPU samples (rows in write order), read by the check
+    #: the rank's GPU samples (rows in write order, read by the check), and each one's step
     gpu_rows: Any = None
+    gpu_steps: Any = None
 
 
-Segments = list[tuple[SegmentId, dict[str, list[Source]]]]
+Segments = list[tuple[SegmentId, dict[str, list[Piece]]]]
 
 
 @dataclass(slots=True)
 class Plan:
-    """A dataset that replays on columns: its ranks (in rank order).
+    """A dataset that replays on columns: its ranks (in rank order) and lanes.
 
-    :func:`scan` fills in each rank's row groups (footers only); :func:`check` the rest.
+    :func:`scan` finds the lanes (footers only); :func:`check` fills in the ranks.
     """
 
     ranks: list[RankPlan]
     cache: GroupCache
-    #: each rank's segments and their files, in write order
-    segments: dict[int, Segments] = field(default_factory=dict)
-    #: layout 2: the blocks of the reduced and item tables, each a lane of row groups whose
-    #: steps never go down (rows of many ranks); None: each rank's groups are its lanes
-    lanes: list[list[RowGroup]] | None = None
-    #: layout 2: the small tables' groups that segments share, decoded once for the check
-    shared: Shared | None = None
-    #: layout 2: the events of the blocks, by segment, for the check
-    heads: BlockHeads | None = None
+    #: each rank's segments and where their rows are, in write order
+    segments: dict[int, Segments]
+    #: the lanes of the reduced and item tables, in write order: each a block of row
+    #: groups whose steps never go down (:func:`scan`)
+    lanes: list[list[RowGroup]]
+    #: the small tables' groups that segments share, decoded once for the check
+    shared: Shared
+    #: the events of each block (or file), by segment, for the check
+    heads: BlockHeads
 
     @property
     def gpu(self) -> bool:
         """Whether the dataset holds GPU samples (their steps come from the check)."""
-        return any(rp.gpu_files for rp in self.ranks) or any(
-            "gpu" in tables for segs in self.segments.values() for _, tables in segs
-        )
+        return any("gpu" in tables for segs in self.segments.values() for _, tables in segs)
 
 
 class _No(Exception):
@@ -158,58 +150,51 @@ class _No(Exception):
 
 
 def plan(
-    files: dict[SegmentId, dict[str, list[Source]]], manifest: Manifest, cache: GroupCache
+    files: dict[SegmentId, dict[str, list[Piece]]], manifest: Manifest, cache: GroupCache
 ) -> tuple[Plan | None, str]:
-    """The dataset's plan, or (None, why it needs the event path): :func:`scan` (or
-    :func:`scan_parts`, layout 2), then :func:`check`."""
-    scanned = scan_parts if manifest.layout >= 2 else scan
-    found, why = scanned(files, cache)
+    """The dataset's plan, or (None, why it needs the event path): :func:`scan`, then
+    :func:`check`."""
+    found, why = scan(files, cache)
     if found is not None:
         why = check(found, manifest, cache)
     return (found if not why else None), why
 
 
 def scan(
-    files: dict[SegmentId, dict[str, list[Source]]], cache: GroupCache
+    files: dict[SegmentId, dict[str, list[Piece]]], cache: GroupCache
 ) -> tuple[Plan | None, str]:
-    """The first pass, on the files' footers: each rank's row groups (all a reader needs
-    to start), or (None, why the dataset needs the event path)."""
+    """The first pass, on the files' footers: the lanes of row groups a reader reads by
+    window (all it needs to start), or (None, why the dataset needs the event path).
+
+    A lane is a block of a part (layout 2: rows of many ranks, by step), or a file of
+    layout 1 (one segment's rows, in write order); lanes come in write order.
+    """
     by_rank: dict[int, Segments] = {}
     for sid, tables in files.items():  # sorted: write order within a rank
         by_rank.setdefault(sid.rank, []).append((sid, tables))
+    blocks: set[tuple[int, int, int, int, Path, int]] = set()
+    order = {t: i for i, t in enumerate(TABLES)}
     try:
-        ranks = [_scan_rank(r, segs, cache) for r, segs in sorted(by_rank.items())]
-    except _No as why:
-        return None, str(why)
-    return Plan(ranks, cache, by_rank), ""
-
-
-def scan_parts(
-    files: dict[SegmentId, dict[str, list[Source]]], cache: GroupCache
-) -> tuple[Plan | None, str]:
-    """:func:`scan` for a dataset of layout 2: the blocks of its parts are the lanes
-    (footers only)."""
-    by_rank: dict[int, Segments] = {}
-    for sid, tables in files.items():  # sorted: write order within a rank
-        by_rank.setdefault(sid.rank, []).append((sid, tables))
-    blocks: set[tuple[int, int, int, int, Path]] = set()
-    order = {t: i for i, t in enumerate((*REDUCED, *ITEMS))}
-    try:
-        for rank, segs in by_rank.items():
+        for rank, segs in sorted(by_rank.items()):
             _segments_ok(rank, segs)
-            for _, tables in segs:
-                for table in (*REDUCED, *ITEMS):
-                    for src in tables.get(table, []):
-                        assert isinstance(src, Piece)  # (layout 2)
-                        blocks.add((order[table], src.part, src.first, src.end, src.path))
+            for sid, tables in segs:
+                for table, pieces in tables.items():
+                    for src in pieces:
+                        owner = sid.rank if src.alone else -1
+                        blocks.add((order[table], src.part, src.first, src.end, src.path, owner))
         lanes = []
-        for t, _, first, end, path in sorted(blocks):  # parts in write order
-            table = (*REDUCED, *ITEMS)[t]
-            meta = _open(path, table, cache).metadata
-            lane = list(_groups(table, -1, path, meta, range(first, end)))
+        for t, _, first, end, path, owner in sorted(blocks):  # in write order
+            table = TABLES[t]
+            pf = _open(path, table, cache)  # (every file: a column of a later release?)
+            if table not in (*REDUCED, *ITEMS):
+                continue
+            meta = pf.metadata
+            groups = range(first, meta.num_row_groups if end < 0 else end)
+            lane = list(_groups(table, owner, path, meta, groups))
             if any(b.lo < a.hi for a, b in itertools.pairwise(lane)):
-                raise _No(f"{path.name}: a block's rows are not sorted by step")
-            lanes.append(lane)
+                raise _No(f"{path.name}: rows whose steps go down")
+            if lane:
+                lanes.append(lane)
     except _No as why:
         return None, str(why)
     ranks = [RankPlan(r, watermark=NO_STEP, ended=True, world_size=None) for r in sorted(by_rank)]
@@ -255,6 +240,8 @@ def check(found: Plan, manifest: Manifest, cache: GroupCache) -> str:
                 _streams(batch)
                 batch, size = [], 0
         _streams(batch)
+        if found.heads.unsorted is not None:  # (late values go first: they say more)
+            raise _No(f"{found.heads.unsorted}: rows whose steps go down")
         ranks = found.ranks
         _one_config(ranks)
         sizes = [rp.world_size for rp in ranks if rp.world_size is not None]
@@ -301,34 +288,17 @@ def _one_config(ranks: list[RankPlan]) -> None:
         rp.params = []
 
 
-def _scan_rank(rank: int, segs: Segments, cache: GroupCache) -> RankPlan:
-    _segments_ok(rank, segs)
-    out = RankPlan(rank, watermark=NO_STEP, ended=True, world_size=None)
-    for _, tables in segs:
-        for table, paths in tables.items():
-            if table in _ONCE:  # read by the check alone
-                continue
-            for path in paths:
-                assert isinstance(path, Path)  # (layout 1)
-                pf = _open(path, table, cache)
-                if table == "gpu":
-                    out.gpu_files.append((path, pf.metadata.num_rows))
-                elif table in REDUCED or table in ITEMS:
-                    out.groups.extend(_groups(table, rank, path, pf.metadata))
-    return out
-
-
 def _check_rank(
     rp: RankPlan,
     segs: Segments,
     manifest: Manifest,
     cache: GroupCache,
-    shared: Shared | None,
-    blocks: BlockHeads | None,
+    shared: Shared,
+    blocks: BlockHeads,
 ) -> _Walk:
     """One rank's checks of its own, and its events' heads (the walk, for
     :func:`_streams`); its world size, status and GPU samples filled into ``rp``."""
-    gpu_rows: list[pa.Table] = []  # layout 2: the rank's GPU samples, kept
+    gpu_rows: list[pa.Table] = []  # the rank's GPU samples, kept
     heads: list[tuple[Any, ...]] = []  # per table and file: (seq, idx, step, code, events counted)
     params: dict[tuple[int, int], list[tuple[str, str]]] = {}
     expected = 0
@@ -340,10 +310,7 @@ def _check_rank(
         seqs = []
         for table in (*REDUCED, *ITEMS, "gpu"):
             for src in tables.get(table, []):
-                if isinstance(src, Path):
-                    pf = _open(src, table, cache)
-                    seq, idx, step, last[table] = _heads(pf, src, last.get(table))
-                elif table != "gpu" and blocks is not None:
+                if table != "gpu":
                     seq, idx, step = blocks.heads(src, cache.footer(src.path))  # in order
                     if len(seq):
                         at = (int(seq[0]), int(idx[0]))
@@ -354,36 +321,21 @@ def _check_rank(
                 else:
                     t = _piece_rows(src, table, shared)
                     seq, idx, step, last[table] = _heads_of(t, src.path, last.get(table))
-                    if table == "gpu":
-                        gpu_rows.append(t.select(["seq", "idx", *READ["gpu"]]))
+                    gpu_rows.append(t.select(["seq", "idx", *READ["gpu"]]))
                 what = _GPU if table == "gpu" else _STEP
                 heads.append((seq, idx, step, np.full(len(seq), what, np.int8), _uncounted(seq)))
                 seqs.append(seq)
         for src in tables.get("params", []):
-            if isinstance(src, Path):
-                pf = _open(src, "params", cache)
-                t = pf.read(columns=["seq", "idx", "name", "value"], use_threads=False)
-                seq, idx, _, last["params"] = _heads(pf, src, last.get("params"))
-            else:
-                t = _piece_rows(src, "params", shared).select(["seq", "idx", "name", "value"])
-                seq, idx, _, last["params"] = _heads_of(t, src.path, last.get("params"))
+            t = _piece_rows(src, "params", shared).select(["seq", "idx", "name", "value"])
+            seq, idx, _, last["params"] = _heads_of(t, src.path, last.get("params"))
             for q, i, name, value in zip(*(t[c].to_pylist() for c in t.column_names), strict=True):
                 params.setdefault((q, i), []).append((name, value))
             heads.append((seq, idx, np.full(len(seq), NO_STEP), np.full(len(seq), _PARAMS, np.int8),
                           _uncounted(seq)))  # fmt: skip
             seqs.append(seq)
         for src in tables.get("ranks", []):
-            if isinstance(src, Path):
-                t = _open(src, "ranks", cache).read(
-                    columns=["seq", "idx", *READ["ranks"]], use_threads=False
-                )
-                seq, idx = t["seq"].to_numpy(), t["idx"].to_numpy()
-                _in_order(seq, idx, src)
-                got = ranks_heads(t)
-            else:
-                assert blocks is not None
-                got = blocks.ranks(src)  # (read once a block: its footer not kept; in order)
-                seq, idx = got[0], got[1]
+            got = blocks.ranks(src)  # (read once a block: its footer not kept; in order)
+            seq = got[0]
             heads.append(got[:5])
             seqs.append(seq)
             for k, w, st in got[5]:  # the rows other than step_ends (a few), in order
@@ -550,27 +502,11 @@ def _uncounted(seq: Any) -> Any:
     return np.full(len(seq), -1, np.int64)
 
 
-def _piece_rows(piece: Piece, table: str, shared: Shared | None) -> pa.Table:
+def _piece_rows(piece: Piece, table: str, shared: Shared) -> pa.Table:
     """A piece's rows of its segment (the check's columns), in write order."""
     t = source_rows(piece, table, list(_CHECKED.get(table, SCHEMAS[table].names)), shared)
     # sorted by step in the part: back in write order (stable: an event's rows stay)
     return t.sort_by([("seq", "ascending"), ("idx", "ascending")])
-
-
-def _heads(
-    pf: pq.ParquetFile, path: Path, last: tuple[int, int] | None
-) -> tuple[Any, Any, Any, tuple[int, int] | None]:
-    """(seq, idx, step) of each event (rows of one event share seq and idx), in write
-    order after ``last``, the last event of the table's files before; and the new last.
-
-    A step that is null (a GPU sample's, or a table without steps) reads as ``_NULL``.
-    """
-    columns = ["seq", "idx"] + (["step"] if "step" in pf.schema_arrow.names else [])
-    if pf.metadata.num_rows <= _BATCH:  # one read: quicker for a small file
-        batches: Iterable[pa.RecordBatch] = pf.read(columns=columns, use_threads=False).to_batches()
-    else:
-        batches = pf.iter_batches(batch_size=_BATCH, columns=columns)
-    return _batch_heads(batches, len(columns) == 3, path, last)
 
 
 def _heads_of(

@@ -38,13 +38,13 @@ import pyarrow.parquet as pq
 from ranklog.archive._columnar import ColumnarTails
 from ranklog.archive._manifest import Manifest, load_manifest, require_manifest
 from ranklog.archive._parts import pieces_of
-from ranklog.archive._plan import check, scan, scan_parts
+from ranklog.archive._plan import check, scan
 from ranklog.archive._rows import (
     COLUMNS,
     GroupCache,
+    Piece,
     RowGroups,
     Shared,
-    Source,
     frame_events,
     read_rows,
     source_rows,
@@ -80,23 +80,23 @@ _SHARED_BYTES: Final = 96 * 1024 * 1024
 _EVENT_FOOTERS: Final = 256
 
 
-def _segment_files(dataset: Path, manifest: Manifest) -> dict[SegmentId, dict[str, list[Source]]]:
-    """Each source segment -> table -> where its rows are, in write order: its Parquet
-    files (layout 1: names start with the segment's stem) or its pieces of part files.
+def _segment_files(dataset: Path, manifest: Manifest) -> dict[SegmentId, dict[str, list[Piece]]]:
+    """Each source segment -> table -> where its rows are, in write order: its pieces of
+    part files (layout 2), or its Parquet files (layout 1: names start with the
+    segment's stem).
 
     Only files the manifest lists: a file a crashed compaction wrote but never listed is
     not part of the dataset (the next compaction removes it and writes its range again).
     """
     if manifest.layout >= 2:
-        pieces: dict[SegmentId, dict[str, list[Source]]] = {}
+        pieces: dict[SegmentId, dict[str, list[Piece]]] = {}
         for key, entry in manifest.segments.items():
-            if not entry.pieces:
-                continue
-            sid = SegmentId.parse(key)
-            pieces[sid] = {t: list(held) for t, held in pieces_of(dataset, sid, entry).items()}
+            if entry.pieces:
+                sid = SegmentId.parse(key)
+                pieces[sid] = pieces_of(dataset, sid, entry)
         return dict(sorted(pieces.items()))
     listed = {f for entry in manifest.segments.values() for f in entry.files}
-    out: dict[SegmentId, dict[str, list[Source]]] = defaultdict(lambda: defaultdict(list))
+    out: dict[SegmentId, dict[str, list[Piece]]] = defaultdict(lambda: defaultdict(list))
     for name in TABLES:
         for path in sorted((dataset / name).glob("*.parquet")):
             if f"{name}/{path.name}" not in listed:
@@ -105,7 +105,7 @@ def _segment_files(dataset: Path, manifest: Manifest) -> dict[SegmentId, dict[st
                 seg = SegmentId.parse(path.name)
             except SpoolFormatError:
                 continue  # not a file compaction wrote
-            out[seg][name].append(path)
+            out[seg][name].append(Piece.whole(path, seg))
     return {sid: dict(tables) for sid, tables in sorted(out.items())}
 
 
@@ -120,7 +120,7 @@ class _ParquetReader:
 
     def __init__(
         self,
-        files: dict[str, list[Source]],
+        files: dict[str, list[Piece]],
         header: SegmentHeader,
         *,
         last: bool,
@@ -360,8 +360,7 @@ def _columnar(dataset: Path, manifest: Manifest) -> ColumnarTails | None:
     The first window is read (by the tails' thread) while the plan's second pass checks
     the key columns, unless GPU samples wait for that pass (their steps come from it).
     """
-    scanned = scan_parts if manifest.layout >= 2 else scan
-    found, why = scanned(_segment_files(dataset, manifest), GroupCache(_CACHE_BYTES))
+    found, why = scan(_segment_files(dataset, manifest), GroupCache(_CACHE_BYTES))
     tails = None
     if found is not None:
         tails = ColumnarTails(found, dataset)

@@ -117,8 +117,9 @@ def _ordered(t: pa.Table) -> pa.Table:
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """Row groups ``first <= group < end`` of a part file (dataset layout 2) that hold
-    rows of ``segment``, among other segments' rows."""
+    """Where a segment's rows of a table are: row groups ``first <= group < end`` of a
+    file (``end`` -1: to its last). In a part file (dataset layout 2) the groups hold other
+    segments' rows too; a file of layout 1 (``alone``) holds only this segment's."""
 
     path: Path
     first: int
@@ -126,10 +127,17 @@ class Piece:
     segment: SegmentId
     #: the part's number (parts in this order hold rows in the order ranks wrote them)
     part: int = 0
+    #: the file holds no other segment's rows (layout 1)
+    alone: bool = False
 
+    @classmethod
+    def whole(cls, path: Path, segment: SegmentId) -> Piece:
+        """A file of layout 1: all of it, one segment's rows."""
+        return cls(path, 0, -1, segment, 0, alone=True)
 
-#: a segment's rows of one table: a file of its own (layout 1), or groups of a part
-Source = Path | Piece
+    def groups(self, meta: Any) -> range:
+        """Its row groups, given its file's footer."""
+        return range(self.first, meta.num_row_groups if self.end < 0 else self.end)
 
 
 def _segment_key(rank: Any, incarnation: Any, segment: Any) -> Any:
@@ -207,12 +215,18 @@ class Shared:
 
 
 def source_rows(
-    source: Source, table: str, columns: list[str], shared: Shared | None = None
+    source: Piece, table: str, columns: list[str], shared: Shared | None = None
 ) -> pa.Table:
-    """A segment's rows of one source, in file order, with ``columns`` (absent ones as
-    nulls): a whole file, or the segment's rows of a part's groups."""
-    if isinstance(source, Path):
-        return _read(open_file(source), table, columns)
+    """A segment's rows of one piece, in file order, with ``columns`` (absent ones as
+    nulls): a file of its own, or the segment's rows of a part's groups."""
+    if source.alone:
+        pf = open_file(source.path)
+        if source.first == 0 and source.end < 0:
+            return _read(pf, table, columns)
+        have = set(pf.schema_arrow.names)
+        groups = list(source.groups(pf.metadata))
+        t = pf.read_row_groups(groups, columns=[c for c in columns if c in have], use_threads=False)
+        return _conform(t, table, columns)
     t = (shared if shared is not None else Shared(0)).rows(source, table)
     if t is None:
         return _empty(table, columns)
@@ -225,7 +239,7 @@ def _empty(table: str, columns: list[str]) -> pa.Table:
 
 
 def read_rows(
-    files: list[Source] | None, table: str, columns: list[str], shared: Shared | None = None
+    files: list[Piece] | None, table: str, columns: list[str], shared: Shared | None = None
 ) -> pa.Table | None:
     """The rows of ``files`` (one segment's, of ``table``), sorted in write order; None if none.
 
@@ -262,7 +276,7 @@ class RowGroups:
     @classmethod
     def of(
         cls,
-        files: list[Source],
+        files: list[Piece],
         table: str,
         columns: list[str],
         cache: GroupCache,
@@ -275,15 +289,13 @@ class RowGroups:
         out = cls(table, columns, cache)
         prev = -1
         for src in files:
-            path = src if isinstance(src, Path) else src.path
+            path = src.path
             meta = cache.footer(path, metas.get(path) if metas is not None else None)
             names = column_names(meta)
             col = names.index("seq")
-            groups = range(meta.num_row_groups)
-            if isinstance(src, Piece):
-                groups = range(src.first, src.end)
-                if not _exclusive(meta, names, groups, src.segment):
-                    return None
+            groups = src.groups(meta)
+            if not src.alone and not _exclusive(meta, names, groups, src.segment):
+                return None
             for i in groups:
                 group = meta.row_group(i)
                 stats = group.column(col).statistics

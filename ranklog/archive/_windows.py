@@ -125,13 +125,12 @@ class Window:
 
 @dataclass(slots=True)
 class _GpuLane:
-    """One rank's GPU samples: their files (rows in write order), each row's step."""
+    """One rank's GPU samples (rows in write order, read by the plan's check), each row's
+    step."""
 
     rank: int
-    files: list[tuple[Path, int]]
     steps: Any
-    #: layout 2: the samples themselves (read by the plan's check), not their files
-    rows: Any = None
+    rows: Any
     #: the next row to read
     next: int = 0
 
@@ -154,15 +153,11 @@ class Loader:
         self._cache = plan.cache
         self._names, self._specs = names, specs
         #: (rank, groups of one table in write order: their steps never go down)
-        #: (layout 2: the blocks of the parts, rows of many ranks, rank -1)
-        self._lanes: list[tuple[int, list[RowGroup]]] = []
-        if plan.lanes is not None:
-            self._lanes = [(-1, lane) for lane in plan.lanes if lane]
-        for rp in plan.ranks:
-            for table in (*REDUCED, *ITEMS):
-                lane = [g for g in rp.groups if g.table == table]
-                if lane:
-                    self._lanes.append((rp.rank, lane))
+        #: (the rank of a lane's rows, -1 when they are of many ranks; its groups in write
+        #: order: their steps never go down)
+        self._lanes: list[tuple[int, list[RowGroup]]] = [
+            (lane[0].rank, lane) for lane in plan.lanes
+        ]
         #: each lane's first group still needed (metrics and timers: not decoded yet)
         self._next = [0] * len(self._lanes)
         #: metrics and timers lanes: the rows of their last group decoded still to come
@@ -178,7 +173,7 @@ class Loader:
 
     def _start(self) -> list[_GpuLane]:
         """The GPU samples' lanes, and the first window's width (once)."""
-        gpu = [_GpuLane(rp.rank, rp.gpu_files, rp.gpu_steps, rp.gpu_rows)
+        gpu = [_GpuLane(rp.rank, rp.gpu_steps, rp.gpu_rows)
                for rp in self._plan.ranks if rp.gpu_steps is not None]  # fmt: skip
         lows = [lane[0].lo for _, lane in self._lanes] + [int(g.steps[0]) for g in gpu]
         top = max([g.hi for _, lane in self._lanes for g in lane]
@@ -394,28 +389,10 @@ class Loader:
             return None
         return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
 
-    def _gpu_rows(self, lane: _GpuLane, b: int) -> pa.Table:
-        """The rank's GPU samples from its next one to row ``b`` (its files one after
-        another, or the rows the check kept)."""
-        files, a = lane.files, lane.next
-        if lane.rows is not None:
-            t = lane.rows.slice(a, b - a)
-            return t.set_column(t.schema.get_field_index("ts"), "ts", t["ts"].cast(pa.int64()))
-        parts = []
-        base = 0
-        for path, n in files:
-            first, end = max(a - base, 0), min(b - base, n)
-            base += n
-            if first >= end:
-                continue
-            meta = self._cache.footer(path)
-            starts = np.cumsum([0] + [meta.row_group(i).num_rows
-                                      for i in range(meta.num_row_groups)])  # fmt: skip
-            g0 = int(np.searchsorted(starts, first, side="right")) - 1
-            g1 = int(np.searchsorted(starts, end, side="left"))
-            t = self._file(path).read_row_groups(list(range(g0, g1)), columns=_ITEM_COLUMNS["gpu"])
-            parts.append(t.slice(first - int(starts[g0]), end - first))
-        t = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+    @staticmethod
+    def _gpu_rows(lane: _GpuLane, b: int) -> pa.Table:
+        """The rank's GPU samples from its next one to row ``b``, ts as int."""
+        t = lane.rows.slice(lane.next, b - lane.next)
         return t.set_column(t.schema.get_field_index("ts"), "ts", t["ts"].cast(pa.int64()))
 
     def _file(self, path: Path) -> pq.ParquetFile:
