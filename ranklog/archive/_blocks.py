@@ -24,7 +24,7 @@ from ranklog.spool import SegmentId
 
 __all__ = ["BlockHeads", "RanksHeads", "ranks_heads"]
 
-_COLUMNS: Final = ("rank", "incarnation", "segment", "seq", "idx")
+_SEGMENT: Final = ("rank", "incarnation", "segment")
 #: a step that is null (a table without steps)
 _NULL: Final = -(2**62)
 
@@ -60,14 +60,29 @@ def _key(rank: Any, incarnation: Any, segment: Any) -> Any:
 _RANKS_BLOCKS: Final = 4
 
 
-def _ranks_block(piece: Piece, footer: Any) -> dict[int, RanksHeads]:
-    """A block of the ranks table (rows in write order: segment by segment), split."""
+def _read_columns(piece: Piece, footer: Any, columns: list[str]) -> tuple[Any, Any]:
+    """The piece's groups (the columns of them its file has), and each row's segment key:
+    a file of one segment's rows is read without its segment columns."""
     pf = open_file(piece.path, footer)
     have = set(pf.schema_arrow.names)
-    t = pf.read_row_groups(list(piece.groups(pf.metadata)),
-                           columns=[c for c in ("rank", "incarnation", "segment", *_RANKS)
-                                    if c in have], use_threads=False)  # fmt: skip
-    keys = _key(*(t[c].to_numpy().astype(np.int64) for c in ("rank", "incarnation", "segment")))
+    wanted = [c for c in columns if c in have]
+    if piece.alone:
+        groups = piece.groups(pf.metadata)
+        if groups.start == 0 and groups.stop == pf.metadata.num_row_groups:
+            t = pf.read(columns=wanted, use_threads=False)
+        else:
+            t = pf.read_row_groups(list(groups), columns=wanted, use_threads=False)
+        sid: SegmentId = piece.segment
+        key = int(_key(sid.rank, sid.incarnation, sid.segment))
+        return t, np.full(t.num_rows, key, np.int64)
+    t = pf.read_row_groups(list(piece.groups(pf.metadata)), columns=[*_SEGMENT, *wanted],
+                           use_threads=False)  # fmt: skip
+    return t, _key(*(t[c].to_numpy().astype(np.int64) for c in _SEGMENT))
+
+
+def _ranks_block(piece: Piece, footer: Any) -> dict[int, RanksHeads]:
+    """A block of the ranks table (rows in write order: segment by segment), split."""
+    t, keys = _read_columns(piece, footer, list(_RANKS))
     if not len(keys):
         return {}
     q, i = t["seq"].to_numpy(), t["idx"].to_numpy()
@@ -142,26 +157,19 @@ class BlockHeads:
     def _read(piece: Piece, footer: Any) -> tuple[dict[int, Heads], bool]:
         """The block's events by segment, and whether, in the file's order, its steps go
         down (windows of steps cannot read it)."""
-        pf = open_file(piece.path, footer)
-        names = set(pf.schema_arrow.names)
-        stepped = "step" in names
-        t = pf.read_row_groups(
-            list(piece.groups(pf.metadata)),
-            columns=[*_COLUMNS, *(["step"] if stepped else [])],
-            use_threads=False,
-        )
-        cols = [t[c].to_numpy() for c in _COLUMNS]
-        if not len(cols[0]):
+        t, row_keys = _read_columns(piece, footer, ["seq", "idx", "step"])
+        stepped = "step" in t.column_names
+        if not len(row_keys):
             return {}, False
+        cols = [row_keys, t["seq"].to_numpy(), t["idx"].to_numpy()]
         # one row per event: an event's rows are next to each other (one step, one key)
-        new = np.zeros(len(cols[0]), bool)
+        new = np.zeros(len(row_keys), bool)
         new[0] = True
         for c in cols:
             new[1:] |= c[1:] != c[:-1]
-        rank, inc, seg, seq, idx = (c[new].astype(np.int64) for c in cols)
+        keys, seq, idx = (c[new].astype(np.int64) for c in cols)
         step = t["step"].fill_null(_NULL).to_numpy()[new] if stepped else np.full(len(seq), _NULL)
         unsorted = stepped and bool(np.any(step[1:] < step[:-1]))
-        keys = _key(rank, inc, seg)
         order = np.argsort(keys, kind="stable")
         keys, seq, idx, step = keys[order], seq[order], idx[order], step[order]
         same = keys[1:] == keys[:-1]

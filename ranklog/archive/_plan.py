@@ -185,7 +185,9 @@ def scan(
         lanes = []
         for t, _, first, end, path, owner in sorted(blocks):  # in write order
             table = TABLES[t]
-            pf = _open(path, table, cache)  # (every file: a column of a later release?)
+            if owner >= 0 and table in _ONCE:  # (a file of its own: opened by the check)
+                continue
+            pf = _open(path, table, cache, keep=owner < 0)  # (a column of a later release?)
             if table not in (*REDUCED, *ITEMS):
                 continue
             meta = pf.metadata
@@ -334,7 +336,10 @@ def _check_rank(
                           _uncounted(seq)))  # fmt: skip
             seqs.append(seq)
         for src in tables.get("ranks", []):
-            got = blocks.ranks(src)  # (read once a block: its footer not kept; in order)
+            footer = cache.known(src.path)  # (a part's: kept by the scan)
+            if footer is None:  # a file of its own, read once: its footer not kept
+                footer = _open(src.path, "ranks", cache).metadata
+            got = blocks.ranks(src, footer)  # (in order)
             seq = got[0]
             heads.append(got[:5])
             seqs.append(seq)
@@ -480,15 +485,16 @@ READ: Final = {
 LATER: Final[dict[str, set[str]]] = {"images": {"plotly"}}
 
 
-def _open(path: Path, table: str, cache: GroupCache) -> pq.ParquetFile:
+def _open(path: Path, table: str, cache: GroupCache, *, keep: bool = False) -> pq.ParquetFile:
     """``path`` opened; a file an older release wrote, without a column read here, is
     left to the event path (which reads absent columns as nulls).
 
     The footers of the files a replay reads by window are kept (the reader needs them
-    again); those of params and ranks files are not (the check reads them once)."""
+    again), and those of part files (``keep``: every rank's check reads them); those of
+    a layout-1 file of params or ranks are not (the check reads it once)."""
     known = cache.known(path)
     pf = open_file(path, known)
-    if known is None and table not in _ONCE:  # parsed by this open: kept for the next
+    if known is None and (keep or table not in _ONCE):  # parsed by this open: kept
         cache.footer(path, pf.metadata)
     names = set(pf.schema_arrow.names)
     missing = [c for c in ("seq", "idx", *READ[table]) if c not in names | LATER.get(table, set())]
