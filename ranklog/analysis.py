@@ -25,10 +25,13 @@ __all__ = ["metric_band", "per_rank", "rank_divergence", "slowest_rank"]
 
 
 def _table(dataset: str | os.PathLike[str], kind: str, name: str) -> pa.Table:
+    from ranklog.archive import SCHEMAS, table_files
+
     path = Path(dataset) / kind
-    if not path.is_dir():
+    files = table_files(dataset, kind)
+    if not path.is_dir() or not files:
         raise ArchiveError(f"{path}: no {kind} table in this dataset")
-    return ds.dataset(path, format="parquet").to_table(
+    return ds.dataset(files, format="parquet", schema=SCHEMAS[kind]).to_table(
         columns=["step", "rank", "value"], filter=ds.field("name") == name
     )
 

@@ -318,8 +318,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )  # fmt: skip
     comp.add_argument(
         "--layout", type=int, choices=(1, 2), default=None,
-        help="a new dataset's layout: 1, a file per table per segment; 2, a few files per "
-        "table, rows sorted by step (default: 1; an existing dataset keeps its own)",
+        help="a new dataset's layout: 2, a few files per table, rows sorted by step (the "
+        "default); 1, a file per table per segment (an existing dataset keeps its own)",
     )  # fmt: skip
     comp.set_defaults(func=_compact)
 

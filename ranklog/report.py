@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
-from ranklog.archive import MANIFEST, SCHEMAS, TABLES, load_manifest
+from ranklog.archive import MANIFEST, SCHEMAS, TABLES, load_manifest, table_files
 from ranklog.errors import ConfigError, ExtraMissingError
 from ranklog.schemas import is_meta_key
 from ranklog.shippers._meta import code_line, records
@@ -56,10 +56,11 @@ def _read(root: Path, table: str, cols: list[str], where: Any = None, names: boo
     """``cols`` of one table, filtered by ``where``; ``name`` as a dictionary if ``names``."""
     schema, text = SCHEMAS[table], pa.dictionary(pa.int32(), pa.string()) if names else pa.string()
     schema = schema.set(schema.get_field_index("name"), pa.field("name", text)) if names else schema
-    if not (root / table).is_dir():
+    files = table_files(root, table)
+    if not (root / table).is_dir() or not files:
         return schema.empty_table().select(cols)
     fmt = ds.ParquetFileFormat(read_options={"dictionary_columns": ["name"] if names else []})
-    return ds.dataset(root / table, format=fmt, schema=schema).to_table(cols, filter=where)
+    return ds.dataset(files, format=fmt, schema=schema).to_table(cols, filter=where)
 
 
 def _floats(col: Any, ts: bool = False) -> F64:

@@ -224,3 +224,125 @@ class TestKept:
         replay(data / "layout2" / "dataset", JsonlTarget(by_events), per_rank=False,
                names="*")  # fmt: skip
         assert by_events.read_bytes().splitlines()[1:] == want.splitlines()[1:]
+
+
+class TestReviewed:
+    def test_a_large_segment_closes_its_parts_as_it_goes(
+        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """One segment larger than the save interval is compacted into several parts, the
+        manifest saved between them (memory holds a few blocks, not the segment); the rows
+        are those of one read."""
+        import ranklog.archive._compact as compact_mod
+
+        run = rank(spool, 0, 1)
+        log_steps(run, range(400))
+        run.close()
+        compact(spool, tmp_path / "whole")
+        monkeypatch.setattr(compact_mod, "CHUNK_BYTES", 1024)
+        monkeypatch.setattr(compact_mod, "SAVE_BYTES", 4096)
+        saves = []
+        real = compact_mod.save_manifest
+        monkeypatch.setattr(compact_mod, "save_manifest",
+                            lambda *a: (saves.append(1), real(*a)))  # fmt: skip
+        out = tmp_path / "pq"
+        compact(spool, out)
+        assert len(load_manifest(out).segments) == 1
+        assert len(_parts(out)) >= 3  # (merged down to at most 8)
+        assert len(saves) >= 3
+        assert _dataset(out) == _dataset(tmp_path / "whole")
+
+    def test_delete_decodes_each_shared_group_once(
+        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """--delete's verification of many small segments sharing a block decodes each of
+        the block's row groups once, not once per segment."""
+        from ranklog.archive._rows import Shared
+
+        _job(spool)
+        out = tmp_path / "pq"
+        compact(spool, out)
+        decoded: list[tuple[str, int]] = []
+        real = Shared._split
+
+        def spy(pf: Any, table: str, g: int, columns: Any) -> Any:
+            decoded.append((table, g))
+            return real(pf, table, g, columns)
+
+        monkeypatch.setattr(Shared, "_split", staticmethod(spy))
+        result = compact(spool, out, delete=True, force=True)
+        assert len(result.deleted) >= 6
+        assert len(decoded) == len(set(decoded))
+
+    def test_the_plan_reads_each_block_once(
+        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A job of 16 ranks compacted in 20 runs (a block per run holds every rank): the
+        plan's check reads each block of events and of the ranks table once."""
+        import ranklog.archive._blocks as blocks_mod
+        import ranklog.archive._merge as merge_mod
+
+        monkeypatch.setattr(merge_mod, "MAX_PARTS", 100)
+        out = tmp_path / "pq"
+        _grow(spool, out, 16, 20, steps=2)
+        reads: list[tuple[str, int, int]] = []
+        real_heads, real_ranks = blocks_mod.BlockHeads._read, blocks_mod._ranks_block
+
+        def heads(piece: Any, footer: Any) -> Any:
+            reads.append((str(piece.path), piece.first, piece.end))
+            return real_heads(piece, footer)
+
+        def ranks(piece: Any, footer: Any) -> Any:
+            reads.append((str(piece.path), piece.first, piece.end))
+            return real_ranks(piece, footer)
+
+        monkeypatch.setattr(blocks_mod.BlockHeads, "_read", staticmethod(heads))
+        monkeypatch.setattr(blocks_mod, "_ranks_block", ranks)
+        live, again = tmp_path / "live.jsonl", tmp_path / "again.jsonl"
+        ship(spool, live)
+        replay(out, JsonlTarget(again))
+        assert again.read_bytes() == live.read_bytes()
+        assert len(reads) > 20
+        assert len(reads) == len(set(reads))
+
+    def test_two_params_departures_name_the_first(self) -> None:
+        """A rank that logs params twice for steps it had closed is named for the first."""
+        import numpy as np
+
+        from ranklog.archive._plan import RankPlan, _No, _streams
+        from ranklog.spool import NO_STEP
+
+        # write order: step 5, step_end 20, params, step 21, step_end 30, params
+        rows = [(0, 0, 5, 0, -1), (1, 0, 20, 1, -1), (2, 0, NO_STEP, 2, -1), (3, 0, 21, 0, -1),
+                (4, 0, 30, 1, -1), (5, 0, NO_STEP, 2, -1)]  # fmt: skip
+        heads = [tuple(np.array([r[j] for r in rows], np.int8 if j == 3 else np.int64)
+                       for j in range(5))]  # fmt: skip
+        params = {(2, 0): [("a", "1")], (5, 0): [("b", "2")]}
+        with pytest.raises(_No, match="for step 6,"):
+            _streams([(RankPlan(0, NO_STEP, True, None), heads, params, "x")])
+
+    def test_readers_leave_out_what_the_manifest_does_not_list(
+        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A merge killed before its manifest leaves a merged part beside the parts it
+        holds: ranklog's analysis and report read the listed files only, each value once."""
+        import ranklog.archive._merge as merge_mod
+        from ranklog import analysis, report
+        from ranklog.archive import table_files
+
+        out = tmp_path / "pq"
+        monkeypatch.setattr(merge_mod, "MAX_PARTS", 100)
+        _grow(spool, out, 2, 9)
+        monkeypatch.setattr(merge_mod, "MAX_PARTS", 8)
+
+        def killed(*args: Any) -> None:
+            raise KeyboardInterrupt("killed")
+
+        monkeypatch.setattr(merge_mod, "save_manifest", killed)
+        with pytest.raises(KeyboardInterrupt):
+            compact(spool, out)
+        files = table_files(out, "metrics")
+        assert isinstance(files, list)
+        assert len(files) < len(_parts(out))  # the merged part is there, not listed
+        assert analysis._table(out, "metrics", "loss").num_rows == 2 * 9 * 5
+        assert report._read(out, "metrics", ["step"]).num_rows == 2 * 9 * 5

@@ -28,7 +28,13 @@ from typing import TYPE_CHECKING, Any
 
 from ranklog.archive._block import segment_tables
 from ranklog.archive._compact import CompactResult, compact
-from ranklog.archive._manifest import MANIFEST, Manifest, load_manifest, require_manifest
+from ranklog.archive._manifest import (
+    MANIFEST,
+    Manifest,
+    load_manifest,
+    require_manifest,
+    table_files,
+)
 from ranklog.archive._tables import COMMON, SCHEMAS, STEP_TABLES, TABLES
 
 if TYPE_CHECKING:
@@ -48,6 +54,7 @@ __all__ = [
     "replay",
     "require_manifest",
     "segment_tables",
+    "table_files",
 ]
 
 

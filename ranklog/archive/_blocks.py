@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ranklog.archive._rows import Piece, open_file
+from ranklog.archive._rows import Piece, open_file, segment_key
 from ranklog.spool import SegmentId
 
 __all__ = ["BlockHeads", "RanksHeads", "ranks_heads"]
@@ -52,12 +52,7 @@ def ranks_heads(t: pa.Table) -> RanksHeads:
     return t["seq"].to_numpy(), t["idx"].to_numpy(), step, code, events, rows
 
 
-def _key(rank: Any, incarnation: Any, segment: Any) -> Any:
-    return (rank << 40) | (incarnation << 20) | segment
-
-
-#: blocks of the ranks table kept split (a block of small segments holds thousands)
-_RANKS_BLOCKS: Final = 4
+_key = segment_key
 
 
 def _read_columns(piece: Piece, footer: Any, columns: list[str]) -> tuple[Any, Any]:
@@ -115,6 +110,7 @@ class BlockHeads:
         self._bytes = 0
         self._sizes: dict[tuple[Path, int, int], int] = {}
         self._ranks: OrderedDict[tuple[Path, int, int], dict[int, RanksHeads]] = OrderedDict()
+        self._ranks_bytes: dict[tuple[Path, int, int], int] = {}
         #: the first file read whose rows' steps go down in its order (windows of steps
         #: cannot read it: the plan refuses the dataset once its ranks were walked)
         self.unsorted: str | None = None
@@ -126,8 +122,12 @@ class BlockHeads:
         block = self._ranks.get(key)
         if block is None:
             block = self._ranks[key] = _ranks_block(piece, footer)
-            while len(self._ranks) > _RANKS_BLOCKS:
-                self._ranks.popitem(last=False)
+            self._ranks_bytes[key] = size = sum(40 * len(h[0]) + 100 * len(h[5])
+                                                for h in block.values())  # fmt: skip
+            self._bytes += size
+            self._drop()
+        else:
+            self._ranks.move_to_end(key)
         sid: SegmentId = piece.segment
         got = block.get(int(_key(sid.rank, sid.incarnation, sid.segment)))
         if got is None:
@@ -187,6 +187,16 @@ class BlockHeads:
         self._blocks[key] = block
         self._sizes[key] = size
         self._bytes += size
-        while self._bytes > self.limit and len(self._blocks) > 1:
-            old, _ = self._blocks.popitem(last=False)
-            self._bytes -= self._sizes.pop(old)
+        self._drop()
+
+    def _drop(self) -> None:
+        """The least recently used blocks let go, of either kind, past ``limit`` bytes."""
+        while self._bytes > self.limit and len(self._blocks) + len(self._ranks) > 1:
+            if self._ranks and (not self._blocks or len(self._ranks) > 1):
+                old = next(iter(self._ranks))
+                del self._ranks[old]
+                self._bytes -= self._ranks_bytes.pop(old)
+            else:
+                old = next(iter(self._blocks))
+                del self._blocks[old]
+                self._bytes -= self._sizes.pop(old)

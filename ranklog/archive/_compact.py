@@ -292,7 +292,8 @@ def compact(
     finally:
         saver.close()
     if manifest.layout >= 2:
-        result.merged = merge_parts(outdir, manifest)
+        result.merged, written = merge_parts(outdir, manifest)
+        result.files += written
     if delete:
         deleted, kept = delete_verified(layout, run.run_id, outdir, manifest, force=force)
         result.deleted += deleted
@@ -374,6 +375,7 @@ def _compact_segment(
         if not res.more:
             entry.done = res.sealed or (later and res.pending == 0)
             return
+        saver.maybe()  # (a large segment: its part closed, the manifest saved, mid-way)
 
 
 @dataclass(slots=True)

@@ -8,6 +8,7 @@ the spool's ``deleted.json`` names it (and the dataset) before it goes.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Final
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -23,6 +24,9 @@ from ranklog.errors import CursorError
 from ranklog.spool import SegmentId, SegmentName, SegmentReader, SpoolLayout, record_deleted
 
 __all__ = ["delete_verified"]
+
+#: decoded part groups kept while segments are verified (those of a block, in turn)
+_SHARED_BYTES: Final = 96 * 1024 * 1024
 
 
 def delete_verified(
@@ -44,6 +48,8 @@ def delete_verified(
     """
     deleted: list[str] = []
     kept: list[str] = []
+    #: the part groups that segments share, decoded once for all of them (layout 2)
+    shared = Shared(_SHARED_BYTES)
     unfinished, who = (set(), "") if force else _unfinished_by_shippers(layout)
     doomed: list[tuple[SegmentName, SegmentEntry]] = []
     steps: dict[SegmentId, list[tuple[int, int]]] = {}
@@ -54,7 +60,7 @@ def delete_verified(
             why = _why_keep(entry, key, unfinished, who)
             if why is None:
                 assert entry is not None
-                why, steps[seg.id] = _verify(run_id, seg, outdir, entry)
+                why, steps[seg.id] = _verify(run_id, seg, outdir, entry, shared)
             if why is not None:
                 kept.append(f"{seg.path}: {why}")
                 continue
@@ -114,7 +120,7 @@ def _unfinished_by_shippers(layout: SpoolLayout) -> tuple[set[SegmentId], str]:
 
 
 def _verify(
-    run_id: str, seg: SegmentName, outdir: Path, entry: SegmentEntry
+    run_id: str, seg: SegmentName, outdir: Path, entry: SegmentEntry, shared: Shared
 ) -> tuple[str | None, list[tuple[int, int]]]:
     """(None when the Parquet rows of ``seg`` equal a fresh read of it, else why not; the
     steps its values are for, as inclusive ranges)."""
@@ -128,20 +134,24 @@ def _verify(
             if want is not None and want.num_rows:
                 return f"{table}: no Parquet file for {want.num_rows} rows", []
             continue
-        got = _rows_of(outdir, table, files, entry, seg.id)
+        got = _rows_of(outdir, table, files, entry, seg.id, shared)
         if want is None or not _same(got, want):
             return f"{table}: the Parquet rows differ from the segment", []
     return None, _step_ranges(expected)
 
 
 def _rows_of(
-    outdir: Path, table: str, files: list[str], entry: SegmentEntry, sid: SegmentId
+    outdir: Path,
+    table: str,
+    files: list[str],
+    entry: SegmentEntry,
+    sid: SegmentId,
+    shared: Shared,
 ) -> pa.Table:
     """The segment's rows of ``table`` as the dataset holds them, in write order."""
     held = entry.pieces.get(table)
     if not held:  # layout 1: files of its own
         return pa.concat_tables([pq.read_table(outdir / f) for f in files]).cast(SCHEMAS[table])
-    shared = Shared(64 << 20)
     names = list(SCHEMAS[table].names)
     pieces = pieces_of(outdir, sid, entry)[table]
     got = pa.concat_tables([source_rows(piece, table, names, shared) for piece in pieces])

@@ -25,6 +25,7 @@ __all__ = [
     "load_manifest",
     "require_manifest",
     "save_manifest",
+    "table_files",
 ]
 
 MANIFEST: Final = "_manifest.json"
@@ -46,7 +47,8 @@ class SegmentEntry(msgspec.Struct, forbid_unknown_fields=False):
     #: the next run reads them alone (None: not saved; it follows frame headers)
     names: list[int] | None = None
     #: layout 2: per table, the row groups of the part files that hold its rows, as
-    #: ``[part, first group, end group]`` (``files`` names those files); empty in layout 1
+    #: ``[part, generation, first group, end group]`` (``files`` names those files); empty
+    #: in layout 1
     pieces: dict[str, list[list[int]]] = msgspec.field(default_factory=dict)
 
 
@@ -120,3 +122,15 @@ def require_manifest(dataset: str | os.PathLike[str]) -> Manifest:
 def save_manifest(out: Path, manifest: Manifest) -> None:
     """Replace the manifest atomically."""
     atomic_write(out / MANIFEST, msgspec.json.format(msgspec.json.encode(manifest)))
+
+
+def table_files(dataset: str | os.PathLike[str], table: str) -> list[Path] | Path:
+    """The files of ``table`` the dataset's manifest lists (what a reader should scan: a
+    file a run killed a moment ago left, or a part a merge replaced, is not listed); the
+    table's directory when there is no manifest."""
+    root = Path(dataset)
+    manifest = load_manifest(root)
+    if not manifest.run_id:
+        return root / table
+    listed = {f for entry in manifest.segments.values() for f in entry.files}
+    return sorted(root / f for f in listed if f.startswith(f"{table}/"))

@@ -66,15 +66,17 @@ def _runs(out: Path, parts: list[Part], small: int) -> list[list[Part]]:
     return runs
 
 
-def merge_parts(out: Path, manifest: Manifest) -> list[str]:
-    """Merge runs of small parts when ``out`` holds more than :data:`MAX_PARTS`; the files
-    removed (relative to ``out``). The manifest is saved once the merged files are durable."""
+def merge_parts(out: Path, manifest: Manifest) -> tuple[list[str], int]:
+    """Merge runs of small parts when ``out`` holds more than :data:`MAX_PARTS`: the files
+    removed (relative to ``out``), and how many were written. The manifest is saved once
+    the merged files are durable."""
     parts = _parts(manifest)
     if len(parts) <= MAX_PARTS:
-        return []
+        return [], 0
     runs = _runs(out, parts, SMALL_BYTES)
     if not runs:
-        return []
+        return [], 0
+    written = 0
     renumber: dict[tuple[str, int, int], tuple[int, int, int]] = {}  # old -> new, per table
     made: set[Path] = set()
     for run in runs:
@@ -86,6 +88,7 @@ def merge_parts(out: Path, manifest: Manifest) -> list[str]:
                 renumber[(table, p, g)] = (first, gen, offset)
             if offsets:
                 made.add((out / part_file(table, first, gen)).parent)
+                written += 1
     for d in sorted(made):
         fsync_dir(d)
     gone: set[str] = set()
@@ -109,7 +112,7 @@ def merge_parts(out: Path, manifest: Manifest) -> list[str]:
         (out / rel).unlink(missing_ok=True)
     for d in sorted({(out / rel).parent for rel in gone}):
         fsync_dir(d)
-    return sorted(gone)
+    return sorted(gone), written
 
 
 def _copy(out: Path, table: str, run: list[Part], into: Part) -> dict[Part, int]:

@@ -10,7 +10,7 @@ step tables are sorted by step; rows of one step keep the order ranks wrote them
 order they were logged. The other tables (params, ranks, GPU samples) keep that write
 order. A block is written as row groups of its own (none holds two blocks' rows), so
 the manifest can name, per segment and table, the row groups that hold its rows: its
-*pieces*, ``[part, first group, end group]``.
+*pieces*, ``[part, generation, first group, end group]``.
 
 Parts are written on a thread of their own (Parquet encoding, compression and fsync
 release the GIL) while the next chunk is read: to a temporary name, fsync'd and renamed
@@ -50,6 +50,8 @@ __all__ = [
 
 #: rows per row group: replay reads by row group, so this bounds what it decodes at once
 ROW_GROUP: Final = 8_192
+#: tables' writes queued at most (a block is one per table: about two blocks in flight)
+_IN_FLIGHT: Final = 2 * 9
 #: the name of a part's file in its table's directory
 PART: Final = re.compile(r"part-(\d{6,})(\.g\d+)?\.parquet")
 
@@ -132,11 +134,25 @@ class _Part:
             self.writers[table] = writer
         writer.write_table(data, row_group_size=self.row_group)
 
+    def abandon(self) -> None:
+        """Close what is open (a failed run: the files stay unlisted, removed next run)."""
+        for writer in self.writers.values():
+            writer.close()
+        self.writers = {}
+
     def close(self) -> list[str]:
         """Finish every file: fsync'd and renamed to its name (directories: the caller's)."""
         files = []
-        for table, writer in self.writers.items():
-            writer.close()
+        writers, self.writers = self.writers, {}
+        pending = list(writers.values())
+        try:
+            while pending:
+                pending[0].close()
+                pending.pop(0)
+        finally:
+            for writer in pending[1:]:  # one failed: the others closed all the same
+                writer.close()
+        for table in writers:
             tmp, rel = self.tmp(table), part_file(table, self.number)
             groups = pq.read_metadata(tmp).num_row_groups
             if groups != self.groups[table]:  # the pieces the manifest lists would be wrong
@@ -195,6 +211,8 @@ class Parts:
                 if rel not in entry.files:
                     entry.files.append(rel)
             self._writes.append(self._pool.submit(self._write, part, table, data))
+        while len(self._writes) > _IN_FLIGHT:  # memory: a few blocks' tables at most
+            self._writes.pop(0).result()
 
     @staticmethod
     def _write(part: _Part, table: str, data: pa.Table) -> None:
@@ -221,6 +239,9 @@ class Parts:
     def close(self) -> None:
         """Stop the thread (whatever happened); a part left open stays unlisted."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._part is not None:
+            self._part.abandon()
+            self._part = None
 
 
 def remove_orphans(out: Path, manifest: Manifest) -> None:

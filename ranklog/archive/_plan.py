@@ -63,6 +63,7 @@ __all__ = [
     "RankPlan",
     "RowGroup",
     "check",
+    "piece_rows",
     "plan",
     "scan",
 ]
@@ -112,8 +113,9 @@ class RankPlan:
     params: list[ParamsRead] = field(default_factory=list)
     #: the params events as (effective step, ((key, value as JSON text), ...)), in order
     said: list[tuple[int, tuple[tuple[str, str], ...]]] = field(default_factory=list)
-    #: the rank's GPU samples (rows in write order, read by the check), and each one's step
-    gpu_rows: Any = None
+    #: where the rank's GPU samples are (in write order) and how many each piece holds,
+    #: and each sample's step (from the check)
+    gpu_pieces: list[tuple[Piece, int]] = field(default_factory=list)
     gpu_steps: Any = None
 
 
@@ -300,7 +302,6 @@ def _check_rank(
 ) -> _Walk:
     """One rank's checks of its own, and its events' heads (the walk, for
     :func:`_streams`); its world size, status and GPU samples filled into ``rp``."""
-    gpu_rows: list[pa.Table] = []  # the rank's GPU samples, kept
     heads: list[tuple[Any, ...]] = []  # per table and file: (seq, idx, step, code, events counted)
     params: dict[tuple[int, int], list[tuple[str, str]]] = {}
     expected = 0
@@ -321,14 +322,14 @@ def _check_rank(
                             raise _No(f"{src.path.name}: rows out of order")
                         last[table] = (int(seq[-1]), int(idx[-1]))
                 else:
-                    t = _piece_rows(src, table, shared)
+                    t = piece_rows(src, table, shared)
                     seq, idx, step, last[table] = _heads_of(t, src.path, last.get(table))
-                    gpu_rows.append(t.select(["seq", "idx", *READ["gpu"]]))
+                    rp.gpu_pieces.append((src, t.num_rows))
                 what = _GPU if table == "gpu" else _STEP
                 heads.append((seq, idx, step, np.full(len(seq), what, np.int8), _uncounted(seq)))
                 seqs.append(seq)
         for src in tables.get("params", []):
-            t = _piece_rows(src, "params", shared).select(["seq", "idx", "name", "value"])
+            t = piece_rows(src, "params", shared).select(["seq", "idx", "name", "value"])
             seq, idx, _, last["params"] = _heads_of(t, src.path, last.get("params"))
             for q, i, name, value in zip(*(t[c].to_pylist() for c in t.column_names), strict=True):
                 params.setdefault((q, i), []).append((name, value))
@@ -358,8 +359,6 @@ def _check_rank(
             if entry.next_seq - 1 != expected:
                 raise _No(f"{sid.stem}: frames before the seal are missing")
             expected += 1
-    if gpu_rows:
-        rp.gpu_rows = pa.concat_tables(gpu_rows)
     rp.world_size = world
     rp.status = status if ended_last and status is not None else "unknown"
     rp.ended = rp.status != "signal"
@@ -413,10 +412,11 @@ def _streams(batch: list[_Walk]) -> None:
     top = running(np.where(is_step, step, NO_STEP))
     before_closed, before_top = before(closed), before(top)
     own = np.where(before_closed != NO_STEP, before_closed, before_top - 1)  # the watermark
-    failed: list[tuple[int, int, str]] = []  # (rank's place, check's place, why)
+    #: (rank's place, check's place, event's place, why): the first of them is named
+    failed: list[tuple[int, int, int, str]] = []
     late = np.flatnonzero(is_step & (step <= own))
     if len(late):
-        failed.append((int(who[late[0]]), 0, "logged late values"))
+        failed.append((int(who[late[0]]), 0, 0, "logged late values"))
     checked = is_end & (counted >= 0)
     if np.any(checked):
         # each (rank, step)'s step events against what its step_end counts
@@ -429,7 +429,7 @@ def _streams(batch: list[_Walk]) -> None:
             got = np.where(keys[at] == want_key, counts[at], 0)
         wrong = np.flatnonzero(got != want)
         if len(wrong):
-            failed.append((int(who[checked][wrong[0]]), 1,
+            failed.append((int(who[checked][wrong[0]]), 1, 0,
                            "a step_end counts other events than the dataset holds"))  # fmt: skip
     is_gpu = code == _GPU
     steps_of: Any = None
@@ -438,20 +438,21 @@ def _streams(batch: list[_Walk]) -> None:
         given = raw != _NULL
         bad = np.flatnonzero(given & (raw <= mine))
         if len(bad):
-            failed.append((int(gwho[bad[0]]), 2, "has GPU samples for steps it had closed"))
+            failed.append((int(gwho[bad[0]]), 2, 0, "has GPU samples for steps it had closed"))
         steps_of = np.where(given, raw, mine + 1)
         down = np.flatnonzero((steps_of[1:] < steps_of[:-1]) & (gwho[1:] == gwho[:-1]))
         if len(down):
-            failed.append((int(gwho[down[0] + 1]), 3, "has GPU samples out of step order"))
+            failed.append((int(gwho[down[0] + 1]), 3, 0, "has GPU samples out of step order"))
     said = []  # (rank's place, effective step, seq, idx) of each params event
     for i in np.flatnonzero(code == _PARAMS).tolist():
         effective = int(before_top[i]) + 1 if before_top[i] >= 0 else 0
         place = int(who[i])
         if effective <= own[i]:  # the step they apply to may be shipped when they are read
-            failed.append((place, 4, f"logged params for step {effective}, which it had closed"))
+            why = f"logged params for step {effective}, which it had closed"
+            failed.append((place, 4, i, why))
         said.append((place, effective, int(seq[i]), int(idx[i])))
     if failed:
-        place, _, why = min(failed)
+        place, _, _, why = min(failed)
         rank = walks[place][0].rank
         raise _No(f"rank {rank}: {why}" if why.startswith("a ") else f"rank {rank} {why}")
     if steps_of is not None:
@@ -508,7 +509,7 @@ def _uncounted(seq: Any) -> Any:
     return np.full(len(seq), -1, np.int64)
 
 
-def _piece_rows(piece: Piece, table: str, shared: Shared) -> pa.Table:
+def piece_rows(piece: Piece, table: str, shared: Shared | None) -> pa.Table:
     """A piece's rows of its segment (the check's columns), in write order."""
     t = source_rows(piece, table, list(_CHECKED.get(table, SCHEMAS[table].names)), shared)
     # sorted by step in the part: back in write order (stable: an event's rows stay)

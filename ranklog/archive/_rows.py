@@ -25,6 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ranklog.archive._tables import SCHEMAS
+from ranklog.errors import ArchiveError
 from ranklog.schemas import (
     Event,
     Gpu,
@@ -53,6 +54,7 @@ __all__ = [
     "frame_events",
     "open_file",
     "read_rows",
+    "segment_key",
 ]
 
 Slot = tuple[int, Event]  # an event and its index in its frame
@@ -142,7 +144,20 @@ class Piece:
 
 def _segment_key(rank: Any, incarnation: Any, segment: Any) -> Any:
     """One integer per (rank, incarnation, segment) (numbers or numpy arrays)."""
-    return (rank << 40) | (incarnation << 20) | segment
+    return segment_key(rank, incarnation, segment)
+
+
+#: the bits an incarnation's and a segment's numbers take in a segment's key
+_BITS: Final = 21
+
+
+def segment_key(rank: Any, incarnation: Any, segment: Any) -> Any:
+    """One integer per (rank, incarnation, segment), numbers or numpy arrays alike
+    (:class:`~ranklog.errors.ArchiveError` for numbers past what the key holds)."""
+    top = max(int(np.max(incarnation, initial=0)), int(np.max(segment, initial=0)))
+    if top >= 1 << _BITS or int(np.max(rank, initial=0)) >= 1 << (62 - 2 * _BITS):
+        raise ArchiveError(f"a segment numbered past the dataset reader's range ({top})")
+    return (rank << (2 * _BITS)) | (incarnation << _BITS) | segment
 
 
 #: a row group sorted by segment, and where each segment's rows are

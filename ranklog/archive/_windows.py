@@ -26,8 +26,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ranklog.archive._plan import ITEMS, READ, REDUCED, Plan, RowGroup
-from ranklog.archive._rows import column_names, frame_events, open_file
+from ranklog.archive._plan import ITEMS, READ, REDUCED, Plan, RowGroup, piece_rows
+from ranklog.archive._rows import Piece, column_names, frame_events, open_file
 from ranklog.archive._spill import ROW, Rest, Spill
 from ranklog.archive._tables import SCHEMAS
 from ranklog.errors import ArchiveError
@@ -125,12 +125,14 @@ class Window:
 
 @dataclass(slots=True)
 class _GpuLane:
-    """One rank's GPU samples (rows in write order, read by the plan's check), each row's
-    step."""
+    """One rank's GPU samples: where they are (pieces, in write order, and how many each
+    holds), each one's step (from the plan's check)."""
 
     rank: int
     steps: Any
-    rows: Any
+    pieces: list[tuple[Piece, int]]
+    #: the piece read last and its rows (a window takes the samples of a few steps)
+    held: tuple[int, Any] | None = None
     #: the next row to read
     next: int = 0
 
@@ -173,7 +175,7 @@ class Loader:
 
     def _start(self) -> list[_GpuLane]:
         """The GPU samples' lanes, and the first window's width (once)."""
-        gpu = [_GpuLane(rp.rank, rp.gpu_steps, rp.gpu_rows)
+        gpu = [_GpuLane(rp.rank, rp.gpu_steps, rp.gpu_pieces)
                for rp in self._plan.ranks if rp.gpu_steps is not None]  # fmt: skip
         lows = [lane[0].lo for _, lane in self._lanes] + [int(g.steps[0]) for g in gpu]
         top = max([g.hi for _, lane in self._lanes for g in lane]
@@ -391,8 +393,19 @@ class Loader:
 
     @staticmethod
     def _gpu_rows(lane: _GpuLane, b: int) -> pa.Table:
-        """The rank's GPU samples from its next one to row ``b``, ts as int."""
-        t = lane.rows.slice(lane.next, b - lane.next)
+        """The rank's GPU samples from its next one to row ``b`` (read a piece at a time),
+        ts as int."""
+        a, base, parts = lane.next, 0, []
+        for k, (piece, n) in enumerate(lane.pieces):
+            first, end = max(a - base, 0), min(b - base, n)
+            base += n
+            if first >= end:
+                continue
+            if lane.held is None or lane.held[0] != k:
+                rows = piece_rows(piece, "gpu", None).select(_ITEM_COLUMNS["gpu"])
+                lane.held = (k, rows)
+            parts.append(lane.held[1].slice(first, end - first))
+        t = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
         return t.set_column(t.schema.get_field_index("ts"), "ts", t["ts"].cast(pa.int64()))
 
     def _file(self, path: Path) -> pq.ParquetFile:
