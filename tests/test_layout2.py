@@ -240,6 +240,7 @@ class TestReviewed:
         run.close()
         compact(spool, tmp_path / "whole")
         monkeypatch.setattr(compact_mod, "CHUNK_BYTES", 1024)
+        monkeypatch.setattr(compact_mod, "BLOCK_BYTES", 1024)
         monkeypatch.setattr(compact_mod, "SAVE_BYTES", 4096)
         saves = []
         real = compact_mod.save_manifest

@@ -162,6 +162,7 @@ class TestRoundTrip:
         _job(spool)
         compact(spool, tmp_path / "whole")
         monkeypatch.setattr(parquet, "CHUNK_BYTES", 512)
+        monkeypatch.setattr(parquet, "BLOCK_BYTES", 512)
         chunked = compact(spool, tmp_path / "pq")
         if dataset_layout == 1:
             per_segment = len(list((tmp_path / "whole").rglob("*.parquet")))
@@ -329,6 +330,7 @@ class TestIncremental:
 
         monkeypatch.setattr(parquet, "SAVE_BYTES", save_bytes)
         monkeypatch.setattr(parquet, "CHUNK_BYTES", 2048)  # (layout 2: several blocks)
+        monkeypatch.setattr(parquet, "BLOCK_BYTES", 2048)
         _job(spool)
         whole = tmp_path / "whole"
         compact(spool, whole)

@@ -115,6 +115,7 @@ class TestReading:
         monkeypatch.setattr(replay_mod, "_SHARED_BYTES", 1)
         if by_group:
             monkeypatch.setattr(compact_mod, "CHUNK_BYTES", 512)
+            monkeypatch.setattr(compact_mod, "BLOCK_BYTES", 512)
         monkeypatch.setattr(replay_mod, "_ROWS_PER_READ", rows_per_read)
         _job(spool)
         live, again = tmp_path / "live.jsonl", tmp_path / "replay.jsonl"

@@ -239,15 +239,16 @@ class Block:
             np.fromiter((ev.events for ev in evs), np.int32, n),
         ))  # fmt: skip
 
-    def tables(self, *, dictionary: bool = False) -> dict[str, pa.Table]:
+    def tables(self, *, dictionary: bool = False, by_step: bool = False) -> dict[str, pa.Table]:
         """The tables (empty ones left out), with the types of :data:`SCHEMAS`; with
         ``dictionary`` the metrics table's strings are dictionary-encoded (compaction writes
-        them so, and Parquet does not hash every string again)."""
+        them so, and Parquet does not hash every string again); with ``by_step`` the
+        metrics table's rows are sorted by step, stably (as a part holds them)."""
         tables: dict[str, pa.Table] = {}
         for name, cols in self._rows.items():
             if len(cols):
                 tables[name] = cols.table(name)
-        metrics = self._metrics_table()
+        metrics = self._metrics_table(by_step)
         if metrics is not None:
             tables["metrics"] = metrics
         if self._ends:
@@ -268,7 +269,7 @@ class Block:
             if t in tables
         }
 
-    def _metrics_table(self) -> pa.Table | None:
+    def _metrics_table(self, by_step: bool) -> pa.Table | None:
         if not self._events:
             return None
         parts = list(zip(*self._events, strict=True))
@@ -284,26 +285,35 @@ class Block:
             per_chunk = [np.full(len(c), v, kind) for c, v in zip(parts[7], parts[i], strict=True)]
             return np.repeat(np.concatenate(per_chunk), counts)
 
-        codes, values, specs = (np.concatenate(col) for col in zip(*self._values, strict=True))
         step = each(6, np.int64)
-        zeros = np.zeros(n, np.int32)
+        order = None  # rows by step, stably (each step's rows in write order)
+        if by_step and len(step) > 1 and bool(np.any(step[1:] < step[:-1])):
+            order = np.argsort(step, kind="stable")
+            step = step[order]
+
+        def put(values: Any) -> pa.Array:  # a column, in the rows' order (one at a time)
+            return pa.array(values if order is None else values[order])
+
+        codes, values, specs = (np.concatenate(col) for col in zip(*self._values, strict=True))
         micros = np.rint(np.concatenate(parts[5]) * 1_000_000).astype(np.int64)
+        relogged = chunkwise(8, np.int64)
+        relogged = step <= (relogged if order is None else relogged[order])
         return pa.table(
             [
                 pa.DictionaryArray.from_arrays(
-                    pa.array(zeros), pa.array([self.run_id], pa.string())
+                    pa.array(np.zeros(n, np.int32)), pa.array([self.run_id], pa.string())
                 ),
-                pa.array(chunkwise(0, np.int32)),
-                pa.array(chunkwise(1, np.int32)),
-                pa.array(chunkwise(2, np.int32)),
-                pa.array(each(3, np.int64)),
-                pa.array(each(4, np.int32)),
-                pa.array(np.repeat(micros, counts)).cast(_TS),
+                put(chunkwise(0, np.int32)),
+                put(chunkwise(1, np.int32)),
+                put(chunkwise(2, np.int32)),
+                put(each(3, np.int64)),
+                put(each(4, np.int32)),
+                put(np.repeat(micros, counts)).cast(_TS),
                 pa.array(step),
-                self._names.array(codes),
-                pa.array(values),
-                self._specs.array(specs),
-                pa.array(step <= chunkwise(8, np.int64)),
+                self._names.array(codes if order is None else codes[order]),
+                put(values),
+                self._specs.array(specs if order is None else specs[order]),
+                pa.array(relogged),
             ],
             schema=_METRICS,
         )

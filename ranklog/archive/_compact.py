@@ -75,6 +75,10 @@ log = logging.getLogger("ranklog.compact")
 #: frames take ~130 MB (peak RSS ~210 MB for a 64 MiB segment, ~530 MB with 64 MiB chunks),
 #: and a file still holds ~370 K values, large enough to scan fast
 CHUNK_BYTES: Final = 8 * 1024 * 1024
+#: layout 2: spool bytes of one block (read in chunks of at most this much): a block's
+#: tables are built at once and written while the next is gathered, so this bounds memory
+#: (~60 MB a block of metrics at 2 MiB); a block holds ~200 K values, ~25 row groups
+BLOCK_BYTES: Final = 2 * 1024 * 1024
 #: spool bytes compacted between two saves of the manifest (and at the end of a run)
 SAVE_BYTES: Final = 64 * 1024 * 1024
 #: chunks written at once: the writer encodes a chunk's Parquet in ~1.5x the time the main
@@ -167,7 +171,7 @@ class _Saver:
         self._bad = 0  # damaged ranges of this run already in the manifest
         self.writer = _Writer()
         #: layout 2: the part files being written
-        self.parts = Parts(out, manifest, CHUNK_BYTES, ROW_GROUP) if manifest.layout >= 2 else None
+        self.parts = Parts(out, manifest, BLOCK_BYTES, ROW_GROUP) if manifest.layout >= 2 else None
 
     def wrote(self, files: list[str], nbytes: int) -> None:
         self.dirs.update((self.out / rel).parent for rel in files)
@@ -319,7 +323,8 @@ def _compact_segment(
     upto = manifest.relogged_upto(seg.rank, seg.incarnation)
     mark = manifest.mark(seg.id)
     while True:
-        res = reader.read(entry.offset, writer_gone=later, max_bytes=CHUNK_BYTES)
+        chunk = CHUNK_BYTES if saver.parts is None else min(CHUNK_BYTES, BLOCK_BYTES)
+        res = reader.read(entry.offset, writer_gone=later, max_bytes=chunk)
         header = reader.header
         foreign = header is not None and (header.run_id, header.rank, header.incarnation) != (
             run_id, seg.rank, seg.incarnation,

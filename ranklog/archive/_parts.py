@@ -50,8 +50,9 @@ __all__ = [
 
 #: rows per row group: replay reads by row group, so this bounds what it decodes at once
 ROW_GROUP: Final = 8_192
-#: tables' writes queued at most (a block is one per table: about two blocks in flight)
-_IN_FLIGHT: Final = 2 * 9
+#: tables' writes queued at most (a block is one per table: one block waits to be written
+#: while the next is gathered)
+_IN_FLIGHT: Final = 9
 #: the name of a part's file in its table's directory
 PART: Final = re.compile(r"part-(\d{6,})(\.g\d+)?\.parquet")
 
@@ -197,7 +198,7 @@ class Parts:
             self._part = _Part(self.out, self.manifest.parts, self._row_group)
             self.manifest.parts += 1
         part = self._part
-        for table, data in block.tables(dictionary=True).items():
+        for table, data in block.tables(dictionary=True, by_step=True).items():
             first = part.groups.get(table, 0)
             end = part.groups[table] = first + -(-data.num_rows // self._row_group)
             rel = part_file(table, part.number)
@@ -216,6 +217,7 @@ class Parts:
 
     @staticmethod
     def _write(part: _Part, table: str, data: pa.Table) -> None:
+        # (the metrics table comes sorted: the others, few rows, are sorted here)
         part.write(table, _by_step(data) if table in STEP_TABLES else data)
 
     def close_part(self) -> list[str]:
