@@ -71,9 +71,9 @@ __all__ = ["DEFAULT_LAYOUT", "LAYOUTS", "CompactResult", "compact"]
 
 log = logging.getLogger("ranklog.compact")
 
-#: spool bytes read per output file. This bounds memory: decoded, 8 MiB of metric
-#: frames take ~130 MB (peak RSS ~210 MB for a 64 MiB segment, ~530 MB with 64 MiB chunks),
-#: and a file still holds ~370 K values, large enough to scan fast
+#: layout 1: spool bytes read per output file. This bounds memory: decoded, 8 MiB of
+#: metric frames take ~130 MB (peak RSS ~210 MB for a 64 MiB segment, ~530 MB with 64 MiB
+#: chunks), and a file still holds ~370 K values, large enough to scan fast
 CHUNK_BYTES: Final = 8 * 1024 * 1024
 #: layout 2: spool bytes of one block (read in chunks of at most this much): a block's
 #: tables are built at once and written while the next is gathered, so this bounds memory

@@ -4,7 +4,7 @@ A compaction run writes *parts*: ``<table>/part-<n:06d>.parquet``, one file per 
 for every :data:`~ranklog.archive._compact.SAVE_BYTES` of spool compacted (and one at
 the end of the run). A part is a sequence of *blocks*: the rows of the chunks read since
 the block before (one chunk of a large segment, or the whole of many small ones, about
-:data:`~ranklog.archive._compact.CHUNK_BYTES` of spool). Within a block, rows of the
+:data:`~ranklog.archive._compact.BLOCK_BYTES` of spool). Within a block, rows of the
 step tables are sorted by step; rows of one step keep the order ranks wrote them in
 (rank, incarnation, segment, seq, idx), so an event's values stay together and in the
 order they were logged. The other tables (params, ranks, GPU samples) keep that write
