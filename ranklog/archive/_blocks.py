@@ -55,6 +55,12 @@ def ranks_heads(t: pa.Table) -> RanksHeads:
 _key = segment_key
 
 
+def _key_of(piece: Piece) -> int:
+    """The key of the piece's segment."""
+    sid: SegmentId = piece.segment
+    return int(_key(sid.rank, sid.incarnation, sid.segment))
+
+
 def _read_columns(piece: Piece, footer: Any, columns: list[str]) -> tuple[Any, Any]:
     """The piece's groups (the columns of them its file has), and each row's segment key:
     a file of one segment's rows is read without its segment columns."""
@@ -128,8 +134,7 @@ class BlockHeads:
             self._drop()
         else:
             self._ranks.move_to_end(key)
-        sid: SegmentId = piece.segment
-        got = block.get(int(_key(sid.rank, sid.incarnation, sid.segment)))
+        got = block.get(_key_of(piece))
         if got is None:
             empty = np.zeros(0, np.int64)
             return empty, empty, empty, np.zeros(0, np.int8), empty, []
@@ -146,8 +151,7 @@ class BlockHeads:
             self._keep(key, block)
         else:
             self._blocks.move_to_end(key)
-        sid: SegmentId = piece.segment
-        got = block.get(int(_key(sid.rank, sid.incarnation, sid.segment)))
+        got = block.get(_key_of(piece))
         if got is None:
             empty = np.zeros(0, np.int64)
             return empty, empty, empty

@@ -44,8 +44,14 @@ from ranklog.archive._manifest import (
     save_manifest,
 )
 from ranklog.archive._merge import merge_parts
-from ranklog.archive._parts import ROW_GROUP, Parts, parquet_options, remove_orphans
-from ranklog.archive._tables import TABLES, NamesRow, names_row
+from ranklog.archive._parts import (
+    ROW_GROUP,
+    Parts,
+    parquet_options,
+    remove_orphans,
+    table_entries,
+)
+from ranklog.archive._tables import NamesRow, names_row
 from ranklog.errors import ArchiveError, ConfigError, RunMismatchError
 from ranklog.schemas import (
     DecodeStats,
@@ -220,15 +226,10 @@ class _Orphans:
     def __init__(self, out: Path) -> None:
         self.out = out
         self.by_key: dict[str, list[str]] = {}
-        for table in TABLES:
-            try:
-                names = os.listdir(out / table)
-            except FileNotFoundError:
-                continue
-            for name in names:
-                parts = name.rsplit("-", 2)  # <key>-<start>-<end>.parquet
-                if len(parts) == 3 and name.endswith(".parquet") and not name.startswith("."):
-                    self.by_key.setdefault(parts[0], []).append(f"{table}/{name}")
+        for table, name in table_entries(out):
+            parts = name.rsplit("-", 2)  # <key>-<start>-<end>.parquet
+            if len(parts) == 3 and name.endswith(".parquet") and not name.startswith("."):
+                self.by_key.setdefault(parts[0], []).append(f"{table}/{name}")
 
     def remove(self, key: str, entry: SegmentEntry) -> None:
         listed = set(entry.files)

@@ -46,6 +46,7 @@ __all__ = [
     "part_file",
     "pieces_of",
     "remove_orphans",
+    "table_entries",
 ]
 
 #: rows per row group: replay reads by row group, so this bounds what it decodes at once
@@ -250,12 +251,19 @@ def remove_orphans(out: Path, manifest: Manifest) -> None:
     """Remove the part files (and temporary files) of ``out`` that ``manifest`` does not
     list: what a crashed run left."""
     listed = {f for entry in manifest.segments.values() for f in entry.files}
+    for table, name in table_entries(out):
+        tmp = name.startswith(".part-") and name.endswith(".tmp")
+        if tmp or (PART.fullmatch(name) and f"{table}/{name}" not in listed):
+            (out / table / name).unlink(missing_ok=True)
+
+
+def table_entries(out: Path) -> list[tuple[str, str]]:
+    """(table, file name) of every entry of the dataset's table directories (listed once)."""
+    found = []
     for table in TABLES:
         try:
             names = os.listdir(out / table)
         except FileNotFoundError:
             continue
-        for name in names:
-            tmp = name.startswith(".part-") and name.endswith(".tmp")
-            if tmp or (PART.fullmatch(name) and f"{table}/{name}" not in listed):
-                (out / table / name).unlink(missing_ok=True)
+        found += [(table, name) for name in names]
+    return found
