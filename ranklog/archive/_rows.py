@@ -154,8 +154,12 @@ _BITS: Final = 21
 def segment_key(rank: Any, incarnation: Any, segment: Any) -> Any:
     """One integer per (rank, incarnation, segment), numbers or numpy arrays alike
     (:class:`~ranklog.errors.ArchiveError` for numbers past what the key holds)."""
-    top = max(int(np.max(incarnation, initial=0)), int(np.max(segment, initial=0)))
-    if top >= 1 << _BITS or int(np.max(rank, initial=0)) >= 1 << (62 - 2 * _BITS):
+    if type(rank) is int and type(incarnation) is int and type(segment) is int:
+        top, most = max(incarnation, segment), rank  # (one segment: no numpy)
+    else:
+        top = max(int(np.max(incarnation, initial=0)), int(np.max(segment, initial=0)))
+        most = int(np.max(rank, initial=0))
+    if top >= 1 << _BITS or most >= 1 << (62 - 2 * _BITS):
         raise ArchiveError(f"a segment numbered past the dataset reader's range ({top})")
     return (rank << (2 * _BITS)) | (incarnation << _BITS) | segment
 
