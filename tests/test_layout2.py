@@ -266,9 +266,9 @@ class TestReviewed:
         decoded: list[tuple[str, int]] = []
         real = Shared._split
 
-        def spy(pf: Any, table: str, g: int, columns: Any) -> Any:
+        def spy(pf: Any, table: str, g: int) -> Any:
             decoded.append((table, g))
-            return real(pf, table, g, columns)
+            return real(pf, table, g)
 
         monkeypatch.setattr(Shared, "_split", staticmethod(spy))
         result = compact(spool, out, delete=True, force=True)

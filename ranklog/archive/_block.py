@@ -50,7 +50,7 @@ from ranklog.schemas import (
 )
 from ranklog.spool import Frame, SegmentName
 
-__all__ = ["Block", "raw_segment_tables", "segment_tables"]
+__all__ = ["Block", "segment_tables"]
 
 _TS_OF: Final = attrgetter("ts")
 _STEP_OF: Final = attrgetter("step")
@@ -135,7 +135,6 @@ class Block:
 
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
-        self.chunks = 0
         self._rows: dict[str, _Columns] = {}
         #: per step table built row by row: the highest step an earlier incarnation had
         #: closed, per row (its rows up to it are ``relogged``)
@@ -165,7 +164,6 @@ class Block:
         found = _metric_values(metrics.events) if metrics.events else None
         if metrics.events and found is None:
             return None
-        self.chunks += 1
         before = {t: len(c) for t, c in self._rows.items()}
         ident = (seg.rank, seg.incarnation, seg.segment)
         if metrics.events:
@@ -242,8 +240,8 @@ class Block:
     def tables(self, *, dictionary: bool = False, by_step: bool = False) -> dict[str, pa.Table]:
         """The tables (empty ones left out), with the types of :data:`SCHEMAS`; with
         ``dictionary`` the metrics table's strings are dictionary-encoded (compaction writes
-        them so, and Parquet does not hash every string again); with ``by_step`` the
-        metrics table's rows are sorted by step, stably (as a part holds them)."""
+        them so, and Parquet does not hash every string again); with ``by_step`` the step
+        tables' rows are sorted by step, stably (as a part holds them)."""
         tables: dict[str, pa.Table] = {}
         for name, cols in self._rows.items():
             if len(cols):
@@ -262,7 +260,8 @@ class Block:
             if t is not None and name != "metrics":
                 upto = np.array(self._upto[name], np.int64)
                 relogged = t["step"].to_numpy() <= upto
-                tables[name] = t.append_column("relogged", pa.array(relogged))
+                t = t.append_column("relogged", pa.array(relogged))
+                tables[name] = _by_step(t) if by_step else t
         return {
             t: tables[t] if dictionary else tables[t].cast(SCHEMAS[t])
             for t in TABLES
@@ -357,6 +356,14 @@ class _Lazy(dict[str, _Columns]):
         return cols
 
 
+def _by_step(t: pa.Table) -> pa.Table:
+    """``t`` (rows in write order, rank by rank) sorted by step, stably."""
+    step = t["step"].to_numpy()
+    if len(step) < 2 or bool(np.all(step[1:] >= step[:-1])):
+        return t
+    return t.take(pa.array(np.argsort(step, kind="stable")))
+
+
 def _in_write_order(t: pa.Table) -> pa.Table:
     """Rows sorted by (rank, incarnation, segment, seq, idx), stably."""
     keys = [t[c].to_numpy() for c in ("idx", "seq", "segment", "incarnation", "rank")]
@@ -443,39 +450,18 @@ def segment_tables(
     frames: Sequence[Frame],
     relogged_upto: int = -1,
     *,
-    mark: list[int] | None = None,
     dictionary: bool = False,
 ) -> dict[str, pa.Table]:
-    """The rows of ``frames`` (one segment's), as one Arrow table per kind (empty ones left out).
+    """The rows of ``frames`` (one segment's, decoded), as one Arrow table per kind (empty
+    ones left out): a block of one chunk.
 
     Rows of steps up to ``relogged_upto`` (the steps an earlier incarnation of the rank had
-    closed) are marked ``relogged``: training logged them again after a restart. ``mark``
-    ([highest step_end, highest step of any step event]) is raised by what ``frames`` hold.
-    Every table has the types of :data:`SCHEMAS`, except with ``dictionary``: the metrics
+    closed) are marked ``relogged``: training logged them again after a restart. Every
+    table has the types of :data:`SCHEMAS`, except with ``dictionary``: the metrics
     table's strings are then dictionary-encoded.
     """
-    rows: list[FrameEvents] = [names_row(f) if f.names_ts is not None else f for f in frames]
-    tables = raw_segment_tables(run_id, seg, rows, relogged_upto, mark=mark,
-                                dictionary=dictionary)  # fmt: skip
-    assert tables is not None  # decoded Metrics: no map to refuse
-    return tables
-
-
-def raw_segment_tables(
-    run_id: str,
-    seg: SegmentName,
-    frames: Sequence[FrameEvents],
-    relogged_upto: int = -1,
-    *,
-    mark: list[int] | None = None,
-    dictionary: bool = False,
-) -> dict[str, pa.Table] | None:
-    """As :func:`segment_tables`, with Metrics events that may be
-    :class:`~ranklog.schemas.MetricsRaw` (read by :func:`~ranklog.schemas.decode_events_raw`):
-    the same tables come out. None (and ``mark`` untouched) when one of their maps is one the
-    Metrics decoder refuses (see :meth:`Block.add`).
-    """
     block = Block(run_id)
-    if block.add(seg, frames, relogged_upto, mark) is None:
-        return None
+    rows: list[FrameEvents] = [names_row(f) if f.names_ts is not None else f for f in frames]
+    added = block.add(seg, rows, relogged_upto)
+    assert added is not None  # decoded Metrics: no map to refuse
     return block.tables(dictionary=dictionary)

@@ -20,7 +20,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ranklog.archive._rows import Piece, open_file, segment_key
-from ranklog.spool import SegmentId
 
 __all__ = ["BlockHeads", "RanksHeads", "ranks_heads"]
 
@@ -52,15 +51,6 @@ def ranks_heads(t: pa.Table) -> RanksHeads:
     return t["seq"].to_numpy(), t["idx"].to_numpy(), step, code, events, rows
 
 
-_key = segment_key
-
-
-def _key_of(piece: Piece) -> int:
-    """The key of the piece's segment."""
-    sid: SegmentId = piece.segment
-    return int(_key(sid.rank, sid.incarnation, sid.segment))
-
-
 def _read_columns(piece: Piece, footer: Any, columns: list[str]) -> tuple[Any, Any]:
     """The piece's groups (the columns of them its file has), and each row's segment key:
     a file of one segment's rows is read without its segment columns."""
@@ -73,12 +63,10 @@ def _read_columns(piece: Piece, footer: Any, columns: list[str]) -> tuple[Any, A
             t = pf.read(columns=wanted, use_threads=False)
         else:
             t = pf.read_row_groups(list(groups), columns=wanted, use_threads=False)
-        sid: SegmentId = piece.segment
-        key = int(_key(sid.rank, sid.incarnation, sid.segment))
-        return t, np.full(t.num_rows, key, np.int64)
+        return t, np.full(t.num_rows, piece.key, np.int64)
     t = pf.read_row_groups(list(piece.groups(pf.metadata)), columns=[*_SEGMENT, *wanted],
                            use_threads=False)  # fmt: skip
-    return t, _key(*(t[c].to_numpy().astype(np.int64) for c in _SEGMENT))
+    return t, segment_key(*(t[c].to_numpy().astype(np.int64) for c in _SEGMENT))
 
 
 def _ranks_block(piece: Piece, footer: Any) -> dict[int, RanksHeads]:
@@ -134,7 +122,7 @@ class BlockHeads:
             self._drop()
         else:
             self._ranks.move_to_end(key)
-        got = block.get(_key_of(piece))
+        got = block.get(piece.key)
         if got is None:
             empty = np.zeros(0, np.int64)
             return empty, empty, empty, np.zeros(0, np.int8), empty, []
@@ -151,7 +139,7 @@ class BlockHeads:
             self._keep(key, block)
         else:
             self._blocks.move_to_end(key)
-        got = block.get(_key_of(piece))
+        got = block.get(piece.key)
         if got is None:
             empty = np.zeros(0, np.int64)
             return empty, empty, empty

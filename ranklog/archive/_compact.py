@@ -386,7 +386,7 @@ def _compact_segment(
 
 @dataclass(slots=True)
 class _Decoded:
-    """A frame's events, as :func:`segment_tables` reads them."""
+    """A frame's events, as :class:`~ranklog.archive._block.Block` reads them."""
 
     seq: int
     events: Sequence[Event | MetricsRaw]

@@ -23,10 +23,10 @@ from __future__ import annotations
 import os
 import re
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Final
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -34,7 +34,7 @@ from ranklog._fs import DIR_MODE, fsync_dir, fsync_file
 from ranklog.archive._block import Block
 from ranklog.archive._manifest import Manifest, SegmentEntry
 from ranklog.archive._rows import Piece
-from ranklog.archive._tables import STEP_TABLES, TABLES
+from ranklog.archive._tables import TABLES
 from ranklog.errors import ArchiveError
 from ranklog.spool import SegmentId
 
@@ -107,14 +107,6 @@ def parquet_options(schema: pa.Schema) -> dict[str, Any]:
     }
 
 
-def _by_step(t: pa.Table) -> pa.Table:
-    """``t`` (rows in write order, rank by rank) sorted by step, stably."""
-    step = t["step"].to_numpy()
-    if len(step) < 2 or bool(np.all(step[1:] >= step[:-1])):
-        return t
-    return t.take(pa.array(np.argsort(step, kind="stable")))
-
-
 class _Part:
     """One part being written: a Parquet writer per table, on the writer thread only."""
 
@@ -146,14 +138,9 @@ class _Part:
         """Finish every file: fsync'd and renamed to its name (directories: the caller's)."""
         files = []
         writers, self.writers = self.writers, {}
-        pending = list(writers.values())
-        try:
-            while pending:
-                pending[0].close()
-                pending.pop(0)
-        finally:
-            for writer in pending[1:]:  # one failed: the others closed all the same
-                writer.close()
+        with ExitStack() as closing:  # (one failed: the others closed all the same)
+            for writer in writers.values():
+                closing.callback(writer.close)
         for table in writers:
             tmp, rel = self.tmp(table), part_file(table, self.number)
             groups = pq.read_metadata(tmp).num_row_groups
@@ -212,14 +199,9 @@ class Parts:
                     held.append(piece)
                 if rel not in entry.files:
                     entry.files.append(rel)
-            self._writes.append(self._pool.submit(self._write, part, table, data))
+            self._writes.append(self._pool.submit(part.write, table, data))
         while len(self._writes) > _IN_FLIGHT:  # memory: a few blocks' tables at most
             self._writes.pop(0).result()
-
-    @staticmethod
-    def _write(part: _Part, table: str, data: pa.Table) -> None:
-        # (the metrics table comes sorted: the others, few rows, are sorted here)
-        part.write(table, _by_step(data) if table in STEP_TABLES else data)
 
     def close_part(self) -> list[str]:
         """The blocks gathered written, and the part closed: its files, durable (their

@@ -202,7 +202,7 @@ def scan(
     except _No as why:
         return None, str(why)
     ranks = [RankPlan(r, watermark=NO_STEP, ended=True, world_size=None) for r in sorted(by_rank)]
-    shared = Shared(_SHARED_BYTES, _CHECKED)
+    shared = Shared(_SHARED_BYTES)
     return Plan(ranks, cache, by_rank, lanes, shared, BlockHeads(_SHARED_BYTES)), ""
 
 
@@ -218,11 +218,9 @@ def _segments_ok(rank: int, segs: Segments) -> None:
             raise _No(f"{sid.stem} holds {', '.join(sorted(unknown))}")
 
 
-#: decoded groups of part files the check keeps (key columns only, split by segment)
+#: decoded groups of part files the check keeps (GPU samples and params, split by segment;
+#: the events of the other tables are read by :class:`BlockHeads`), and those events
 _SHARED_BYTES: Final = 64 * 1024 * 1024
-#: the columns the check reads of the reduced and item tables (the others: all)
-_CHECKED: Final = {t: ["rank", "incarnation", "segment", "seq", "idx", "step"]
-                   for t in (*REDUCED, *ITEMS)}  # fmt: skip
 
 
 def check(found: Plan, manifest: Manifest, cache: GroupCache) -> str:
@@ -315,12 +313,7 @@ def _check_rank(
             for src in tables.get(table, []):
                 if table != "gpu":
                     seq, idx, step = blocks.heads(src, cache.footer(src.path))  # in order
-                    if len(seq):
-                        at = (int(seq[0]), int(idx[0]))
-                        before = last.get(table)
-                        if before is not None and at < before:
-                            raise _No(f"{src.path.name}: rows out of order")
-                        last[table] = (int(seq[-1]), int(idx[-1]))
+                    last[table] = _after(seq, idx, src.path, last.get(table))
                 else:
                     t = piece_rows(src, table, shared)
                     seq, idx, step, last[table] = _heads_of(t, src.path, last.get(table))
@@ -510,8 +503,8 @@ def _uncounted(seq: Any) -> Any:
 
 
 def piece_rows(piece: Piece, table: str, shared: Shared | None) -> pa.Table:
-    """A piece's rows of its segment (the check's columns), in write order."""
-    t = source_rows(piece, table, list(_CHECKED.get(table, SCHEMAS[table].names)), shared)
+    """A piece's rows of its segment, in write order."""
+    t = source_rows(piece, table, list(SCHEMAS[table].names), shared)
     # sorted by step in the part: back in write order (stable: an event's rows stay)
     return t.sort_by([("seq", "ascending"), ("idx", "ascending")])
 
@@ -519,43 +512,29 @@ def piece_rows(piece: Piece, table: str, shared: Shared | None) -> pa.Table:
 def _heads_of(
     t: pa.Table, path: Path, last: tuple[int, int] | None
 ) -> tuple[Any, Any, Any, tuple[int, int] | None]:
-    """:func:`_heads` of rows already read (in write order)."""
-    columns = ["seq", "idx"] + (["step"] if "step" in t.column_names else [])
-    return _batch_heads(t.select(columns).to_batches(), len(columns) == 3, path, last)
+    """(seq, idx, step) of each event of ``t`` (rows in write order; rows of one event
+    share seq and idx), after ``last``, the last event of the pieces before; and the new
+    last. A null step (a GPU sample's, a table without steps) reads as ``_NULL``."""
+    seq, idx = t["seq"].to_numpy(), t["idx"].to_numpy()
+    if "step" in t.column_names:
+        step = t["step"].fill_null(_NULL).to_numpy()
+    else:
+        step = np.full(len(seq), _NULL, np.int64)
+    new = np.ones(len(seq), bool)
+    new[1:] = (seq[1:] != seq[:-1]) | (idx[1:] != idx[:-1])
+    if len(seq) and (int(seq[0]), int(idx[0])) == last:
+        new[0] = False
+    return seq[new], idx[new], step[new], _after(seq, idx, path, last)
 
 
-def _batch_heads(
-    batches: Iterable[pa.RecordBatch], stepped: bool, path: Path, last: tuple[int, int] | None
-) -> tuple[Any, Any, Any, tuple[int, int] | None]:
-    parts: list[list[Any]] = [[], [], []]
-    for batch in batches:
-        seq, idx = batch.column(0).to_numpy(), batch.column(1).to_numpy()
-        if stepped:
-            step = batch.column(2).fill_null(_NULL).to_numpy()
-        else:
-            step = np.full(len(seq), _NULL, np.int64)
-        _in_order(seq, idx, path, last)
-        new = np.ones(len(seq), bool)
-        new[1:] = (seq[1:] != seq[:-1]) | (idx[1:] != idx[:-1])
-        if last is not None and len(seq) and (int(seq[0]), int(idx[0])) == last:
-            new[0] = False
-        if len(seq):
-            last = (int(seq[-1]), int(idx[-1]))
-        for part, col in zip(parts, (seq, idx, step), strict=True):
-            part.append(col[new])
-    seq, idx, step = (np.concatenate(p) if p else np.zeros(0, np.int64) for p in parts)
-    return seq, idx, step, last
-
-
-def _in_order(seq: Any, idx: Any, path: Path, last: tuple[int, int] | None = None) -> None:
-    """Rows in (seq, idx) order, after ``last``; else the event path (which sorts)."""
-    if len(seq) == 0:
-        return
+def _after(seq: Any, idx: Any, path: Path, last: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The last event of rows in write order (``seq``, ``idx``) that follow ``last``, the
+    last of the rows before; else the event path (which sorts)."""
+    if not len(seq):
+        return last
     if last is not None and (int(seq[0]), int(idx[0])) < last:
         raise _No(f"{path.name}: rows out of order")
-    ok = (seq[1:] > seq[:-1]) | ((seq[1:] == seq[:-1]) & (idx[1:] >= idx[:-1]))
-    if not bool(np.all(ok)):
-        raise _No(f"{path.name}: rows out of order")
+    return int(seq[-1]), int(idx[-1])
 
 
 def _groups(

@@ -1,6 +1,6 @@
 """Rows of a compacted dataset turned back into events, in the order a rank wrote them.
 
-The inverse of :func:`ranklog.archive._tables.segment_tables`: the rows of one
+The inverse of :func:`ranklog.archive._block.segment_tables`: the rows of one
 segment, sorted by (incarnation, segment, seq, idx), become the events they came
 from, grouped by the frame (``seq``) that held them. Rows of one Metrics event are
 contiguous and carry the same key. Rows are read by Parquet row group
@@ -137,14 +137,15 @@ class Piece:
         """A file of layout 1: all of it, one segment's rows."""
         return cls(path, 0, -1, segment, 0, alone=True)
 
+    @property
+    def key(self) -> int:
+        """Its segment's key (:func:`segment_key`)."""
+        sid = self.segment
+        return int(segment_key(sid.rank, sid.incarnation, sid.segment))
+
     def groups(self, meta: Any) -> range:
         """Its row groups, given its file's footer."""
         return range(self.first, meta.num_row_groups if self.end < 0 else self.end)
-
-
-def _segment_key(rank: Any, incarnation: Any, segment: Any) -> Any:
-    """One integer per (rank, incarnation, segment) (numbers or numpy arrays)."""
-    return segment_key(rank, incarnation, segment)
 
 
 #: the bits an incarnation's and a segment's numbers take in a segment's key
@@ -177,10 +178,8 @@ class Shared:
     all of them while readers go through its segments in turn.
     """
 
-    def __init__(self, limit: int, columns: dict[str, list[str]] | None = None) -> None:
+    def __init__(self, limit: int) -> None:
         self.limit = limit
-        #: the columns decoded of a table (the segment's key among them); others: all
-        self._columns = columns or {}
         self._items: OrderedDict[tuple[Path, int], _Split]
         self._items = OrderedDict()
         self._bytes = 0
@@ -188,8 +187,7 @@ class Shared:
     def rows(self, piece: Piece, table: str, footer: Any = None) -> pa.Table | None:
         """The piece's rows of its segment, in file order, with every column of ``table``
         decoded (absent ones as nulls); None if none."""
-        sid = piece.segment
-        key = _segment_key(sid.rank, sid.incarnation, sid.segment)
+        key = piece.key
         parts = []
         pf: pq.ParquetFile | None = None
         for g in range(piece.first, piece.end):
@@ -197,7 +195,7 @@ class Shared:
             if item is None:
                 if pf is None:
                     pf = open_file(piece.path, footer)
-                item = self._split(pf, table, g, self._columns.get(table))
+                item = self._split(pf, table, g)
                 self._put((piece.path, g), item)
             else:
                 self._items.move_to_end((piece.path, g))
@@ -210,9 +208,9 @@ class Shared:
         return parts[0] if len(parts) == 1 else pa.concat_tables(parts)
 
     @staticmethod
-    def _split(pf: pq.ParquetFile, table: str, g: int, columns: list[str] | None) -> _Split:
-        t = _read(pf, table, list(SCHEMAS[table].names) if columns is None else columns, g)
-        keys = _segment_key(*(t[c].to_numpy().astype(np.int64) for c in _SEGMENT))
+    def _split(pf: pq.ParquetFile, table: str, g: int) -> _Split:
+        t = _read(pf, table, list(SCHEMAS[table].names), g)
+        keys = segment_key(*(t[c].to_numpy().astype(np.int64) for c in _SEGMENT))
         if len(keys) > 1 and not bool(np.all(keys[1:] >= keys[:-1])):
             order = np.argsort(keys, kind="stable")  # a segment's rows stay in file order
             keys = keys[order]
@@ -223,9 +221,7 @@ class Shared:
         at = {int(keys[a]): (a, b) for a, b in zip(starts, stops, strict=True)}
         return t, at
 
-    def _put(
-        self, key: tuple[Path, int], item: tuple[pa.Table, dict[int, tuple[int, int]]]
-    ) -> None:
+    def _put(self, key: tuple[Path, int], item: _Split) -> None:
         self._items[key] = item
         self._bytes += item[0].nbytes
         while self._bytes > self.limit and len(self._items) > 1:
@@ -300,7 +296,6 @@ class RowGroups:
         columns: list[str],
         cache: GroupCache,
         most: int,
-        metas: dict[Path, Any] | None = None,
     ) -> RowGroups | None:
         """The row groups of ``files``; None when their statistics do not show them in
         ``seq`` order, a group has more than ``most`` rows, or holds other segments' rows
@@ -309,7 +304,7 @@ class RowGroups:
         prev = -1
         for src in files:
             path = src.path
-            meta = cache.footer(path, metas.get(path) if metas is not None else None)
+            meta = cache.footer(path)
             names = column_names(meta)
             col = names.index("seq")
             groups = src.groups(meta)

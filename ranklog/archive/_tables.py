@@ -109,7 +109,7 @@ class _Columns:
 
     def table(self, table: str) -> pa.Table:
         schema = SCHEMAS[table]
-        if table in STEP_TABLES:  # relogged is added by segment_tables
+        if table in STEP_TABLES:  # relogged is added by the Block
             schema = schema.remove(schema.get_field_index("relogged"))
         cols: dict[str, Any] = dict(self.cols)
         # ints -> timestamp by a cast: converting them straight to a zoned timestamp type
@@ -126,7 +126,8 @@ def _us(ts: float) -> int:
 
 
 class FrameEvents(Protocol):
-    """A frame as :func:`segment_tables` reads it (a :class:`~ranklog.spool.Frame` is one)."""
+    """A frame as :class:`~ranklog.archive._block.Block` reads it (a
+    :class:`~ranklog.spool.Frame` is one)."""
 
     @property
     def seq(self) -> int: ...
