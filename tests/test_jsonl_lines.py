@@ -20,7 +20,7 @@ FLOATS = st.one_of(
 )
 NAMES = st.one_of(
     st.sampled_from(["loss", "train/m00", "timing/t/slowest_rank", "a:1e5", 'q"uote', "b\\s",
-                     "ünï", "tab\there", "1e16", "x:null"]),
+                     "ünï", "tab\there", "1e16", "x:null", "100%", "a%s%d", "x, y"]),
     st.text(min_size=1, max_size=12),
 )  # fmt: skip
 

@@ -357,6 +357,56 @@ class TestUsualStepColumns:
                 assert {r: _bits(d) for r, d in mine.items()} == theirs
                 assert bool(mine) == (per_rank and any(ranks))
 
+    @settings(max_examples=300, deadline=None)
+    @given(
+        st.lists(st.sampled_from([0.0, -0.0, 1.5, -2.25, 1e300, math.inf, math.nan, 3.0]),
+                 min_size=0, max_size=4),
+        st.sampled_from(["mean", "sum", "count", "max", "mean,max", "last"]),
+        st.floats(allow_nan=True),
+        st.booleans(),
+    )  # fmt: skip
+    def test_one_rank_at_once_is_the_general_path(
+        self, row: list[float], spec: str, ts: float, as_bytes: bool
+    ) -> None:
+        """One rank's step of packed values (the shortcut of StepPartial._one_packed) ships
+        what the general path ships: the same metrics bit for bit, ranks and time; values
+        that are not finite, other specs and no names take the general path."""
+        from ranklog.schemas import MetricsPacked
+        from ranklog.shippers._steps import StepPartial
+
+        names = tuple(f"m{i}" for i in range(len(row)))
+        ev = (
+            MetricsPacked(ts, 0, names, (), spec, struct.pack(f"<{len(row)}d", *row))
+            if as_bytes
+            else MetricsPacked(ts, 0, names, tuple(row), spec)
+        )
+        quick = StepPartial._one_packed(0, _acc({3: [ev]}))
+        general = StepPartial.build(0, _acc({3: [ev]}), specs={})  # specs given: general
+        want = general.finish(closed=1, world_size=1)
+        if quick is None:
+            assert (
+                not row or spec not in ("mean", "sum", "count") or not all(map(math.isfinite, row))
+            )
+            return
+        got = quick.finish(closed=1, world_size=1)
+        assert _bits(got.metrics) == _bits(want.metrics)
+        assert list(got.metrics) == list(want.metrics)
+        assert (got.ranks, got.complete) == (want.ranks, want.complete)
+        assert struct.pack("<d", got.ts) == struct.pack("<d", want.ts)
+
+    def test_one_rank_with_late_values_is_not_taken_at_once(self) -> None:
+        """A rank's step that carries late values (or holds two events) is left to the
+        general path, which ships them."""
+        from ranklog.schemas import MetricsPacked
+        from ranklog.shippers._steps import StepPartial
+
+        ev = MetricsPacked(1.0, 5, ("a",), (1.0,), "mean")
+        late = _acc({0: [ev]})
+        late.ranks[0].late.append(MetricsPacked(1.0, 2, ("a",), (7.0,), "mean"))  # type: ignore[arg-type]
+        assert StepPartial._one_packed(5, late) is None
+        assert StepPartial.build(5, late).late
+        assert StepPartial._one_packed(5, _acc({0: [ev, ev]})) is None
+
     def test_packed_rows_and_bytes_in_one_step(self) -> None:
         """A step whose ranks hold packed values in both forms (a row, and bytes) reduces
         as the same values read as Metrics events: the columns are not misaligned."""

@@ -36,6 +36,7 @@ from ranklog.shippers._gather import (
     Summed,
     by_columns,
     by_rows,
+    le_floats,
     merge_named,
     shared_values,
     summable,
@@ -188,6 +189,10 @@ class StepPartial:
         ``specs`` (``m:<metric>``/``t:<timer>`` -> spec) replaces the spec of the lowest
         rank here, for names whose job-wide lowest rank is elsewhere (a fan-in).
         """
+        if not (per_rank or exact or specs) and len(acc.ranks) == 1 and not acc.damaged:
+            one = cls._one_packed(step, acc)
+            if one is not None:
+                return one
         values: dict[str, Sequence[float]] = {}
         named_specs: dict[str, tuple[int, str]] = {}
         timers: dict[str, Sequence[float]] = {}
@@ -211,6 +216,28 @@ class StepPartial:
             if any(c.late for c in acc.ranks.values()):
                 out.late = _late_partials(acc, per_rank=per_rank, exact=exact, specs=specs)
         out._reduce_rest(acc, order, values, named_specs, timers, timer_specs, exact, specs)
+        return out
+
+    @classmethod
+    def _one_packed(cls, step: int, acc: StepAcc) -> StepPartial | None:
+        """The usual step of one rank, at once: what :meth:`build` makes of one event of
+        packed values of one spec of mean, sum or count, all finite (each total its
+        value); None for any other (the general path takes it)."""
+        ((rank, contrib),) = acc.ranks.items()
+        events = contrib.events
+        if len(events) != 1 or contrib.late:
+            return None
+        ev = events[0]
+        if type(ev) is not MetricsPacked or type(ev.reduce) is not str:
+            return None
+        names = ev.names
+        if ev.reduce not in SUMMED_SPECS or not names:
+            return None
+        row = ev.row or le_floats(ev.packed)
+        if len(row) != len(names) or not all(map(math.isfinite, row)):
+            return None
+        out = cls(step, ranks=1, ts=max(0.0, ev.ts))
+        out.summed = Summed(rank, ev.reduce, names, [1] * len(names), list(map(float, row)), 1)
         return out
 
     def _columns(
@@ -514,17 +541,18 @@ class StepPartial:
         per_rank = None
         if self.per_rank is not None:
             per_rank = {r: self.per_rank[r] for r in sorted(self.per_rank)}
+        pooled = self.histograms
         return ShippedStep(
             step=self.step,
             metrics=metrics,
-            ranks=max(self.ranks, closed) if not complete else closed,
+            ranks=closed if complete else max(self.ranks, closed),
             world_size=world_size,
             complete=complete,
             ts=self.ts if self.ts > 0 else math.nan,
             texts=self.texts,
-            histograms={
-                k: [v for _, vs in self.histograms[k] for v in vs] for k in sorted(self.histograms)
-            },
+            histograms={k: [v for _, vs in pooled[k] for v in vs] for k in sorted(pooled)}
+            if pooled
+            else {},
             images=self.images,
             per_rank=per_rank,
             tables=self.tables,

@@ -47,13 +47,14 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final
 
 import msgspec
 
 from ranklog._fs import create_once
+from ranklog._kept import Kept
 from ranklog.errors import TargetError
 from ranklog.schemas import META_PREFIX, ParamScalar, ParamValue
 from ranklog.shippers._held import ALL_NAMES, Holding, StepSet, refuse_other
@@ -77,53 +78,43 @@ def _line(obj: dict[str, Any]) -> bytes:
     return (_ENCODE(obj) + "\n").encode()
 
 
-#: metric names ``json`` and msgspec write alike, and in which the separators that
-#: :func:`step_bytes` widens cannot occur: printable ASCII, none of these characters
-_SPECIAL: Final = '"\\:,'
-#: names found so
-_SIMPLE: set[str] = set()
-_SIMPLE_MAX: Final = 100_000
+#: the names of a usual step (as shipped, in order) -> its line with ``%s`` in place of
+#: each value (and ``%d`` of step, ranks and world size, ``%s`` of complete)
+_FRAMES: Final[Kept[tuple[str, ...], bytes]] = Kept(100_000)
 
 
-def _simple(names: Iterable[str]) -> bool:
-    """Whether every name is one that ``json`` (ensure_ascii) writes as msgspec does."""
-    if _SIMPLE.issuperset(names):
-        return True
-    for name in names:
-        if not (name.isascii() and name.isprintable()) or any(c in name for c in _SPECIAL):
-            return False
-        if len(_SIMPLE) < _SIMPLE_MAX:
-            _SIMPLE.add(name)
-    return True
-
-
-#: a value msgspec writes otherwise than ``json``: exponent form, below 1e-4, NaN (null)
-#: or an infinity (a key holding such text only sends the line through ``json``)
-_NOT_PLAIN: Final = re.compile(rb":(?:null|-?0\.0000|-?\d[\d.]*e)")
+def _frame(names: tuple[str, ...]) -> bytes:
+    """The line of a usual step of ``names``, its numbers left as ``%`` fields; each
+    name as ``json`` writes it (escaped, ASCII)."""
+    known = _FRAMES.get(names)
+    if known is None:
+        keys = ", ".join(_ENCODE(name).replace("%", "%%") + ": %s" for name in names)
+        line = f'{{"step": %d, "metrics": {{{keys}}}, "ranks": %d, "world_size": %d, '
+        known = _FRAMES.keep(names, (line + '"complete": %s}\n').encode())
+    return known
 
 
 def step_bytes(s: ShippedStep) -> bytes:
     """The line of a shipped step: the bytes of ``_line(step_line(s))``.
 
-    A step of metrics only (the usual one) is written here with msgspec, which formats a
-    float as ``float.__repr__`` does (shortest round trip: most of ``json``'s time) except
-    in exponent form and below 1e-4, where this goes through ``json`` instead, as for
-    NaN, infinities, names to escape and any other step.
+    A step of metrics only (the usual one) is written here: its values as one msgspec
+    list, which formats a float as ``float.__repr__`` does (shortest round trip: most of
+    ``json``'s time) but in exponent form, below 1e-4 and for NaN and infinities (then
+    the line goes through ``json``, as any other step does), put into the line of its
+    names (:func:`_frame`).
     """
     metrics = s.metrics
     if (
         s.texts or s.histograms or s.gpu or s.images or s.tables or s.per_rank is not None
-        or s.carrier is not None or not metrics or not _simple(metrics)
+        or s.carrier is not None or not metrics
     ):  # fmt: skip
         return _line(step_line(s))
-    compact = _ENCODE_FAST(metrics)
-    if _NOT_PLAIN.search(compact):
-        return _line(step_line(s))  # exponent form, tiny values, NaN or infinity: json's way
-    body = compact.replace(b'":', b'": ').replace(b',"', b', "')
+    values = _ENCODE_FAST(list(metrics.values()))
+    if b"e" in values or b"null" in values or b"0.0000" in values:
+        return _line(step_line(s))  # (a value like 10.00001 comes here too: as correct)
     done = b"true" if s.complete else b"false"
-    return b"".join((b'{"step": ', b"%d" % s.step, b', "metrics": ', body, b', "ranks": ',
-                     b"%d" % s.ranks, b', "world_size": ', b"%d" % s.world_size,
-                     b', "complete": ', done, b"}\n"))  # fmt: skip
+    return _frame(tuple(metrics)) % (s.step, *values[1:-1].split(b","), s.ranks,
+                                     s.world_size, done)  # fmt: skip
 
 
 #: msgspec's JSON encoder (the usual step line: :func:`step_bytes`)
