@@ -162,13 +162,14 @@ class ColumnarTails:
     def _columns(
         self, built: dict[int, StepPartial], lo: int, width: int,
         groups: tuple[Any, Any, Any, Any], firsts: list[int], group_specs: list[int],
-        totals: list[float],
+        totals: list[float], sums: Any,
     ) -> Any:  # fmt: skip
         """The usual steps of a metrics window as columns (:class:`Summed`): every name of
         the step with one summable spec, one lowest rank and a finite total, as the live
         engine keeps them. ``width``: the names' count the keys were made with (the loader
         thread may add names meanwhile); ``groups``: each group's key, first rank, spec id
-        and count (as arrays). Returns which groups were so taken (a mask), or None."""
+        and count (as arrays); ``totals``: each group's total, as a list and as an array
+        (``sums``). Returns which groups were so taken (a mask), or None."""
         key, first, sid, count = groups
         steps = key // width
         if not len(steps) or np.any(steps[1:] < steps[:-1]):
@@ -176,29 +177,52 @@ class ColumnarTails:
         # the spec as written is mean, sum or count (as the live engine asks: "sum,sum" or
         # an unknown spec takes the general path there, and here)
         exact = np.array([w in SUMMED_SPECS for w in self._specs.words[: int(sid.max()) + 1]])
-        ok = exact[sid] & np.isfinite(np.array(totals))
+        ok = exact[sid] & np.isfinite(sums)
         bounds = np.concatenate(([0], np.flatnonzero(steps[1:] != steps[:-1]) + 1))
         usual = np.logical_and.reduceat(ok, bounds) & _uniform(sid, bounds)
         usual &= _uniform(first, bounds)
         if not usual.any():
             return None
         stops = np.append(bounds[1:], len(steps))
-        counts, names = count.tolist(), (key % width).tolist()
+        ids = key % width
+        counts = count.tolist()
         # the count every name of a step shares (every rank logged every name), else 0
         each = np.where(_uniform(count, bounds), count[bounds], 0)[usual].tolist()
-        words, specs = self._names.words, self._specs.words
-        tuples = self._tuples
-        for a, b, s, n in zip(bounds[usual].tolist(), stops[usual].tolist(),
-                              (steps[bounds[usual]] + lo).tolist(), each, strict=True):  # fmt: skip
+        specs = self._specs.words
+        a_s, b_s = bounds[usual], stops[usual]
+        layout = self._layout(ids, a_s, b_s)  # the names of every step, when one list
+        names = [] if layout is not None else ids.tolist()
+        for a, b, s, n in zip(a_s.tolist(), b_s.tolist(), (steps[a_s] + lo).tolist(), each,
+                              strict=True):  # fmt: skip
             part = built.get(s)
             if part is None:
                 built[s] = part = StepPartial(s)
-            ids = tuple(names[a:b])
-            at = tuples.get(ids)
-            if at is None:
-                at = tuples.keep(ids, tuple(words[j] for j in ids))
+            at = layout if layout is not None else self._names_of(names[a:b])
             part.summed = Summed(firsts[a], specs[group_specs[a]], at, counts[a:b], totals[a:b], n)
         return np.repeat(usual, stops - bounds)
+
+    def _layout(self, ids: Any, starts: Any, stops: Any) -> tuple[str, ...] | None:
+        """The names of the steps whose groups run from ``starts`` to ``stops`` (their
+        names' codes: ``ids``) when every step has the same names in the same order (one
+        list, found once); None otherwise."""
+        lengths = stops - starts
+        width = int(lengths[0])
+        if not width or np.any(lengths != width):
+            return None
+        first = ids[starts[0] : starts[0] + width]
+        every = ids[starts[:, None] + np.arange(width)]  # a row a step
+        if not (every == first).all():
+            return None
+        return self._names_of(first.tolist())
+
+    def _names_of(self, ids: list[int]) -> tuple[str, ...]:
+        """The names of these codes, as one tuple kept for every step that has them."""
+        key = tuple(ids)
+        at = self._tuples.get(key)
+        if at is None:
+            words = self._names.words
+            at = self._tuples.keep(key, tuple(words[j] for j in key))
+        return at
 
     def _reduce(
         self, built: dict[int, StepPartial], lo: int, cols: tuple[Any, ...], *, timers: bool
@@ -223,8 +247,15 @@ class ColumnarTails:
         seen = np.lexsort((order[starts], rank[order[starts]], key[starts] // width))
         starts, stops = starts[seen], stops[seen]
         begins, ends = starts.tolist(), stops.tolist()
-        values = value[order].tolist()
-        totals = fsums(values, begins, ends) or [math.nan] * len(ends)
+        ordered = value[order]
+        values: list[float] = []  # (as a list once a group needs its values one by one)
+        if len(begins) == n:  # a value a group (one rank): each is its own total
+            sums = ordered[starts]
+            totals = sums.tolist()
+        else:
+            values = ordered.tolist()
+            totals = fsums(values, begins, ends) or [math.nan] * len(ends)
+            sums = np.array(totals)
         ranks = rank[order]
         first_g, sid_g, key_g = ranks[starts], spec[order][starts], key[starts]
         firsts, group_specs, keys = first_g.tolist(), sid_g.tolist(), key_g.tolist()
@@ -242,7 +273,7 @@ class ColumnarTails:
         )
         if not timers:
             groups = (key_g, first_g, sid_g, stops - starts)
-            taken = self._columns(built, lo, width, groups, firsts, group_specs, totals)
+            taken = self._columns(built, lo, width, groups, firsts, group_specs, totals, sums)
             if taken is not None:  # only the groups of the other steps remain
                 left = np.flatnonzero(~taken).tolist()
                 cols = (keys, begins, ends, firsts, group_specs, totals)
@@ -261,6 +292,8 @@ class ColumnarTails:
                 into[words[j]] = Named(first, specs[sid], Partial(b - a, total))
                 continue
             ops = ops_of[sid]
+            if not values:
+                values = ordered.tolist()
             vals = values[a:b]
             last = _NO_LAST
             if timers or "last" in ops:

@@ -65,8 +65,11 @@ __all__ = ["BELOW_LAST", "EngineStats", "LocalTails", "Shipper", "Tails"]
 
 log = logging.getLogger("ranklog.ship")
 
-#: steps handed to the target in one write
-BATCH_STEPS: Final = 1000
+#: steps handed to the target in one write, at most
+BATCH_STEPS: Final = 5000
+#: values a write holds, about: fewer steps when steps are wide (the steps of a batch are
+#: held reduced until it is written; each write is flushed and committed)
+BATCH_VALUES: Final = 100_000
 
 
 @dataclass(slots=True)
@@ -141,6 +144,7 @@ class Shipper:
         #: where each params event this process took in was (segment@frame end)
         self._params_read: set[str] = set()
         self.shipped_upto = -1  # steps <= this are shipped (or held by the target)
+        self._width = 100  # values a shipped step held, on average, in the last batch
         #: steps of this run the target held when it was last opened: never sent again
         self.held = TargetHeld(target, below_last)
         #: (fan-in) steps a reader's earlier life had shipped: none in this engine
@@ -322,7 +326,8 @@ class Shipper:
     def _ready_steps(self, now: float) -> tuple[list[ShippedStep], int]:
         """The next batch of ready steps, reduced; and the last step the batch covers."""
         upto, expected = self._ready_upto(now)
-        ready = sorted(s for s in self.pending if self.shipped_upto < s <= upto)[:BATCH_STEPS]
+        most = min(BATCH_STEPS, max(1, BATCH_VALUES // self._width))
+        ready = sorted(s for s in self.pending if self.shipped_upto < s <= upto)[:most]
         if not ready:
             return [], self.shipped_upto
         world = max(len(expected), 1)
@@ -353,6 +358,8 @@ class Shipper:
                                 "out, counted as late", self.target.spec)  # fmt: skip
             if part.renamed:
                 self._renamed(step, part.renamed)
+        if out:
+            self._width = max(1, sum(len(s.metrics) for s in out) // len(out))
         return out, ready[-1]
 
     def _renamed(self, step: int, renamed: list[tuple[str, str]]) -> None:
@@ -386,21 +393,22 @@ class Shipper:
         written: list[ShippedStep] = []
         held = 0  # steps found held (shipped by an earlier process or replay)
         skipped = self.held.skipped_below
+        holds = self.held.holds if self.held.steps else None  # (a new target: holds none)
         for s in self.held.writable(steps):
             if s.carrier is not None:  # late values: right after their carrier
-                if not self.held.holds(s):
+                if holds is None or not holds(s):
                     chunk.append(s)
                 continue
-            if self.held.holds(s):
+            if holds is not None and holds(s):
                 while sent < len(due) and due[sent][0] <= s.step:
                     sent += 1  # written before this step, which the target holds
                 held += 1
                 continue
-            group: dict[str, ParamValue] = {}
-            while sent < len(due) and due[sent][0] <= s.step:
-                group[due[sent][1]] = due[sent][2]
-                sent += 1
-            if group:
+            if sent < len(due) and due[sent][0] <= s.step:
+                group: dict[str, ParamValue] = {}
+                while sent < len(due) and due[sent][0] <= s.step:
+                    group[due[sent][1]] = due[sent][2]
+                    sent += 1
                 if chunk:
                     self.target.write(chunk)
                     chunk = []
@@ -423,9 +431,8 @@ class Shipper:
         self.stats.steps_shipped += held  # the target holds them: shipped, as it counts
         self.held.said(held)
         self.cursor.skipped_below += self.held.skipped_below - skipped
-        for s in written:
-            self.stats.steps_shipped += 1
-            self.stats.partial_steps += not s.complete
+        self.stats.steps_shipped += len(written)
+        self.stats.partial_steps += sum(not s.complete for s in written)
         top = max(through, steps[-1].step if steps else -1)
         if top > self.shipped_upto:
             self.shipped_upto = top

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from operator import attrgetter, itemgetter, truediv
-from typing import Final, TypeGuard
+from typing import Final, TypeAlias, TypeGuard
 
 from ranklog._kept import Kept
 from ranklog.errors import ConfigError
@@ -74,12 +74,13 @@ class Summed:
         """Each name's reduced value, by name (what ``dict(sorted(zip(names, results())))``
         gives, with the order of a list of names found once, not per step)."""
         names = self.names
-        key = names if type(names) is tuple else tuple(names)
-        known = _ORDERS.get(key)
-        if known is None:
-            order = sorted(range(len(key)), key=key.__getitem__)
-            same = order == list(range(len(key)))
-            known = _ORDERS.keep(key, (tuple(key[i] for i in order), None if same else order))
+        last = _LAST_ORDER[0]  # (read once: a pair, replaced whole)
+        if last is not None and last[0] is names:  # the step before's names, as a rule
+            known = last[1]
+        else:
+            known = _order_of(names if type(names) is tuple else tuple(names))
+            if type(names) is tuple:
+                _LAST_ORDER[0] = (names, known)
         in_order, perm = known
         if perm is None:
             return dict(zip(in_order, self.results(), strict=True))
@@ -102,10 +103,26 @@ class Summed:
         raise ConfigError(f"columns of a step with spec {self.spec!r}: not mean, sum or count")
 
 
-#: names of a Summed -> (the names sorted, where each comes from; None: sorted already),
-#: for lists of 100,000 names in all (~100 bytes each: names that change every step
-#: would otherwise keep an order per step)
-_ORDERS: Final[Kept[tuple[str, ...], tuple[tuple[str, ...], list[int] | None]]] = Kept(100_000)
+#: a list of names sorted, and where each comes from in it (None: sorted already)
+_Order: TypeAlias = tuple[tuple[str, ...], list[int] | None]
+
+#: names of a Summed -> their :data:`_Order`, for lists of 100,000 names in all (~100
+#: bytes each: names that change every step would otherwise keep an order per step)
+_ORDERS: Final[Kept[tuple[str, ...], _Order]] = Kept(100_000)
+
+#: the tuple of names sorted last, and its order (a step's tuple is shared by the steps of
+#: its layout: found by identity, no hash of its names)
+_LAST_ORDER: Final[list[tuple[tuple[str, ...], _Order] | None]] = [None]
+
+
+def _order_of(key: tuple[str, ...]) -> _Order:
+    """The :data:`_Order` of ``key``, found once."""
+    known = _ORDERS.get(key)
+    if known is None:
+        order = sorted(range(len(key)), key=key.__getitem__)
+        same = order == list(range(len(key)))
+        known = _ORDERS.keep(key, (tuple(key[i] for i in order), None if same else order))
+    return known
 
 
 def summed_columns(first: int, spec: str, values: dict[str, Sequence[float]]) -> Summed | None:
