@@ -938,3 +938,37 @@ class TestUsualStepsReduced:
         live engine reduces it, not taken for a count."""
         rows = [(0, 0, "a", 2.0, spec), (0, 0, "a", 4.0, spec), (0, 0, "b", 4.0, spec)]
         assert self.replay(rows) == self.live(rows)
+
+
+class TestTransposed:
+    def test_the_order_without_a_sort_is_the_sort(self) -> None:
+        """Rows as ranks write them (step by step, ranks ascending, the same names in each
+        rank's run) give, without sorting, the very order the stable sort by (step, name,
+        rank) gives; any other rows (swapped, cut, a name twice, ranks out of order) are
+        left to the sort."""
+        rng = np.random.default_rng(7)
+        taken = left = 0
+        for _ in range(2_000):
+            steps = np.sort(rng.choice(100, size=int(rng.integers(1, 4)), replace=False))
+            ranks = np.sort(rng.choice(50, size=int(rng.integers(1, 5)), replace=False))
+            width = int(rng.integers(1, 6))
+            names = (rng.permutation(np.arange(10, 999))[:width] if rng.random() < 0.8
+                     else rng.integers(0, 3, size=width))  # fmt: skip
+            step = np.repeat(steps, len(ranks) * width)
+            rank = np.tile(np.repeat(ranks, width), len(steps))
+            name = np.tile(names, len(steps) * len(ranks))
+            if rng.random() < 0.3:
+                i, j = rng.integers(len(step), size=2)
+                for col in (step, rank, name):
+                    col[i], col[j] = col[j], col[i]
+            if rng.random() < 0.1:
+                cut = int(rng.integers(1, len(step) + 1))
+                step, rank, name = step[:cut], rank[:cut], name[:cut]
+            got = columnar_mod._transposed(step, rank, name)
+            want = np.argsort((step * 1000 + name) * 100 + rank, kind="stable")
+            if got is None:
+                left += 1
+                continue
+            taken += 1
+            assert np.array_equal(got, want)
+        assert taken > 1_000 and left > 100

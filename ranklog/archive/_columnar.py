@@ -237,7 +237,9 @@ class ColumnarTails:
         # values in rank order, each rank's in write order (lanes come in write order; a
         # dataset of layout 2 holds a step's values of a rank in one lane, or in lanes of
         # later parts)
-        order = np.argsort(key * (int(rank.max()) + 1) + rank, kind="stable")
+        order = _transposed(step, rank, name)
+        if order is None:
+            order = np.argsort(key * (int(rank.max()) + 1) + rank, kind="stable")
         key = key[order]
         cut = np.flatnonzero(key[1:] != key[:-1]) + 1
         starts = np.concatenate(([0], cut))
@@ -309,6 +311,35 @@ class ColumnarTails:
 
 #: names the kept tuples of names hold at most, all together
 _TUPLES_NAMES: Final = 100_000
+
+
+def _transposed(step: Any, rank: Any, name: Any) -> Any:
+    """The stable sort of rows by (step, name, rank) that :meth:`ColumnarTails._reduce`
+    needs, found without sorting when rows come as ranks usually write them: step by
+    step, ranks ascending within a step, each rank's rows one run of the same names in the
+    same order (none twice), and every step with as many ranks. Each step's rows are then
+    a (ranks x names) matrix, read column by column (the columns in name order). None
+    when the rows are not so (the sort finds the order then)."""
+    n = len(step)
+    runs = np.flatnonzero((step[1:] != step[:-1]) | (rank[1:] != rank[:-1])) + 1
+    width = int(runs[0]) if len(runs) else n
+    if n % width or len(runs) != n // width - 1 or np.any(runs != np.arange(width, n, width)):
+        return None
+    names = name.reshape(-1, width)
+    if not (names == names[0]).all():
+        return None
+    columns = np.argsort(names[0], kind="stable")
+    if np.any(names[0][columns][1:] == names[0][columns][:-1]):
+        return None  # a name twice in a run
+    steps, ranks = step[::width], rank[::width]
+    if np.any((steps[1:] < steps[:-1]) | ((steps[1:] == steps[:-1]) & (ranks[1:] <= ranks[:-1]))):
+        return None
+    firsts = np.flatnonzero(steps[1:] != steps[:-1]) + 1
+    k = int(firsts[0]) if len(firsts) else len(steps)  # ranks a step
+    if len(steps) % k or np.any(firsts != np.arange(k, len(steps), k)):
+        return None
+    cells = np.arange(n).reshape(-1, k, width)[:, :, columns]
+    return cells.transpose(0, 2, 1).ravel()
 
 
 def _uniform(values: Any, bounds: Any) -> Any:
