@@ -24,10 +24,9 @@ Importing it imports pyarrow; ``import ranklog`` never does. Replay (and with it
 shipper engine) is imported on first use: ``ranklog compact`` starts without them.
 """
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
-from ranklog.archive._block import segment_tables
-from ranklog.archive._compact import CompactResult, compact
 from ranklog.archive._manifest import (
     MANIFEST,
     Manifest,
@@ -38,7 +37,19 @@ from ranklog.archive._manifest import (
 from ranklog.archive._tables import COMMON, SCHEMAS, STEP_TABLES, TABLES
 
 if TYPE_CHECKING:
+    from ranklog.archive._block import segment_tables
+    from ranklog.archive._compact import CompactResult, compact
     from ranklog.archive._replay import ParquetSource, replay
+
+#: names imported when first asked for, from the module that holds them: a replay does not
+#: load compaction's modules, nor compaction replay's
+_LAZY = {
+    "ParquetSource": "_replay",
+    "replay": "_replay",
+    "CompactResult": "_compact",
+    "compact": "_compact",
+    "segment_tables": "_block",
+}
 
 __all__ = [
     "COMMON",
@@ -59,10 +70,9 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("ParquetSource", "replay"):
-        from ranklog.archive import _replay
-
-        return getattr(_replay, name)
+    module = _LAZY.get(name)
+    if module is not None:
+        return getattr(importlib.import_module(f"{__name__}.{module}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

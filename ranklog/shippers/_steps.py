@@ -189,7 +189,7 @@ class StepPartial:
         ``specs`` (``m:<metric>``/``t:<timer>`` -> spec) replaces the spec of the lowest
         rank here, for names whose job-wide lowest rank is elsewhere (a fan-in).
         """
-        if not (per_rank or exact or specs) and len(acc.ranks) == 1 and not acc.damaged:
+        if not (per_rank or exact) and specs is None and len(acc.ranks) == 1 and not acc.damaged:
             one = cls._one_packed(step, acc)
             if one is not None:
                 return one
