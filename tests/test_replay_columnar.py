@@ -296,6 +296,33 @@ class TestSameBytes:
         assert _planned(tmp_path / "pq") == (True, "")
         _replays(tmp_path / "pq", tmp_path, monkeypatch)
 
+    @pytest.mark.parametrize("stops", [(4, 2), (2, 4), (6, 3, 1), (5, 5, 2, 5)])
+    def test_ranks_of_one_list_of_names_that_stop_early(
+        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stops: tuple[int, ...]
+    ) -> None:
+        """Ranks that log the same names every step, some stopping before the others (steps
+        of a window with fewer ranks than its first): the columnar replay writes live
+        shipping's bytes (it raised, before the transposed order checked its step counts)."""
+        import ranklog
+
+        world = len(stops)
+        runs = [ranklog.init(spool, rank=r, world_size=world, handle_signals=False)
+                for r in range(world)]  # fmt: skip
+        for step in range(max(stops)):
+            for r, run in enumerate(runs):
+                if step < stops[r]:
+                    run.log_metrics({"a": 1.0 + step, "b": 2.0 * r}, step=step)
+                    run.step_end(step)
+        for run in runs:
+            run.close()
+        compact(spool, tmp_path / "pq")
+        assert _planned(tmp_path / "pq") == (True, "")
+        got = _replays(tmp_path / "pq", tmp_path, monkeypatch)
+        live = tmp_path / "live.jsonl"
+        ship(spool, live)
+        assert got == live.read_bytes()
+        assert len(lines(live)) == max(stops)
+
     @pytest.mark.parametrize("seed", range(200, 204))
     def test_tiny_windows_row_groups_and_cache(
         self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int
@@ -964,6 +991,9 @@ class TestTransposed:
             if rng.random() < 0.1:
                 cut = int(rng.integers(1, len(step) + 1))
                 step, rank, name = step[:cut], rank[:cut], name[:cut]
+            if rng.random() < 0.2:  # a rank that stopped before the last step
+                keep = ~((step == steps[-1]) & (rank == ranks[0]))
+                step, rank, name = step[keep], rank[keep], name[keep]
             got = columnar_mod._transposed(step, rank, name)
             want = np.argsort((step * 1000 + name) * 100 + rank, kind="stable")
             if got is None:

@@ -321,6 +321,8 @@ def _transposed(step: Any, rank: Any, name: Any) -> Any:
     a (ranks x names) matrix, read column by column (the columns in name order). None
     when the rows are not so (the sort finds the order then)."""
     n = len(step)
+    if not n:
+        return None
     runs = np.flatnonzero((step[1:] != step[:-1]) | (rank[1:] != rank[:-1])) + 1
     width = int(runs[0]) if len(runs) else n
     if n % width or len(runs) != n // width - 1 or np.any(runs != np.arange(width, n, width)):
@@ -336,7 +338,11 @@ def _transposed(step: Any, rank: Any, name: Any) -> Any:
         return None
     firsts = np.flatnonzero(steps[1:] != steps[:-1]) + 1
     k = int(firsts[0]) if len(firsts) else len(steps)  # ranks a step
-    if len(steps) % k or np.any(firsts != np.arange(k, len(steps), k)):
+    if (
+        len(steps) % k
+        or len(firsts) != len(steps) // k - 1
+        or np.any(firsts != np.arange(k, len(steps), k))
+    ):
         return None
     cells = np.arange(n).reshape(-1, k, width)[:, :, columns]
     return cells.transpose(0, 2, 1).ravel()
