@@ -316,11 +316,11 @@ class TestReviewed:
         # write order: step 5, step_end 20, params, step 21, step_end 30, params
         rows = [(0, 0, 5, 0, -1), (1, 0, 20, 1, -1), (2, 0, NO_STEP, 2, -1), (3, 0, 21, 0, -1),
                 (4, 0, 30, 1, -1), (5, 0, NO_STEP, 2, -1)]  # fmt: skip
-        heads = [tuple(np.array([r[j] for r in rows], np.int8 if j == 3 else np.int64)
-                       for j in range(5))]  # fmt: skip
+        heads = [(*(np.array([r[j] for r in rows], np.int8 if j == 3 else np.int64)
+                    for j in range(5)), 0)]  # fmt: skip
         params = {(2, 0): [("a", "1")], (5, 0): [("b", "2")]}
         with pytest.raises(_No, match="for step 6,"):
-            _streams([(RankPlan(0, NO_STEP, True, None), heads, params, "x")])
+            _streams([(RankPlan(0, NO_STEP, True, None), heads, params, "x", [("x", 0)])])
 
     def test_readers_leave_out_what_the_manifest_does_not_list(
         self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -1002,3 +1002,63 @@ class TestTransposed:
             taken += 1
             assert np.array_equal(got, want)
         assert taken > 1_000 and left > 100
+
+
+def _frames_one_by_one(segments: list[list[tuple[str, list[int], int]]]) -> str | None:
+    """The check of frames as it was made rank by rank, segment by segment: the first
+    segment whose frames do not follow, named as the plan names it."""
+    for rank in segments:
+        expected = 0
+        for stem, frames, seal in rank:
+            got = sorted(set(frames))
+            if got != list(range(expected, expected + len(got))):
+                return f"{stem}: frames are missing"
+            expected += len(got)
+            if seal > 0:
+                if seal - 1 != expected:
+                    return f"{stem}: frames before the seal are missing"
+                expected += 1
+    return None
+
+
+class TestFrames:
+    def test_frames_of_every_rank_at_once_are_checked_as_one_by_one(self) -> None:
+        """Frames checked for a batch of ranks at once (numbered on across a rank's
+        segments, seals counted, gaps, repeats, empty and sealed-only segments) name the
+        segment the rank-by-rank check named, or none."""
+        from ranklog.archive._plan import RankPlan, _frames
+
+        rng = random.Random(11)
+        named = 0
+        for _ in range(3_000):
+            segments: list[list[tuple[str, list[int], int]]] = []
+            for r in range(rng.randrange(1, 5)):
+                rank, at = [], 0
+                for n in range(rng.randrange(1, 4)):
+                    count = rng.choice([0, 1, 2, 5])
+                    frames = list(range(at, at + count))
+                    if frames and rng.random() < 0.15:
+                        frames[rng.randrange(count)] += rng.choice([-1, 1, 2])  # a gap
+                    frames += rng.sample(frames, min(len(frames), rng.randrange(3)))  # repeats
+                    at += count
+                    seal = 0
+                    if rng.random() < 0.4:
+                        seal = at + 1 + (rng.random() < 0.1)  # the seal's, or one off
+                        at += 1
+                    rank.append((f"{r}-1-{n + 1}", frames, seal))
+                segments.append(rank)
+            batch = [
+                (RankPlan(r, -1, True, None), [], {}, "x", [(s, q) for s, _, q in segs])
+                for r, segs in enumerate(segments)
+            ]
+            rows = [(r, n, f) for r, segs in enumerate(segments)
+                    for n, (_, fs, _) in enumerate(segs) for f in fs]  # fmt: skip
+            rng.shuffle(rows)
+            who, segno, seq = (np.array([row[i] for row in rows], np.int64) for i in range(3))
+            got = _frames(batch, who, segno, seq)
+            want = _frames_one_by_one(segments)
+            assert (got[3] if got else None) == want
+            if got is not None:
+                named += 1
+                assert segments[got[0]][0][0].startswith(f"{got[0]}-")
+        assert 300 < named < 2_700

@@ -20,6 +20,7 @@ the manifest does not list; the next run removes them before writing parts again
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -80,10 +81,17 @@ def part_file(table: str, part: int, gen: int = 0) -> str:
 def pieces_of(dataset: Path, sid: SegmentId, entry: SegmentEntry) -> dict[str, list[Piece]]:
     """Where the manifest says ``entry``'s segment has rows, per table, in write order."""
     return {
-        table: [Piece(dataset / part_file(table, p, g), a, b, sid, p) for p, g, a, b in held]
+        table: [Piece(_part_path(dataset, table, p, g), a, b, sid, p) for p, g, a, b in held]
         for table, held in entry.pieces.items()
         if held
     }
+
+
+@functools.lru_cache(maxsize=4096)
+def _part_path(dataset: Path, table: str, part: int, gen: int) -> Path:
+    """A part's path, one object for every segment it holds (the readers' maps of files
+    then find it by identity, not by comparing paths)."""
+    return dataset / part_file(table, part, gen)
 
 
 def parquet_options(schema: pa.Schema) -> dict[str, Any]:

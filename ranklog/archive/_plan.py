@@ -300,15 +300,14 @@ def _check_rank(
 ) -> _Walk:
     """One rank's checks of its own, and its events' heads (the walk, for
     :func:`_streams`); its world size, status and GPU samples filled into ``rp``."""
-    heads: list[tuple[Any, ...]] = []  # per table and file: (seq, idx, step, code, events counted)
+    heads: list[_Head] = []
     params: dict[tuple[int, int], list[tuple[str, str]]] = {}
-    expected = 0
+    segments: list[tuple[str, int]] = []  # (stem, the seal's next frame number, 0: none)
     ended_last = False
     world: int | None = None
     status: str | None = None
     last: dict[str, tuple[int, int] | None] = {}  # per table: the last event read
     for n, (sid, tables) in enumerate(segs):
-        seqs = []
         for table in (*REDUCED, *ITEMS, "gpu"):
             for src in tables.get(table, []):
                 if table != "gpu":
@@ -318,49 +317,43 @@ def _check_rank(
                     t = piece_rows(src, table, shared)
                     seq, idx, step, last[table] = _heads_of(t, src.path, last.get(table))
                     rp.gpu_pieces.append((src, t.num_rows))
-                what = _GPU if table == "gpu" else _STEP
-                heads.append((seq, idx, step, np.full(len(seq), what, np.int8), _uncounted(seq)))
-                seqs.append(seq)
+                heads.append((seq, idx, step, _GPU if table == "gpu" else _STEP, None, n))
         for src in tables.get("params", []):
             t = piece_rows(src, "params", shared).select(["seq", "idx", "name", "value"])
             seq, idx, _, last["params"] = _heads_of(t, src.path, last.get("params"))
             for q, i, name, value in zip(*(t[c].to_pylist() for c in t.column_names), strict=True):
                 params.setdefault((q, i), []).append((name, value))
-            heads.append((seq, idx, np.full(len(seq), NO_STEP), np.full(len(seq), _PARAMS, np.int8),
-                          _uncounted(seq)))  # fmt: skip
-            seqs.append(seq)
+            heads.append((seq, idx, np.full(len(seq), NO_STEP), _PARAMS, None, n))
         for src in tables.get("ranks", []):
             footer = cache.known(src.path)  # (a part's: kept by the scan)
             if footer is None:  # a file of its own, read once: its footer not kept
                 footer = _open(src.path, "ranks", cache).metadata
             got = blocks.ranks(src, footer)  # (in order)
-            seq = got[0]
-            heads.append(got[:5])
-            seqs.append(seq)
+            heads.append((*got[:5], n))
             for k, w, st in got[5]:  # the rows other than step_ends (a few), in order
                 if k == "rank_start":
                     world = w
                 elif k == "rank_end":
                     status = st or ""
                     ended_last = n == len(segs) - 1
-        frames = np.unique(np.concatenate(seqs)) if seqs else np.zeros(0, np.int64)
-        if not np.array_equal(frames, np.arange(expected, expected + len(frames))):
-            raise _No(f"{sid.stem}: frames are missing")
-        expected += len(frames)
         entry = manifest.segments.get(sid.stem)
-        if entry is not None and entry.sealed and entry.next_seq > 0:
-            if entry.next_seq - 1 != expected:
-                raise _No(f"{sid.stem}: frames before the seal are missing")
-            expected += 1
+        sealed = entry is not None and entry.sealed and entry.next_seq > 0
+        segments.append((sid.stem, entry.next_seq if entry is not None and sealed else 0))
     rp.world_size = world
     rp.status = status if ended_last and status is not None else "unknown"
     rp.ended = rp.status != "signal"
-    return rp, heads, params, segs[0][0].key
+    return rp, heads, params, segs[0][0].key, segments
 
 
+#: one table's events of one piece: (seq, idx, step, code (one for all, or one each),
+#: the events each step_end counts (None: none counts), the segment's place in its rank)
+_Head = tuple[Any, Any, Any, Any, Any, int]
 #: one rank to walk: its plan, its events' heads per table and file, its params (by
-#: (seq, idx)), and where they were read (for the params' source)
-_Walk = tuple[RankPlan, list[tuple[Any, ...]], dict[tuple[int, int], list[tuple[str, str]]], str]
+#: (seq, idx)), where they were read (for the params' source), and its segments (stem,
+#: and the frame number after its seal, 0: not sealed)
+_Walk = tuple[
+    RankPlan, list[_Head], dict[tuple[int, int], list[tuple[str, str]]], str, list[tuple[str, int]]
+]
 #: events walked at once (ranks are walked together, as one set of arrays, up to this many)
 _WALK_EVENTS: Final = 1 << 20
 
@@ -369,14 +362,27 @@ def _streams(batch: list[_Walk]) -> None:
     """Walk ranks' events in write order, as the engine's watermarks would: every rank of
     ``batch`` at once, its rows sorted by (rank, seq, idx) and each running maximum kept
     within its rank (an offset per rank). The first rank (in order) that departs from
-    the plain stream is named, with the first of its departures."""
-    walks = [w for w in batch if w[1] and sum(len(h[0]) for h in w[1])]
-    if not walks:
+    the plain stream is named, with the first of its departures; a rank whose frames are
+    not numbered on without a gap (:func:`_frames`) is named by that first."""
+    heads = [h for w in batch for h in w[1]]
+    lengths = [len(h[0]) for h in heads]
+    who = np.repeat(np.arange(len(batch)), [sum(len(h[0]) for h in w[1]) for w in batch])
+    if not heads or not who.size:
+        frames = _frames(batch, who, np.zeros(0, np.int64), np.zeros(0, np.int64))
+        if frames is not None:
+            raise _No(frames[3])
         return
-    cols = [np.concatenate(col) for col in zip(*(h for w in walks for h in w[1]), strict=True)]
-    lengths = [sum(len(h[0]) for h in w[1]) for w in walks]
-    who = np.repeat(np.arange(len(walks)), lengths)
-    seq, idx, step, code, counted = cols
+    seq, idx, step = (np.concatenate([h[i] for h in heads]) for i in range(3))
+    code = np.repeat([h[3] if type(h[3]) is int else 0 for h in heads], lengths).astype(np.int8)
+    counted = np.full(len(seq), -1, np.int64)
+    at = 0
+    for h, n in zip(heads, lengths, strict=True):  # (one a segment: its ranks table)
+        if type(h[3]) is not int:
+            code[at : at + n] = h[3]
+        if h[4] is not None:
+            counted[at : at + n] = h[4]
+        at += n
+    frames = _frames(batch, who, np.repeat([h[5] for h in heads], lengths), seq)
     order = np.lexsort((idx, seq, who))
     who, seq, idx = who[order], seq[order], idx[order]
     step, code, counted = step[order], code[order], counted[order]
@@ -386,8 +392,8 @@ def _streams(batch: list[_Walk]) -> None:
     is_end, is_step = code == _END, code == _STEP
     marked = np.where(is_end | is_step, step, NO_STEP)
     span = int(marked.max()) - NO_STEP + 1  # a rank's running maxima stay below the next's
-    if span * len(walks) >= 2**62:  # (steps too far apart to offset: one rank at a time)
-        for w in walks:
+    if span * len(batch) >= 2**62:  # (steps too far apart to offset: one rank at a time)
+        for w in batch:
             _streams([w])
         return
     offset = who.astype(np.int64) * span
@@ -406,7 +412,7 @@ def _streams(batch: list[_Walk]) -> None:
     before_closed, before_top = before(closed), before(top)
     own = np.where(before_closed != NO_STEP, before_closed, before_top - 1)  # the watermark
     #: (rank's place, check's place, event's place, why): the first of them is named
-    failed: list[tuple[int, int, int, str]] = []
+    failed: list[tuple[int, int, int, str]] = [] if frames is None else [frames]
     late = np.flatnonzero(is_step & (step <= own))
     if len(late):
         failed.append((int(who[late[0]]), 0, 0, "logged late values"))
@@ -445,24 +451,64 @@ def _streams(batch: list[_Walk]) -> None:
             failed.append((place, 4, i, why))
         said.append((place, effective, int(seq[i]), int(idx[i])))
     if failed:
-        place, _, _, why = min(failed)
-        rank = walks[place][0].rank
+        place, check, _, why = min(failed)
+        if check < 0:  # (frames: their segment named)
+            raise _No(why)
+        rank = batch[place][0].rank
         raise _No(f"rank {rank}: {why}" if why.startswith("a ") else f"rank {rank} {why}")
     if steps_of is not None:
         gwho = who[is_gpu]
         cut = np.flatnonzero(gwho[1:] != gwho[:-1]) + 1
         for at, part in zip(gwho[np.concatenate(([0], cut))].tolist(), np.split(steps_of, cut),
                             strict=True):  # fmt: skip
-            walks[at][0].gpu_steps = part
+            batch[at][0].gpu_steps = part
     last_closed, last_top = closed[ends].tolist(), top[ends].tolist()
-    for w, c, t in zip(walks, last_closed, last_top, strict=True):
-        w[0].watermark = int(c if c != NO_STEP else t - 1)
+    for place, c, t in zip(who[ends].tolist(), last_closed, last_top, strict=True):
+        batch[place][0].watermark = int(c if c != NO_STEP else t - 1)
     for place, effective, q, k in said:
-        rp, _, params, where = walks[place]
+        rp, _, params, where, _ = batch[place]
         items = params[(q, k)]
         values: dict[str, ParamValue] = {name: json.loads(text) for name, text in items}
         rp.params.append(ParamsRead(effective, rp.rank, values, True, f"{where}#{q}.{k}"))
         rp.said.append((effective, tuple(items)))
+
+
+def _frames(batch: list[_Walk], who: Any, segno: Any, seq: Any) -> tuple[int, int, int, str] | None:
+    """The first segment (ranks in order, a rank's segments in order) whose frames (the
+    ``seq`` of its events, whatever their table) are not those that follow the segments
+    before it: numbered on from where they stopped, without a gap, a sealed segment's
+    seal counted (its number the one after its last frame). As (rank's place, -1, 0,
+    why), or None: every segment's frames are whole. ``who``, ``segno``: each event's
+    rank (place in ``batch``) and segment (place in its rank)."""
+    per_rank = [len(w[4]) for w in batch]
+    rank_of = np.repeat(np.arange(len(batch)), per_rank)  # each segment's rank's place
+    base = np.cumsum([0, *per_rank])[:-1].astype(np.int64)  # each rank's first segment
+    gid = base[who] + segno  # each event's segment, as one number for the batch
+    o = np.lexsort((seq, gid))
+    g, q = gid[o], seq[o]
+    new = np.ones(len(g), bool)
+    new[1:] = (g[1:] != g[:-1]) | (q[1:] != q[:-1])
+    g, q = g[new], q[new]  # each segment's frames, once each, in order
+    count = np.bincount(g, minlength=len(rank_of))
+    lo, hi = np.zeros(len(rank_of), np.int64), np.zeros(len(rank_of), np.int64)
+    if len(g):
+        firsts = np.flatnonzero(np.concatenate(([True], g[1:] != g[:-1])))
+        lasts = np.append(firsts[1:] - 1, len(g) - 1)
+        lo[g[firsts]], hi[g[lasts]] = q[firsts], q[lasts]
+    seal = np.array([s for w in batch for _, s in w[4]], np.int64)
+    step = count + (seal > 0)  # the numbers each segment takes, its seal's included
+    upto = np.concatenate(([0], np.cumsum(step)))  # the numbers the segments before take
+    start = upto[:-1] - np.repeat(upto[base], per_rank)  # where each segment's frames start
+    missing = (count > 0) & ((lo != start) | (hi - lo + 1 != count))
+    unsealed = ~missing & (seal > 0) & (seal - 1 != start + count)
+    bad = np.flatnonzero(missing | unsealed)
+    if not len(bad):
+        return None
+    i = int(bad[0])
+    place = int(rank_of[i])
+    stem = batch[place][4][i - int(base[place])][0]
+    why = "frames are missing" if missing[i] else "frames before the seal are missing"
+    return place, -1, 0, f"{stem}: {why}"
 
 
 #: the columns the columnar path reads of each table, besides seq and idx (as
@@ -495,11 +541,6 @@ def _open(path: Path, table: str, cache: GroupCache, *, keep: bool = False) -> p
     if missing:
         raise _No(f"{path.name} has no {', '.join(missing)} (an older release wrote it)")
     return pf
-
-
-def _uncounted(seq: Any) -> Any:
-    """The ``events`` of rows that count none (all but step_ends)."""
-    return np.full(len(seq), -1, np.int64)
 
 
 def piece_rows(piece: Piece, table: str, shared: Shared | None) -> pa.Table:

@@ -15,7 +15,7 @@ import bisect
 import fnmatch
 import json
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -131,17 +131,17 @@ class Piece:
     part: int = 0
     #: the file holds no other segment's rows (layout 1)
     alone: bool = False
+    #: its segment's key (:func:`segment_key`)
+    key: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        sid = self.segment
+        object.__setattr__(self, "key", int(segment_key(sid.rank, sid.incarnation, sid.segment)))
 
     @classmethod
     def whole(cls, path: Path, segment: SegmentId) -> Piece:
         """A file of layout 1: all of it, one segment's rows."""
         return cls(path, 0, -1, segment, 0, alone=True)
-
-    @property
-    def key(self) -> int:
-        """Its segment's key (:func:`segment_key`)."""
-        sid = self.segment
-        return int(segment_key(sid.rank, sid.incarnation, sid.segment))
 
     def groups(self, meta: Any) -> range:
         """Its row groups, given its file's footer."""
