@@ -254,9 +254,9 @@ class ColumnarTails:
         if len(begins) == n:  # a value a group (one rank): each is its own total
             sums = ordered[starts]
             totals = sums.tolist()
-        else:
-            values = ordered.tolist()
-            totals = fsums(values, begins, ends) or [math.nan] * len(ends)
+        else:  # (fsum reads the array's floats in place: no list of every value)
+            flat: Any = np.ascontiguousarray(ordered, np.float64).data
+            totals = fsums(flat, begins, ends) or [math.nan] * len(ends)
             sums = np.array(totals)
         ranks = rank[order]
         first_g, sid_g, key_g = ranks[starts], spec[order][starts], key[starts]

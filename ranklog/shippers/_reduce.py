@@ -218,9 +218,10 @@ class Partial:
         return math.sqrt(max(0.0, self.sumsq / self.count - mean * mean))
 
 
-def fsums(values: list[float], starts: list[int], ends: list[int]) -> list[float] | None:
-    """``math.fsum`` of each ``values[a:b]``, in one C loop; None if one raises (inf - inf,
-    an intermediate overflow): then :meth:`Partial.of` takes those values one by one.
+def fsums(values: Sequence[float], starts: list[int], ends: list[int]) -> list[float] | None:
+    """``math.fsum`` of each ``values[a:b]`` (a list, or a memoryview of float64s), in one C
+    loop; None if one raises (inf - inf, an intermediate overflow): then
+    :meth:`Partial.of` takes those values one by one.
 
     With such a sum, :meth:`Partial.summed` may be all a group's partial needs.
     """
