@@ -115,6 +115,9 @@ class _Codes:
 
     def __init__(self) -> None:
         self.ids: dict[str, int] = {}
+        #: the codes of the last tuple of words asked for (a layout's names, shared by
+        #: every segment that logs them: found by identity)
+        self._last: tuple[tuple[str, ...], Any] | None = None
 
     def code(self, word: str) -> int:
         got = self.ids.get(word)
@@ -123,7 +126,13 @@ class _Codes:
         return got
 
     def lut(self, words: Iterable[str]) -> Any:
-        return np.array([self.code(w) for w in words], np.int32)
+        last = self._last
+        if last is not None and last[0] is words:
+            return last[1]
+        codes = np.array([self.code(w) for w in words], np.int32)
+        if type(words) is tuple:
+            self._last = (words, codes)
+        return codes
 
     def array(self, codes: Any) -> pa.Array:
         return pa.DictionaryArray.from_arrays(pa.array(codes, pa.int32()),

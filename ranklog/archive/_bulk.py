@@ -21,6 +21,7 @@ one (:func:`~ranklog.schemas.metrics_values`), which is always right, only slowe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -38,8 +39,8 @@ _FLOAT64: Final = 0xCB
 class Bulk:
     """The values of a list of maps, in order: one row per value."""
 
-    #: the distinct names, in order of first appearance
-    names: list[str]
+    #: the distinct names, in order of first appearance (of one layout: its tuple)
+    names: Sequence[str]
     #: per map: the index of its shape (its names) in :attr:`shapes`
     shape_of: Any
     #: per shape: its names in map order
@@ -107,6 +108,10 @@ def packed_values(names: list[tuple[str, ...]], packed: list[bytes]) -> Bulk:
     n = len(packed)
     counts = np.fromiter(map(len, names), np.int64, n)
     values = np.frombuffer(b"".join(packed), "<f8").astype(np.float64)
+    keys = names[0] if n else ()
+    if n and all(x is keys for x in names) and len(set(keys)) == len(keys):  # one layout
+        shape = np.arange(len(keys), dtype=np.int32)  # (the rule: its names, each once)
+        return Bulk(keys, np.zeros(n, np.int32), [keys], counts, np.tile(shape, n), values)
     # shapes: the layouts' tuples (one per layout: by identity), in order of first use
     ids = np.fromiter(map(id, names), np.int64, n)
     _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
