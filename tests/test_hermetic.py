@@ -52,12 +52,14 @@ class TestHermetic:
         """With a planted ~/.ray/auth_token, a W&B key and hostile variables, tests still pass."""
         home = tmp_path / "home"
         _hostile_home(home)
-        env = {**os.environ, **HOSTILE_ENV, "HOME": str(home)}
+        # (faulthandler: a native crash of the child, seen twice at its exit after every
+        # probe passed, prints each thread's stack into the failure message)
+        env = {**os.environ, **HOSTILE_ENV, "HOME": str(home), "PYTHONFAULTHANDLER": "1"}
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *PROBES],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
         )  # fmt: skip
-        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
         assert f"{len(PROBES)} passed" in proc.stdout
 
     def test_the_session_has_a_home_of_its_own(self) -> None:
