@@ -496,8 +496,8 @@ def _frames(batch: list[_Walk], who: Any, segno: Any, seq: Any) -> tuple[int, in
         lasts = np.append(firsts[1:] - 1, len(g) - 1)
         lo[g[firsts]], hi[g[lasts]] = q[firsts], q[lasts]
     seal = np.array([s for w in batch for _, s in w[4]], np.int64)
-    step = count + (seal > 0)  # the numbers each segment takes, its seal's included
-    upto = np.concatenate(([0], np.cumsum(step)))  # the numbers the segments before take
+    taken = count + (seal > 0)  # the numbers each segment takes, its seal's included
+    upto = np.concatenate(([0], np.cumsum(taken)))  # the numbers the segments before take
     start = upto[:-1] - np.repeat(upto[base], per_rank)  # where each segment's frames start
     missing = (count > 0) & ((lo != start) | (hi - lo + 1 != count))
     unsealed = ~missing & (seal > 0) & (seal - 1 != start + count)

@@ -393,22 +393,21 @@ class Shipper:
         written: list[ShippedStep] = []
         held = 0  # steps found held (shipped by an earlier process or replay)
         skipped = self.held.skipped_below
-        holds = self.held.holds if self.held.steps else None  # (a new target: holds none)
         for s in self.held.writable(steps):
             if s.carrier is not None:  # late values: right after their carrier
-                if holds is None or not holds(s):
+                if not self.held.holds(s):
                     chunk.append(s)
                 continue
-            if holds is not None and holds(s):
+            if self.held.holds(s):
                 while sent < len(due) and due[sent][0] <= s.step:
                     sent += 1  # written before this step, which the target holds
                 held += 1
                 continue
-            if sent < len(due) and due[sent][0] <= s.step:
-                group: dict[str, ParamValue] = {}
-                while sent < len(due) and due[sent][0] <= s.step:
-                    group[due[sent][1]] = due[sent][2]
-                    sent += 1
+            group: dict[str, ParamValue] = {}
+            while sent < len(due) and due[sent][0] <= s.step:
+                group[due[sent][1]] = due[sent][2]
+                sent += 1
+            if group:
                 if chunk:
                     self.target.write(chunk)
                     chunk = []

@@ -221,24 +221,18 @@ class StepPartial:
     @classmethod
     def _one_packed(cls, step: int, acc: StepAcc) -> StepPartial | None:
         """The usual step of one rank, at once: what :meth:`build` makes of one event of
-        packed values of one spec of mean, sum or count, all finite (each total its
-        value); None for any other (the general path takes it)."""
+        packed values (:meth:`_one_rank`'s Summed, with no columns gathered first); None
+        for any other (the general path takes it)."""
         ((rank, contrib),) = acc.ranks.items()
         events = contrib.events
-        if len(events) != 1 or contrib.late:
+        if len(events) != 1 or contrib.late or type(events[0]) is not MetricsPacked:
             return None
         ev = events[0]
-        if type(ev) is not MetricsPacked or type(ev.reduce) is not str:
-            return None
-        names = ev.names
-        if ev.reduce not in SUMMED_SPECS or not names:
-            return None
         row = ev.row or le_floats(ev.packed)
-        if len(row) != len(names) or not all(map(math.isfinite, row)):
+        if len(row) != len(ev.names):
             return None
         out = cls(step, ranks=1, ts=max(0.0, ev.ts))
-        out.summed = Summed(rank, ev.reduce, names, [1] * len(names), list(map(float, row)), 1)
-        return out
+        return out if out._one_rank(rank, ev.reduce, ev.names, row, False, None) else None
 
     def _columns(
         self,
