@@ -191,3 +191,19 @@ def test_a_target_that_fails_closing_lets_the_next_shipper_in(spool: Path, out: 
     assert read_leases(spool) == []
     ship(spool, out)
     assert [x["step"] for x in lines(out)] == [0, 1, 2]
+
+
+def test_a_shipper_that_keeps_no_cursor_writes_none(spool: Path, out: Path) -> None:
+    """``keep_cursor=False`` (a replay's scratch spool) ships every step and writes no
+    cursor file; a shipper that keeps one writes it."""
+    from ranklog.shippers._cursor import load_cursor
+
+    a = rank(spool, 0, 1)
+    log_steps(a, range(5))
+    kept = ship(spool, out, name="kept")
+    assert load_cursor(spool, "kept") is not None and kept.shipped_upto == 4
+    other = out.with_name("other.jsonl")
+    shipper = ship(spool, other, name="memory", keep_cursor=False)
+    assert [x["step"] for x in lines(other)] == list(range(5))
+    assert shipper.cursor.last_step == 4  # kept in memory, as the run went
+    assert load_cursor(spool, "memory") is None

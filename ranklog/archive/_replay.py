@@ -411,7 +411,8 @@ def replay(
         )
     manifest = require_manifest(dataset)
     run = RunInfo(manifest.run_id, manifest.created, manifest.name, manifest.world_size)
-    scratch = Path(tempfile.mkdtemp(prefix="ranklog-replay-"))  # run.json and the cursor
+    # run.json and the lease (the cursor is kept in memory only)
+    scratch = Path(tempfile.mkdtemp(prefix="ranklog-replay-"))
     try:
         write_run(scratch, run)
         tails = None
@@ -425,6 +426,7 @@ def replay(
                 str(scratch), target, name="replay", start_grace=0, per_rank=per_rank,
                 source=source, tails=tails, late=late, below_last=below_last,
                 retry_for=ONCE_RETRY_FOR if retry_for is None else retry_for,
+                keep_cursor=False,
             )  # fmt: skip
         except BaseException:
             if tails is not None:

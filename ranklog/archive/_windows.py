@@ -93,17 +93,36 @@ class Words:
         return got
 
 
+#: one table's rows as the columnar reduce takes them: (rank, ts, step, name, value, spec)
+#: numpy columns of the dtypes :data:`ROW` gives its fields
+Columns = tuple[Any, ...]
+
+
 class _Rows:
-    """One table's rows of a window, as :data:`~ranklog.archive._spill.ROW` records (rank
-    order, then write order), handed out as numpy columns."""
+    """One table's rows of a window (rank order, then write order), as numpy columns."""
 
     def __init__(self) -> None:
-        self.parts: list[Any] = []
+        self.parts: list[Columns] = []
 
-    def columns(self) -> tuple[Any, ...]:
+    def columns(self) -> Columns:
         if not self.parts:
             return tuple(np.zeros(0, ROW[f]) for f in _FIELDS)
-        return tuple(np.concatenate([p[f] for p in self.parts]) for f in _FIELDS)
+        if len(self.parts) == 1:
+            return self.parts[0]
+        return tuple(np.concatenate(c) for c in zip(*self.parts, strict=True))
+
+
+def _records(cols: Columns) -> Any:
+    """Columns as :data:`ROW` records (what a rest keeps)."""
+    out = np.empty(len(cols[0]), ROW)
+    for f, c in zip(_FIELDS, cols, strict=True):
+        out[f] = c
+    return out
+
+
+def _fields(rows: Any) -> Columns:
+    """:data:`ROW` records as columns (views of them)."""
+    return tuple(rows[f] for f in _FIELDS)
 
 
 @dataclass(slots=True)
@@ -300,59 +319,66 @@ class Loader:
         its first row not taken yet) into ``into``, and each step's latest time stamp into
         ``marks``: what its rest holds, then its next groups, each decoded once."""
         lane = self._lanes[k][1]
-        parts = []
+        parts: list[Columns] = []
         rest = self._rests[k]
         if rest is not None:
             got = self._spill.take(rest, hi)
             if got is not None:
-                parts.append(got)
+                parts.append(_fields(got))
             if rest.at == rest.count:
                 rest = self._rests[k] = None
         i = self._next[k]
         while rest is None and i < len(lane) and lane[i].lo < hi:
             g = lane[i]
-            rows = self._decode(rank, g)
+            cols = self._decode(rank, g)
             i += 1
-            b = int(np.searchsorted(rows["step"], hi))  # steps never go down in a lane
+            n = len(cols[0])
+            b = int(np.searchsorted(cols[2], hi))  # steps never go down in a lane
             if b:  # a small part copied: a slice would hold its whole group
-                parts.append(rows[:b] if 2 * b >= len(rows) else rows[:b].copy())
-            if b < len(rows):
+                parts.append(cols if b == n else tuple(
+                    c[:b] if 2 * b >= n else c[:b].copy() for c in cols))  # fmt: skip
+            if b < n:
                 rest = self._rests[k] = self._spill.keep(
-                    rows[b:], g.nbytes * (len(rows) - b) / len(rows)
+                    _records(tuple(c[b:] for c in cols)), g.nbytes * (n - b) / n
                 )
         self._next[k] = i
         for part in parts:
-            step = part["step"]
+            step = part[2]
             new = np.ones(len(step), bool)
             new[1:] = step[1:] != step[:-1]
             if rank < 0:  # rows of many ranks (layout 2): by step, then rank
-                ranks = part["rank"]
+                ranks = part[0]
                 new[1:] |= ranks[1:] != ranks[:-1]
             first = np.flatnonzero(new)
-            latest = np.maximum.reduceat(part["ts"], first)
-            marks.append((part["rank"][first], step[first], latest))
+            latest = np.maximum.reduceat(part[1], first)
+            marks.append((part[0][first], step[first], latest))
             into.parts.append(part)
 
-    def _decode(self, rank: int, g: RowGroup) -> Any:
-        """One metrics or timers row group of ``rank``'s, as :data:`ROW` records."""
+    def _decode(self, rank: int, g: RowGroup) -> Columns:
+        """One metrics or timers row group of ``rank``'s, as columns."""
         one = g.spec is not None
         columns = (_ONE_SPEC if one else _COLUMNS) + (["rank"] if rank < 0 else [])
         t = self._file(g.path).read_row_group(
             g.index, columns=columns, use_threads=g.nbytes > _THREADS
         )
-        rows = np.empty(t.num_rows, ROW)
-        rows["rank"] = rank if rank >= 0 else t["rank"].to_numpy()
-        rows["ts"] = t["ts"].to_numpy().view(np.int64)  # microseconds
-        rows["step"] = step = t["step"].to_numpy()
+        n = t.num_rows
+        step = t["step"].to_numpy()
         if rank < 0 and bool(np.any(step[1:] < step[:-1])):  # (compaction sorts them)
             raise ArchiveError(f"{g.path}: row group {g.index} is not sorted by step")
-        rows["name"] = self._names.codes(t["name"])
-        rows["value"] = t["value"].to_numpy()
         # one spec for the group (its statistics say so): not read
-        rows["spec"] = (
-            self._specs.code(g.spec) if g.spec is not None else self._specs.codes(t["reduce"])
+        spec = (
+            np.full(n, self._specs.code(g.spec), np.int32)
+            if g.spec is not None
+            else self._specs.codes(t["reduce"])
         )
-        return rows
+        return (
+            np.full(n, rank, np.int32) if rank >= 0 else t["rank"].to_numpy().astype(np.int32),
+            t["ts"].to_numpy().view(np.int64),  # microseconds
+            step.astype(np.int64, copy=False),
+            self._names.codes(t["name"]),
+            t["value"].to_numpy(),
+            spec,
+        )
 
     def _rows(
         self, groups: list[RowGroup], lo: int, hi: int, columns: list[str]

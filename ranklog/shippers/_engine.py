@@ -58,6 +58,7 @@ from ranklog.shippers._tail import (
 )
 from ranklog.shippers._tails import LocalTails, Tails
 from ranklog.shippers._target import ShippedStep, Target, job_status, target_identity
+from ranklog.shippers._waited import Waited, waited
 from ranklog.shippers._written import BELOW_LAST, TargetHeld
 from ranklog.spool import BadRange, RunInfo, read_run
 
@@ -105,6 +106,7 @@ class Shipper:
         parent: int | None = None,
         below_last: str = "refuse",
         argv: list[str] | None = None,
+        keep_cursor: bool = True,
     ) -> None:
         """``name``: the cursor's (default: derived from what the target writes to).
 
@@ -112,7 +114,9 @@ class Shipper:
         ever); ``parent``: a process whose end makes the shipper ship what is closed and
         exit; ``below_last``: ``skip`` leaves out steps a target cannot write below its
         last one, instead of refusing; ``argv``: the ``ranklog ship`` arguments that
-        start this shipper again (kept in the cursor).
+        start this shipper again (kept in the cursor); ``keep_cursor=False``: the cursor is
+        kept in memory only, never written (a replay's: its target's steps say where it
+        stands, and its spool is a scratch directory thrown away).
         """
         self.spool = spool
         self.target = target
@@ -124,6 +128,7 @@ class Shipper:
         self.retry_for = retry_for
         self.parent = parent
         self.argv = list(argv) if argv is not None else None
+        self._keep_cursor = keep_cursor
         if tails is None:
             src = source if source is not None else SpoolSource(spool, poll=poll)
             tails = LocalTails(src, dead_after=dead_after, late=check_late(late))
@@ -131,6 +136,7 @@ class Shipper:
         self.progress = progress
         #: every rank seen, as of the last read round
         self.views: dict[int, RankView] = {}
+        self._waited: Waited | None = None  # what they say of completeness, found once
         #: steps some tail holds and that are not shipped yet
         self.pending: set[int] = set()
         self.lag_bytes = 0
@@ -251,11 +257,7 @@ class Shipper:
 
     def _read(self) -> bool:
         """One read round of the tails; take in what it found."""
-        floor = None
-        waited = [v.watermark for v in self.views.values() if not v.released]
-        if waited:
-            floor = min(waited)
-        res = self.tails.poll(self.shipped_upto, self._durable_gap, floor)
+        res = self.tails.poll(self.shipped_upto, self._durable_gap, self._completeness().floor)
         self.views = {v.rank: v for v in res.views}
         self.pending = {s for s in res.steps if s > self.shipped_upto}
         self.lag_bytes = res.lag_bytes
@@ -279,47 +281,38 @@ class Shipper:
 
     # -- completeness -----------------------------------------------------------------
 
+    def _completeness(self) -> Waited:
+        """What the last round's views say of completeness (found again once they change)."""
+        got = self._waited
+        if got is None or got.views is not self.views or got.run is not self.run:
+            got = self._waited = waited(self.views, self.run)
+        return got
+
     def world_size(self) -> int | None:
         """The job's world size, if any rank or run.json told."""
-        known = [v.world_size for v in self.views.values() if v.world_size is not None]
-        if self.run is not None and self.run.world_size is not None:
-            known.append(self.run.world_size)
-        return max(known) if known else None
+        return self._completeness().world
 
     def _expected(self) -> list[int]:
-        world = self.world_size()
-        return list(range(world)) if world is not None else sorted(self.views)
+        return self._completeness().expected
+
+    def _in_grace(self, now: float) -> bool:
+        """Ranks not seen yet may still start (the run is younger than the start grace)."""
+        created = self.run.created if self.run is not None else now
+        return now - created <= self.start_grace
 
     def _ready_upto(self, now: float) -> tuple[int, list[int]]:
         """(highest shippable step, expected ranks)."""
-        expected = self._expected()
-        limit = math.inf
-        created = self.run.created if self.run is not None else now
-        for r in expected:
-            view = self.views.get(r)
-            if view is None:
-                if now - created <= self.start_grace:
-                    limit = -1
-                continue
-            if not view.released:
-                limit = min(limit, view.watermark)
+        w = self._completeness()
+        limit = w.limit_at(self._in_grace(now))
         top = max(self.pending, default=-1)
-        return (top if limit == math.inf else int(limit)), expected
+        return (top if limit == math.inf else int(limit)), w.expected
 
     def all_released(self, now: float) -> bool:
         """Every expected rank ended or dead (and at least one rank seen)."""
         if not self.views:
             return False
-        created = self.run.created if self.run is not None else now
-        for r in self._expected():
-            view = self.views.get(r)
-            if view is None:
-                if now - created <= self.start_grace:
-                    return False
-                continue
-            if not view.released:
-                return False
-        return True
+        w = self._completeness()
+        return w.released and not (w.missing and self._in_grace(now))
 
     # -- shipping ---------------------------------------------------------------------
 
@@ -331,8 +324,8 @@ class Shipper:
         if not ready:
             return [], self.shipped_upto
         world = max(len(expected), 1)
-        marks = [(r, self.views[r].watermark) for r in expected if r in self.views]
-        sorted_marks = sorted(m for _, m in marks)
+        w = self._completeness()
+        sorted_marks = w.marks
         out = []
         for step, part in zip(
             ready, self.tails.partials(ready, per_rank=self.per_rank), strict=True
@@ -342,8 +335,10 @@ class Shipper:
             # a rank that lost frames of the step is not one that closed it whole
             closed = len(sorted_marks) - bisect.bisect_left(sorted_marks, step)
             if part.damaged:
-                lost = set(part.damaged)
-                closed -= sum(1 for r, m in marks if m >= step and r in lost)
+                views = self.views
+                closed -= sum(1 for r in set(part.damaged)
+                              if (v := views.get(r)) is not None and v.watermark >= step
+                              and r in w.expected)  # fmt: skip
             # Nothing to ship of the step itself: GPU samples taken after the last step,
             # until the ranks ended (they stay in the spool and Parquet), or nothing but
             # the late values it carries
@@ -458,7 +453,8 @@ class Shipper:
         c.late_events = self.stats.late_events
         c.relogged_events = self.stats.relogged_events
         c.params = dict(self.params_shipped)
-        save_cursor(self.spool, c)
+        if self._keep_cursor:
+            save_cursor(self.spool, c)
 
     # -- the loop ---------------------------------------------------------------------
 

@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Final, NamedTuple
 
+import msgspec
+
 from ranklog.errors import ConfigError
 from ranklog.schemas import (
     STEP_KINDS,
@@ -153,9 +155,11 @@ class RankState:
         return max((s.watermark for k, s in incs.items() if k < inc), default=NO_STEP)
 
 
-@dataclass(slots=True, frozen=True)
-class RankView:
-    """One rank as completeness needs it: how far it got and whether it is waited for."""
+class RankView(msgspec.Struct, frozen=True, gc=False):
+    """One rank as completeness needs it: how far it got and whether it is waited for.
+
+    (A Struct: a tail makes one per rank every round, thousands at a time.)
+    """
 
     rank: int
     watermark: int
