@@ -9,6 +9,8 @@ import duckdb
 import polars as pl
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ranklog.archive import compact, load_manifest, replay
 from ranklog.archive._manifest import save_manifest
@@ -289,13 +291,13 @@ class TestReviewed:
         reads: list[tuple[str, int, int]] = []
         real_heads, real_ranks = blocks_mod.BlockHeads._read, blocks_mod._ranks_block
 
-        def heads(piece: Any, footer: Any) -> Any:
+        def heads(piece: Any, *args: Any) -> Any:
             reads.append((str(piece.path), piece.first, piece.end))
-            return real_heads(piece, footer)
+            return real_heads(piece, *args)
 
-        def ranks(piece: Any, footer: Any) -> Any:
+        def ranks(piece: Any, *args: Any) -> Any:
             reads.append((str(piece.path), piece.first, piece.end))
-            return real_ranks(piece, footer)
+            return real_ranks(piece, *args)
 
         monkeypatch.setattr(blocks_mod.BlockHeads, "_read", staticmethod(heads))
         monkeypatch.setattr(blocks_mod, "_ranks_block", ranks)
@@ -347,3 +349,54 @@ class TestReviewed:
         assert len(files) < len(_parts(out))  # the merged part is there, not listed
         assert analysis._table(out, "metrics", "loss").num_rows == 2 * 9 * 5
         assert report._read(out, "metrics", ["step"]).num_rows == 2 * 9 * 5
+
+
+class TestOwners:
+    @settings(max_examples=300, deadline=None)
+    @given(
+        owners=st.dictionaries(st.integers(0, 1 << 20), st.integers(0, 1 << 40), min_size=1,
+                               max_size=20),
+        others=st.lists(st.integers(-5, (1 << 20) + 5), max_size=50),
+    )  # fmt: skip
+    def test_a_rows_key_from_its_rank_alone(
+        self, owners: dict[int, int], others: list[int]
+    ) -> None:
+        """A block whose ranks have one segment each there: a row's key is its rank's
+        segment's, and -1 for any other rank (negative ones too), near ranks and far."""
+        import numpy as np
+
+        from ranklog.archive._blocks import _keys_of
+
+        ranks = [*owners, *others]
+        got = _keys_of(np.array(ranks, np.int64), owners).tolist()
+        assert got == [owners.get(r, -1) for r in ranks]
+
+    def test_a_rank_with_two_segments_in_a_block_is_read_by_segment(
+        self, spool: Path, tmp_path: Path
+    ) -> None:
+        """A rank whose segments rolled over within one compaction has two segments in
+        its block: the check reads that block's segment columns, and replay equals live."""
+        from ranklog.archive._manifest import require_manifest
+        from ranklog.archive._plan import GroupCache, check, scan
+        from ranklog.archive._replay import _segment_files
+
+        runs = [rank(spool, r, 2, max_segment_bytes=4096) for r in range(2)]
+        for s in range(60):
+            for run in runs:
+                run.log_metrics({"loss": s / 10, "acc": 1 - s / 100}, step=s)
+                run.step_end(s)
+        for run in runs:
+            run.close()
+        out = tmp_path / "pq"
+        compact(spool, out)
+        manifest = require_manifest(out)
+        assert len(manifest.segments) > 2
+        found, why = scan(_segment_files(out, manifest), GroupCache(1 << 26))
+        assert found is not None, why
+        assert check(found, manifest, found.cache) == ""
+        owners = found.heads._owners
+        assert any(-1 in by_rank.values() for by_rank in owners.values())
+        live, again = tmp_path / "live.jsonl", tmp_path / "again.jsonl"
+        ship(spool, live)
+        replay(out, JsonlTarget(again))
+        assert again.read_bytes() == live.read_bytes()

@@ -524,9 +524,9 @@ class TestDecodedOnce:
         decoded: list[tuple[str, int]] = []
         real = windows_mod.Loader._decode
 
-        def spy(self: Any, rank: int, g: Any) -> Any:
-            decoded.append((g.path.name, g.index))
-            return real(self, rank, g)
+        def spy(self: Any, rank: int, groups: Any) -> Any:
+            decoded.extend((g.path.name, g.index) for g in groups)
+            return real(self, rank, groups)
 
         monkeypatch.setattr(windows_mod.Loader, "_decode", spy)
         return decoded

@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 
 from ranklog.archive._rows import Piece, open_file, segment_key
 
-__all__ = ["BlockHeads", "RanksHeads", "ranks_heads"]
+__all__ = ["BlockHeads", "Owners", "RanksHeads", "ranks_heads"]
 
 _SEGMENT: Final = ("rank", "incarnation", "segment")
 #: a step that is null (a table without steps)
@@ -51,9 +51,19 @@ def ranks_heads(t: pa.Table) -> RanksHeads:
     return t["seq"].to_numpy(), t["idx"].to_numpy(), step, code, events, rows
 
 
-def _read_columns(piece: Piece, footer: Any, columns: list[str]) -> tuple[Any, Any]:
+#: a block's segments by rank: rank -> the key of its one segment there (-1: several)
+Owners = dict[int, int]
+#: a block's ranks spanning fewer numbers than this are looked up in a table
+_LUT: Final = 1 << 16
+
+
+def _read_columns(
+    piece: Piece, footer: Any, columns: list[str], owners: Owners | None = None
+) -> tuple[Any, Any]:
     """The piece's groups (the columns of them its file has), and each row's segment key:
-    a file of one segment's rows is read without its segment columns."""
+    a file of one segment's rows is read without its segment columns, and a block whose
+    ranks have one segment each there (``owners`` say which) with its rank column alone
+    (a row of another rank gets key -1, which no piece has)."""
     pf = open_file(piece.path, footer)
     have = set(pf.schema_arrow.names)
     wanted = [c for c in columns if c in have]
@@ -64,14 +74,33 @@ def _read_columns(piece: Piece, footer: Any, columns: list[str]) -> tuple[Any, A
         else:
             t = pf.read_row_groups(list(groups), columns=wanted, use_threads=False)
         return t, np.full(t.num_rows, piece.key, np.int64)
-    t = pf.read_row_groups(list(piece.groups(pf.metadata)), columns=[*_SEGMENT, *wanted],
-                           use_threads=False)  # fmt: skip
+    chosen = list(piece.groups(pf.metadata))
+    if owners and min(owners.values()) >= 0:
+        t = pf.read_row_groups(chosen, columns=["rank", *wanted], use_threads=False)
+        return t, _keys_of(t["rank"].to_numpy().astype(np.int64), owners)
+    t = pf.read_row_groups(chosen, columns=[*_SEGMENT, *wanted], use_threads=False)
     return t, segment_key(*(t[c].to_numpy().astype(np.int64) for c in _SEGMENT))
 
 
-def _ranks_block(piece: Piece, footer: Any) -> dict[int, RanksHeads]:
+def _keys_of(rank: Any, owners: Owners) -> Any:
+    """Each row's segment key, from its rank (``owners``: one segment each); -1 for a rank
+    that is not one of them."""
+    lo, hi = min(owners), max(owners)
+    if hi - lo < _LUT:  # (a block's ranks are near each other: a table of them)
+        lut = np.full(hi - lo + 2, -1, np.int64)  # (its last entry: any other rank)
+        lut[np.array(list(owners)) - lo] = list(owners.values())
+        if not len(rank) or (int(rank.min()) >= lo and int(rank.max()) <= hi):
+            return lut[rank - lo]  # (as a rule: every row of the block's own ranks)
+        return lut[np.where((rank >= lo) & (rank <= hi), rank - lo, hi - lo + 1)]
+    ranks = np.array(sorted(owners), np.int64)
+    keys = np.array([owners[r] for r in ranks.tolist()], np.int64)
+    at = np.clip(np.searchsorted(ranks, rank), 0, len(ranks) - 1)
+    return np.where(ranks[at] == rank, keys[at], -1)
+
+
+def _ranks_block(piece: Piece, footer: Any, owners: Owners | None) -> dict[int, RanksHeads]:
     """A block of the ranks table (rows in write order: segment by segment), split."""
-    t, keys = _read_columns(piece, footer, list(_RANKS))
+    t, keys = _read_columns(piece, footer, list(_RANKS), owners)
     if not len(keys):
         return {}
     q, i = t["seq"].to_numpy(), t["idx"].to_numpy()
@@ -98,8 +127,12 @@ def _ranks_block(piece: Piece, footer: Any) -> dict[int, RanksHeads]:
 class BlockHeads:
     """Blocks' events split by segment, the last blocks read kept up to ``limit`` bytes."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(
+        self, limit: int, owners: dict[tuple[Path, int, int], Owners] | None = None
+    ) -> None:
         self.limit = limit
+        #: each block's segments by rank (blocks not named: the segment columns are read)
+        self._owners = owners or {}
         self._blocks: OrderedDict[tuple[Path, int, int], dict[int, Heads]] = OrderedDict()
         self._bytes = 0
         self._sizes: dict[tuple[Path, int, int], int] = {}
@@ -115,7 +148,7 @@ class BlockHeads:
         key = (piece.path, piece.first, piece.end)
         block = self._ranks.get(key)
         if block is None:
-            block = self._ranks[key] = _ranks_block(piece, footer)
+            block = self._ranks[key] = _ranks_block(piece, footer, self._owners.get(key))
             self._ranks_bytes[key] = size = sum(40 * len(h[0]) + 100 * len(h[5])
                                                 for h in block.values())  # fmt: skip
             self._bytes += size
@@ -133,7 +166,7 @@ class BlockHeads:
         key = (piece.path, piece.first, piece.end)
         block = self._blocks.get(key)
         if block is None:
-            block, unsorted = self._read(piece, footer)
+            block, unsorted = self._read(piece, footer, self._owners.get(key))
             if unsorted and self.unsorted is None:
                 self.unsorted = piece.path.name
             self._keep(key, block)
@@ -146,10 +179,10 @@ class BlockHeads:
         return got
 
     @staticmethod
-    def _read(piece: Piece, footer: Any) -> tuple[dict[int, Heads], bool]:
+    def _read(piece: Piece, footer: Any, owners: Owners | None) -> tuple[dict[int, Heads], bool]:
         """The block's events by segment, and whether, in the file's order, its steps go
         down (windows of steps cannot read it)."""
-        t, row_keys = _read_columns(piece, footer, ["seq", "idx", "step"])
+        t, row_keys = _read_columns(piece, footer, ["seq", "idx", "step"], owners)
         stepped = "step" in t.column_names
         if not len(row_keys):
             return {}, False
@@ -160,7 +193,11 @@ class BlockHeads:
         for c in cols:
             new[1:] |= c[1:] != c[:-1]
         keys, seq, idx = (c[new].astype(np.int64) for c in cols)
-        step = t["step"].fill_null(_NULL).to_numpy()[new] if stepped else np.full(len(seq), _NULL)
+        if stepped:
+            col = t["step"]
+            step = (col.fill_null(_NULL) if col.null_count else col).to_numpy()[new]
+        else:
+            step = np.full(len(seq), _NULL)
         unsorted = stepped and bool(np.any(step[1:] < step[:-1]))
         order = np.argsort(keys, kind="stable")
         keys, seq, idx, step = keys[order], seq[order], idx[order], step[order]

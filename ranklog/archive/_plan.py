@@ -38,7 +38,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ranklog.archive._blocks import END, OTHER, BlockHeads
+from ranklog.archive._blocks import END, OTHER, BlockHeads, Owners
 from ranklog.archive._manifest import Manifest
 from ranklog.archive._rows import (
     COLUMNS,
@@ -175,6 +175,7 @@ def scan(
     for sid, tables in files.items():  # sorted: write order within a rank
         by_rank.setdefault(sid.rank, []).append((sid, tables))
     blocks: set[tuple[int, int, int, int, Path, int]] = set()
+    owners: dict[tuple[Path, int, int], Owners] = {}  # each block's segments, by rank
     order = {t: i for i, t in enumerate(TABLES)}
     try:
         for rank, segs in sorted(by_rank.items()):
@@ -184,6 +185,11 @@ def scan(
                     for src in pieces:
                         owner = sid.rank if src.alone else -1
                         blocks.add((order[table], src.part, src.first, src.end, src.path, owner))
+                        if not src.alone:
+                            there = owners.setdefault((src.path, src.first, src.end), {})
+                            had = there.setdefault(sid.rank, src.key)
+                            if had != src.key:
+                                there[sid.rank] = -1  # several of its segments: read them
         lanes = []
         for t, _, first, end, path, owner in sorted(blocks):  # in write order
             table = TABLES[t]
@@ -203,7 +209,7 @@ def scan(
         return None, str(why)
     ranks = [RankPlan(r, watermark=NO_STEP, ended=True, world_size=None) for r in sorted(by_rank)]
     shared = Shared(_SHARED_BYTES)
-    return Plan(ranks, cache, by_rank, lanes, shared, BlockHeads(_SHARED_BYTES)), ""
+    return Plan(ranks, cache, by_rank, lanes, shared, BlockHeads(_SHARED_BYTES, owners)), ""
 
 
 def _segments_ok(rank: int, segs: Segments) -> None:

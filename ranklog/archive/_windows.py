@@ -329,17 +329,25 @@ class Loader:
                 rest = self._rests[k] = None
         i = self._next[k]
         while rest is None and i < len(lane) and lane[i].lo < hi:
-            g = lane[i]
-            cols = self._decode(rank, g)
-            i += 1
+            # the groups this window needs, read at once where they share a file and how
+            # their spec is found (only the last may hold rows past the window: steps never
+            # go down in a lane)
+            j = i + 1
+            while (j < len(lane) and lane[j].lo < hi and lane[j].path == lane[i].path
+                   and (lane[j].spec is None) == (lane[i].spec is None)):  # fmt: skip
+                j += 1
+            groups = lane[i:j]
+            cols = self._decode(rank, groups)
+            i = j
             n = len(cols[0])
-            b = int(np.searchsorted(cols[2], hi))  # steps never go down in a lane
+            b = int(np.searchsorted(cols[2], hi))
             if b:  # a small part copied: a slice would hold its whole group
                 parts.append(cols if b == n else tuple(
                     c[:b] if 2 * b >= n else c[:b].copy() for c in cols))  # fmt: skip
             if b < n:
+                nbytes = sum(g.nbytes for g in groups)
                 rest = self._rests[k] = self._spill.keep(
-                    _records(tuple(c[b:] for c in cols)), g.nbytes * (n - b) / n
+                    _records(tuple(c[b:] for c in cols)), nbytes * (n - b) / n
                 )
         self._next[k] = i
         for part in parts:
@@ -354,23 +362,25 @@ class Loader:
             marks.append((part[0][first], step[first], latest))
             into.parts.append(part)
 
-    def _decode(self, rank: int, g: RowGroup) -> Columns:
-        """One metrics or timers row group of ``rank``'s, as columns."""
-        one = g.spec is not None
-        columns = (_ONE_SPEC if one else _COLUMNS) + (["rank"] if rank < 0 else [])
-        t = self._file(g.path).read_row_group(
-            g.index, columns=columns, use_threads=g.nbytes > _THREADS
-        )
+    def _decode(self, rank: int, groups: list[RowGroup]) -> Columns:
+        """Metrics or timers row groups of ``rank``'s (of one file, consecutive in its
+        lane, each with a spec of its own or none), as columns."""
+        first = groups[0]
+        columns = (_COLUMNS if first.spec is None else _ONE_SPEC) + (["rank"] if rank < 0 else [])
+        t = self._file(first.path).read_row_groups(
+            [g.index for g in groups], columns=columns,
+            use_threads=sum(g.nbytes for g in groups) > _THREADS,
+        )  # fmt: skip
         n = t.num_rows
         step = t["step"].to_numpy()
         if rank < 0 and bool(np.any(step[1:] < step[:-1])):  # (compaction sorts them)
-            raise ArchiveError(f"{g.path}: row group {g.index} is not sorted by step")
-        # one spec for the group (its statistics say so): not read
-        spec = (
-            np.full(n, self._specs.code(g.spec), np.int32)
-            if g.spec is not None
-            else self._specs.codes(t["reduce"])
-        )
+            which = ", ".join(str(g.index) for g in groups)
+            raise ArchiveError(f"{first.path}: row groups {which} are not sorted by step")
+        if first.spec is None:
+            spec = self._specs.codes(t["reduce"])
+        else:  # one spec a group (its statistics say so): not read
+            spec = np.repeat(np.array([self._specs.code(cast(str, g.spec)) for g in groups],
+                                      np.int32), [g.rows for g in groups])  # fmt: skip
         return (
             np.full(n, rank, np.int32) if rank >= 0 else t["rank"].to_numpy().astype(np.int32),
             t["ts"].to_numpy().view(np.int64),  # microseconds
