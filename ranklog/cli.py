@@ -193,7 +193,7 @@ def _to_help() -> str:
 def _target_flags(p: argparse.ArgumentParser) -> None:
     """``--to``, ``--per-rank``, ``--late`` and every option the targets declare."""
     from ranklog.shippers import all_options
-    from ranklog.shippers._tail import LATE_POLICIES
+    from ranklog.shippers._ranks import LATE_POLICIES
 
     p.add_argument("--to", action="append", metavar="TARGET", help=_to_help())
     p.add_argument(

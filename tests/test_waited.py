@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ranklog.shippers import Shipper
-from ranklog.shippers._tail import RankView
+from ranklog.shippers._ranks import RankView
 from ranklog.shippers._waited import waited
 from ranklog.spool import RunInfo
 

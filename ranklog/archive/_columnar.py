@@ -38,9 +38,9 @@ from ranklog.archive._windows import Loader, Window, Words
 from ranklog.errors import ArchiveError
 from ranklog.shippers._cursor import Cursor
 from ranklog.shippers._gather import SUMMED_SPECS, Named, Summed
+from ranklog.shippers._ranks import RankView, StepGap, TailCommit, TailPoll
 from ranklog.shippers._reduce import SUMMED_OPS, Partial, fsums, parse_ops
 from ranklog.shippers._steps import StepPartial, _slower
-from ranklog.shippers._tail import RankView, StepGap, TailCommit, TailPoll
 from ranklog.spool import RunInfo
 
 __all__ = ["ColumnarTails"]

@@ -51,7 +51,7 @@ from ranklog.archive._rows import (
 )
 from ranklog.archive._tables import SCHEMAS, TABLES
 from ranklog.schemas import ParamValue, is_meta_key
-from ranklog.shippers._tail import ParamsRead
+from ranklog.shippers._ranks import ParamsRead
 from ranklog.spool import NO_STEP, SegmentId
 
 __all__ = [

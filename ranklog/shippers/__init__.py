@@ -4,7 +4,10 @@ The engine, by role::
 
     _source.py    discovery (inotify, or polling on network filesystems) and tailing
     _tail.py      read ranks' segments, apply events: per-step contributions, watermarks
+    _lost.py      lost frames: the steps they may have held marked partial, and cleared
+    _ranks.py     what a tail knows and tells of its ranks (views, a round's findings)
     _engine.py    the root: completeness, params, ship, commit the cursor
+    _waited.py    completeness: what a round's rank views say may ship, found once
     _fanin.py     the same root over Ray reader actors (``ranklog ship --ray``)
     _steps.py     per-step partials (mergeable) and their reduction into a ShippedStep
     _reduce.py    mergeable partial aggregates and the reduce ops

@@ -48,14 +48,10 @@ from ranklog.shippers._cursor import (
 from ranklog.shippers._lease import DEFAULT_TTL, Lease
 from ranklog.shippers._meta import fingerprint, write_params
 from ranklog.shippers._progress import Progress, Status
+from ranklog.shippers._ranks import NO_GAP, RankView, check_late
 from ranklog.shippers._registry import default_name
 from ranklog.shippers._retry import RetryClock, describe, is_permanent, permanent_error
 from ranklog.shippers._source import Source, SpoolSource
-from ranklog.shippers._tail import (
-    NO_GAP,
-    RankView,
-    check_late,
-)
 from ranklog.shippers._tails import LocalTails, Tails
 from ranklog.shippers._target import ShippedStep, Target, job_status, target_identity
 from ranklog.shippers._waited import Waited, waited

@@ -42,11 +42,12 @@ from ranklog.errors import ConfigError, TailRestartedError
 from ranklog.shippers._cursor import Cursor
 from ranklog.shippers._lease import DEFAULT_TTL
 from ranklog.shippers._progress import Progress
+from ranklog.shippers._ranks import StepGap, TailCommit, TailPoll
 from ranklog.shippers._reduce import parse_ops
 from ranklog.shippers._registry import make_target
 from ranklog.shippers._source import SpoolSource
 from ranklog.shippers._steps import StepPartial
-from ranklog.shippers._tail import RankTail, StepGap, TailCommit, TailPoll
+from ranklog.shippers._tail import RankTail
 from ranklog.spool import RunInfo, read_run
 
 __all__ = ["NAMESPACE", "FanIn", "RayTails", "TailReader", "reader_name", "ship_on_ray"]

@@ -20,41 +20,35 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Final, NamedTuple
+from typing import Final
 
-import msgspec
-
-from ranklog.errors import ConfigError
 from ranklog.schemas import (
     STEP_KINDS,
     Event,
     Gpu,
     Params,
-    ParamValue,
     RankEnd,
     RankStart,
     StepEnd,
     StepEvent,
 )
 from ranklog.shippers._cursor import Cursor, IncState, SegmentCursor
+from ranklog.shippers._lost import LostFrames
+from ranklog.shippers._ranks import (
+    NO_GAP,
+    ParamsRead,
+    RankState,
+    RankView,
+    StepGap,
+    TailCommit,
+    TailPoll,
+    check_late,
+)
 from ranklog.shippers._source import SegState, Source
 from ranklog.shippers._steps import Contributed, Contribution, StepAcc, StepPartial
 from ranklog.spool import HEADER_SIZE, NO_STEP, BadRange, RunInfo
 
-__all__ = [
-    "LATE_POLICIES",
-    "MAX_PENDING_STEPS",
-    "NO_GAP",
-    "ROUND_BYTES",
-    "ROUND_TOTAL_BYTES",
-    "ParamsRead",
-    "RankState",
-    "RankTail",
-    "RankView",
-    "StepGap",
-    "TailPoll",
-]
+__all__ = ["MAX_PENDING_STEPS", "ROUND_BYTES", "ROUND_TOTAL_BYTES", "RankTail"]
 
 log = logging.getLogger("ranklog.ship")
 
@@ -67,143 +61,11 @@ ROUND_BYTES: Final = 256 * 1024
 ROUND_TOTAL_BYTES: Final = 16 * 1024 * 1024
 #: past this many steps waiting in memory, only the ranks holding them back are read
 MAX_PENDING_STEPS: Final = 1024
-#: at most this many steps are marked partial after one gap in a rank's frames
-MAX_TAINTED_STEPS: Final = 100_000
-_STEPPED: Final = (*STEP_KINDS, StepEnd)
 #: the step event types, for a set lookup by exact type (decoded events are never subclasses)
 _STEP_TYPES: Final = frozenset(STEP_KINDS)
-#: what a shipper does with late and re-logged values: count them only, or ship them too
-LATE_POLICIES: Final = ("count", "ship")
 
 
-def check_late(late: str) -> str:
-    """``late`` if it is a known policy; else ConfigError."""
-    if late not in LATE_POLICIES:
-        raise ConfigError(f"late must be one of {', '.join(LATE_POLICIES)}, got {late!r}")
-    return late
-
-
-class StepGap(NamedTuple):
-    """Steps ``after < step <= upto`` that were shipped by a process now gone.
-
-    The target held them (the durable gap: shipped, but the cursor was not committed) or
-    the owner had shipped them (the restore gap of a reader actor's new life): values
-    re-read for them are neither shipped again nor counted as late.
-    """
-
-    after: int
-    upto: int
-
-    def holds(self, step: int) -> bool:
-        """Whether ``step`` is in the gap."""
-        return self.after < step <= self.upto
-
-
-#: no gap
-NO_GAP: Final = StepGap(NO_STEP, NO_STEP)
-
-
-class ParamsRead(NamedTuple):
-    """Hyperparameters read from one params event, for the owner to take in."""
-
-    #: the first step they apply to (the one after the rank's highest step so far)
-    effective: int
-    rank: int
-    values: dict[str, ParamValue]
-    #: not examined by an earlier shipper process
-    fresh: bool
-    #: where they were read (segment key, frame end, index): read twice, taken once
-    where: str
-
-
-@dataclass(slots=True)
-class RankState:
-    """The shipper's view of one rank across its incarnations."""
-
-    incs: dict[int, IncState] = field(default_factory=dict)
-    #: latest sign of life: a segment's mtime, or when this shipper saw one grow
-    last_activity: float = 0.0
-    #: every byte this rank wrote so far has been read (nothing left but a live tail)
-    caught_up: bool = False
-
-    @property
-    def latest(self) -> int:
-        """The newest incarnation seen."""
-        return max(self.incs) if self.incs else 0
-
-    def watermark(self) -> int:
-        """Highest step this rank has closed, over all incarnations."""
-        return max((s.watermark for s in self.incs.values()), default=NO_STEP)
-
-    def ended(self) -> bool:
-        """Whether the newest incarnation wrote rank_end, and not because of a signal.
-
-        A rank ended by SIGTERM (``status == "signal"``: a SLURM requeue or preemption,
-        torchrun stopping its workers) may well come back as a new incarnation: it is
-        released like a silent rank, after ``dead_after``, not at once.
-        """
-        if not self.incs:
-            return False
-        status = self.incs[self.latest].ended
-        return status is not None and status != "signal"
-
-    def closed_before(self, inc: int) -> int:
-        """Highest step closed (step_end, or a later step) by an incarnation before ``inc``."""
-        incs = self.incs
-        if len(incs) == 1 and inc in incs:  # (the usual rank: one incarnation; per frame)
-            return NO_STEP
-        return max((s.watermark for k, s in incs.items() if k < inc), default=NO_STEP)
-
-
-class RankView(msgspec.Struct, frozen=True, gc=False):
-    """One rank as completeness needs it: how far it got and whether it is waited for.
-
-    (A Struct: a tail makes one per rank every round, thousands at a time.)
-    """
-
-    rank: int
-    watermark: int
-    #: ended or silent for dead_after, and fully read: no longer waited for
-    released: bool
-    ended: bool
-    last_activity: float
-    #: the largest world size any of its incarnations announced
-    world_size: int | None
-    #: how its newest incarnation ended: rank_end's status (``ok``, ``error``, ``exit``,
-    #: ``signal``, ...), ``dead`` when released after silence, None while it is waited for
-    status: str | None = None
-
-
-@dataclass(slots=True)
-class TailPoll:
-    """What one read round found, for the tail's owner."""
-
-    progressed: bool
-    views: list[RankView]
-    #: steps held (logged by some rank, not shipped yet)
-    steps: list[int]
-    #: hyperparameters read, in read order
-    params: list[ParamsRead]
-    #: bytes written but not yet consumed (read and shipped)
-    lag_bytes: int = 0
-
-
-@dataclass(slots=True)
-class TailCommit:
-    """The cursor state of a tail's segments and ranks after a commit.
-
-    The counters are those of the bytes read since the previous commit: they go into
-    the cursor with the ``seen`` offsets that stop them from being counted again.
-    """
-
-    segments: dict[str, SegmentCursor]
-    ranks: dict[str, dict[str, IncState]]
-    late_events: int = 0
-    relogged_events: int = 0
-    bad: list[BadRange] = field(default_factory=list)
-
-
-class RankTail:
+class RankTail(LostFrames):
     """Tails the segments of a set of ranks; holds their per-step contributions."""
 
     def __init__(
@@ -355,102 +217,6 @@ class RankTail:
                     continue
                 break  # a live tail
         return progressed
-
-    # -- lost frames ------------------------------------------------------------------
-
-    def _sequence(self, rank: int, seg: SegState, seq: int) -> None:
-        """Check a frame's sequence number; a gap means frames were lost to damage.
-
-        The lost frames may have held events of any step this incarnation had not closed
-        yet: from its watermark on, up to its highest step so far and then up to the highest
-        step of the next frame that has one (:meth:`_damage_until`); a step_end whose event
-        count matches clears a step again.
-        """
-        if seq < 0:  # a frame replay made up (a rank_end): it has no place in the sequence
-            return
-        expected, seg.next_seq = seg.next_seq, seq + 1
-        if expected is not None and seq != expected:
-            self._gap(rank, seg, f"frame {seq} follows frame {expected - 1}")
-
-    def _place(self, rank: int, segs: list[SegState], i: int) -> None:
-        """Start a segment's sequence where the previous one of its incarnation ended.
-
-        A segment missing before it (deleted, or not a regular file any more) is a gap.
-        """
-        seg = segs[i]
-        seg.placed = True
-        n = seg.name
-        prev = segs[i - 1] if i > 0 else None
-        if prev is not None and prev.name.incarnation == n.incarnation:
-            if prev.name.segment + 1 == n.segment:
-                if prev.exhausted and seg.next_seq is None:
-                    seg.next_seq = prev.next_seq
-                return
-            self._gap(rank, seg, f"segments {prev.name.segment + 1}-{n.segment - 1} missing")
-        elif n.segment > 1:
-            self._gap(rank, seg, f"segments 1-{n.segment - 1} missing")
-
-    def _gap(self, rank: int, seg: SegState, why: str) -> None:
-        """Frames of ``seg``'s incarnation were lost before ``seg.offset``."""
-        inc_no = seg.name.incarnation
-        inc = self.ranks[rank].incs[inc_no]
-        watermark = inc.watermark
-        key = (rank, inc_no)
-        self._damaged_from[key] = min(self._damaged_from.get(key, watermark), watermark)
-        self._taint(rank, watermark, inc.max_step)  # open steps it logged: at once
-        log.warning("frames lost in %s before offset %d (%s): steps of rank %d after %d are "
-                    "marked partial unless their counts prove them whole",
-                    seg.name.path, seg.offset, why, rank, watermark)  # fmt: skip
-
-    def _damage_until(self, rank: int, inc_no: int, events: list[Event]) -> None:
-        """The first frame with steps after a gap: taint the steps up to its highest.
-
-        Done before the frame is applied, so that its step_ends can clear what they prove.
-        """
-        key = (rank, inc_no)
-        if key not in self._damaged_from:
-            return
-        top = max((ev.step for ev in events if isinstance(ev, _STEPPED)), default=NO_STEP)
-        if top != NO_STEP:
-            self._taint(rank, self._damaged_from.pop(key), top)
-
-    def _verify(self, rank: int, inc_no: int, step: int, logged: int) -> None:
-        """A step_end says ``rank`` logged ``logged`` step events for ``step``: compare."""
-        acc = self.steps.get(step)
-        contrib = acc.ranks.get(rank) if acc is not None else None
-        got = contrib.count if contrib is not None and contrib.incarnation == inc_no else 0
-        if got == logged:
-            if acc is not None:
-                acc.damaged.discard(rank)  # whole, whatever a gap before it suggested
-            return
-        log.warning("rank %d incarnation %d logged %d events for step %d, %d were read: "
-                    "the step is marked partial", rank, inc_no, logged, step, got)  # fmt: skip
-        self._taint(rank, step - 1, step)
-
-    def _in_range(self, step: int) -> bool:
-        """Whether the source reads ``step`` at all (a replay's ``--steps`` window)."""
-        window = self.source.step_range
-        if window is None:
-            return True
-        first, end = window
-        return (first is None or step >= first) and (end is None or step < end)
-
-    def _taint(self, rank: int, after: int, upto: int) -> None:
-        """Mark ``rank``'s contribution to the steps ``after < s <= upto`` as incomplete."""
-        lo, hi = max(after, self.shipped_upto) + 1, upto + 1
-        if self.source.step_range is not None:
-            first, end = self.source.step_range
-            lo = lo if first is None else max(lo, first)
-            hi = hi if end is None else min(hi, end)
-        if hi - lo > MAX_TAINTED_STEPS:
-            log.warning("rank %d: %d steps may hold lost frames; the last %d are marked",
-                        rank, hi - lo, MAX_TAINTED_STEPS)  # fmt: skip
-            lo = hi - MAX_TAINTED_STEPS
-        for step in range(lo, hi):
-            acc = self.steps.get(step)
-            if acc is None:
-                self.steps[step] = acc = StepAcc()
-            acc.damaged.add(rank)
 
     def _probe(self, state: RankState, segs: list[SegState], now: float) -> None:
         """Refresh sizes; a segment seen growing is a sign of life, on this machine's clock."""

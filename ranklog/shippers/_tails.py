@@ -11,9 +11,10 @@ from __future__ import annotations
 from typing import Protocol
 
 from ranklog.shippers._cursor import Cursor
+from ranklog.shippers._ranks import StepGap, TailCommit, TailPoll
 from ranklog.shippers._source import Source
 from ranklog.shippers._steps import StepPartial
-from ranklog.shippers._tail import RankTail, StepGap, TailCommit, TailPoll
+from ranklog.shippers._tail import RankTail
 from ranklog.spool import RunInfo
 
 __all__ = ["LocalTails", "Tails"]

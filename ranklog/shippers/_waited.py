@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ranklog.shippers._tail import RankView
+from ranklog.shippers._ranks import RankView
 from ranklog.spool import RunInfo
 
 __all__ = ["Waited", "waited"]
