@@ -260,7 +260,7 @@ class TestReviewed:
     ) -> None:
         """--delete's verification of many small segments sharing a block decodes each of
         the block's row groups once, not once per segment."""
-        from ranklog.archive._rows import Shared
+        from ranklog.archive._files import Shared
 
         _job(spool)
         out = tmp_path / "pq"

@@ -108,7 +108,7 @@ class TestReading:
         one."""
         import ranklog.archive._compact as compact_mod
         import ranklog.archive._replay as replay_mod
-        from ranklog.archive._rows import RowGroups
+        from ranklog.archive._files import RowGroups
 
         monkeypatch.setattr(compact_mod, "ROW_GROUP", 7)
         monkeypatch.setattr(replay_mod, "_CACHE_BYTES", 1)
@@ -186,7 +186,8 @@ class TestReading:
 
     def test_files_out_of_order_are_read_whole(self, spool: Path, tmp_path: Path) -> None:
         """Row groups whose seq ranges do not follow each other are not read by group."""
-        from ranklog.archive._rows import COLUMNS, GroupCache, Piece, RowGroups
+        from ranklog.archive._files import GroupCache, Piece, RowGroups
+        from ranklog.archive._rows import COLUMNS
         from ranklog.spool import SegmentId
 
         run = rank(spool, 0, 1)

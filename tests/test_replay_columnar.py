@@ -22,10 +22,10 @@ import ranklog.archive._spill as spill_mod
 import ranklog.archive._windows as windows_mod
 from ranklog._kept import Kept
 from ranklog.archive import compact, replay
+from ranklog.archive._files import GroupCache
 from ranklog.archive._manifest import load_manifest
 from ranklog.archive._plan import plan
 from ranklog.archive._replay import _segment_files
-from ranklog.archive._rows import GroupCache
 from ranklog.archive._spill import ROW, Spill
 from ranklog.errors import ArchiveError
 from ranklog.schemas import (
@@ -724,7 +724,7 @@ class TestGroupCache:
         garbage collector, which a replay of thousands of files piles up)."""
         import gc
 
-        from ranklog.archive._rows import column_names
+        from ranklog.archive._files import column_names
 
         path = tmp_path / "h.parquet"
         pq.write_table(pa.table({"step": [1, 2], "values": [[1.0], [2.0, 3.0]], "x": [0, 1]}),

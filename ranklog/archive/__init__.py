@@ -10,7 +10,8 @@
     _merge.py      layout 2: small parts merged into larger ones, crash-safely
     _delete.py     compact --delete: segments removed once their rows read back equal
     _manifest.py   DIR/_manifest.json: what is compacted, per segment and incarnation
-    _rows.py       rows turned back into events, in write order (files or part pieces)
+    _files.py      where a segment's rows are (files, part pieces), read with bounded memory
+    _rows.py       rows turned back into events, in write order
     _blocks.py     layout 2: a block's events split by segment, for replay's plan
     _plan.py       whether a dataset replays on columns, and what the engine would know
     _windows.py    windows of steps read for a replay on columns

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ranklog.archive._rows import Piece, open_file, segment_key
+from ranklog.archive._files import Piece, open_file, segment_key
 
 __all__ = ["BlockHeads", "Owners", "RanksHeads", "ranks_heads"]
 

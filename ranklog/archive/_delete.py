@@ -16,9 +16,9 @@ import pyarrow.parquet as pq
 
 from ranklog._fs import fsync_dir
 from ranklog.archive._block import segment_tables
+from ranklog.archive._files import Shared, source_rows
 from ranklog.archive._manifest import Manifest, SegmentEntry, load_manifest
 from ranklog.archive._parts import pieces_of
-from ranklog.archive._rows import Shared, source_rows
 from ranklog.archive._tables import SCHEMAS, TABLES
 from ranklog.errors import CursorError
 from ranklog.spool import SegmentId, SegmentName, SegmentReader, SpoolLayout, record_deleted

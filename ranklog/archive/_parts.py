@@ -33,8 +33,8 @@ import pyarrow.parquet as pq
 
 from ranklog._fs import DIR_MODE, fsync_dir, fsync_file
 from ranklog.archive._block import Block
+from ranklog.archive._files import Piece
 from ranklog.archive._manifest import Manifest, SegmentEntry
-from ranklog.archive._rows import Piece
 from ranklog.archive._tables import TABLES
 from ranklog.errors import ArchiveError
 from ranklog.spool import SegmentId

@@ -39,16 +39,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ranklog.archive._blocks import END, OTHER, BlockHeads, Owners
+from ranklog.archive._files import GroupCache, Piece, Shared, column_names, open_file, source_rows
 from ranklog.archive._manifest import Manifest
-from ranklog.archive._rows import (
-    COLUMNS,
-    GroupCache,
-    Piece,
-    Shared,
-    column_names,
-    open_file,
-    source_rows,
-)
+from ranklog.archive._rows import COLUMNS
 from ranklog.archive._tables import SCHEMAS, TABLES
 from ranklog.schemas import ParamValue, is_meta_key
 from ranklog.shippers._ranks import ParamsRead

@@ -36,19 +36,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ranklog.archive._columnar import ColumnarTails
+from ranklog.archive._files import GroupCache, Piece, RowGroups, Shared, read_rows, source_rows
 from ranklog.archive._manifest import Manifest, load_manifest, require_manifest
 from ranklog.archive._parts import pieces_of
 from ranklog.archive._plan import check, scan
-from ranklog.archive._rows import (
-    COLUMNS,
-    GroupCache,
-    Piece,
-    RowGroups,
-    Shared,
-    frame_events,
-    read_rows,
-    source_rows,
-)
+from ranklog.archive._rows import COLUMNS, frame_events
 from ranklog.archive._tables import STEP_TABLES, TABLES
 from ranklog.errors import ConfigError, SpoolFormatError
 from ranklog.schemas import SCHEMA_VERSION, RankEnd

@@ -26,8 +26,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from ranklog.archive._files import Piece, column_names, open_file
 from ranklog.archive._plan import ITEMS, READ, REDUCED, Plan, RowGroup, piece_rows
-from ranklog.archive._rows import Piece, column_names, frame_events, open_file
+from ranklog.archive._rows import frame_events
 from ranklog.archive._spill import ROW, Rest, Spill
 from ranklog.archive._tables import SCHEMAS
 from ranklog.errors import ArchiveError
