@@ -312,7 +312,7 @@ class TestReviewed:
         """A rank that logs params twice for steps it had closed is named for the first."""
         import numpy as np
 
-        from ranklog.archive._plan import RankPlan, _No, _streams
+        from ranklog.archive._walk import RankPlan, _No, streams
         from ranklog.spool import NO_STEP
 
         # write order: step 5, step_end 20, params, step 21, step_end 30, params
@@ -322,7 +322,7 @@ class TestReviewed:
                     for j in range(5)), 0)]  # fmt: skip
         params = {(2, 0): [("a", "1")], (5, 0): [("b", "2")]}
         with pytest.raises(_No, match="for step 6,"):
-            _streams([(RankPlan(0, NO_STEP, True, None), heads, params, "x", [("x", 0)])])
+            streams([(RankPlan(0, NO_STEP, True, None), heads, params, "x", [("x", 0)])])
 
     def test_readers_leave_out_what_the_manifest_does_not_list(
         self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

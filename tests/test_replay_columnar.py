@@ -1028,7 +1028,7 @@ class TestFrames:
         """Frames checked for a batch of ranks at once (numbered on across a rank's
         segments, seals counted, gaps, repeats, empty and sealed-only segments) name the
         segment the rank-by-rank check named, or none."""
-        from ranklog.archive._plan import RankPlan, _frames
+        from ranklog.archive._walk import RankPlan, frame_gaps
 
         rng = random.Random(11)
         named = 0
@@ -1057,7 +1057,7 @@ class TestFrames:
                     for n, (_, fs, _) in enumerate(segs) for f in fs]  # fmt: skip
             rng.shuffle(rows)
             who, segno, seq = (np.array([row[i] for row in rows], np.int64) for i in range(3))
-            got = _frames(batch, who, segno, seq)
+            got = frame_gaps(batch, who, segno, seq)
             want = _frames_one_by_one(segments)
             assert (got[3] if got else None) == want
             if got is not None:
