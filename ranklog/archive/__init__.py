@@ -14,6 +14,7 @@
     _rows.py       rows turned back into events, in write order
     _blocks.py     layout 2: a block's events split by segment, for replay's plan
     _plan.py       whether a dataset replays on columns, and what the engine would know
+    _walk.py       the plan's walk: ranks' events checked as the engine's watermarks go
     _windows.py    windows of steps read for a replay on columns
     _spill.py      rows a window read ahead of its steps, kept in memory or temporary files
     _columnar.py   a replay on columns: windows reduced, no engine

@@ -33,7 +33,7 @@ Heads = tuple[Any, Any, Any]
 #: else none), code (step_end or other), events (-1: none)) as numpy arrays, and the
 #: (kind, world_size, status) of its rows other than step_ends
 RanksHeads = tuple[Any, Any, Any, Any, Any, list[tuple[Any, Any, Any]]]
-#: the event codes of the plan's check (its ``_END`` and ``_OTHER``)
+#: the event codes of the plan's walk (:mod:`ranklog.archive._walk` takes them)
 END, OTHER = 1, 3
 _NO_STEP: Final = -1
 _RANKS: Final = ("seq", "idx", "kind", "step", "events", "world_size", "status")

@@ -142,7 +142,8 @@ def frame_events(
     names: str | None = None,
     cutoff: int | None = None,
 ) -> dict[int, list[Event]]:
-    """Events rebuilt from one segment's rows (tables as :func:`read_rows` reads them).
+    """Events rebuilt from one segment's rows (tables as
+    :func:`~ranklog.archive._files.read_rows` reads them).
 
     Returns each frame's events (by the frame's ``seq``) in the order they were written.
     With ``cutoff``, step events and step_ends at or after it are left out (the part of an

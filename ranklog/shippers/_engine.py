@@ -332,9 +332,10 @@ class Shipper:
             closed = len(sorted_marks) - bisect.bisect_left(sorted_marks, step)
             if part.damaged:
                 views = self.views
+                size = w.world  # (expected: 0 .. size - 1; without one, every rank seen)
                 closed -= sum(1 for r in set(part.damaged)
                               if (v := views.get(r)) is not None and v.watermark >= step
-                              and r in w.expected)  # fmt: skip
+                              and (size is None or 0 <= r < size))  # fmt: skip
             # Nothing to ship of the step itself: GPU samples taken after the last step,
             # until the ranks ended (they stay in the spool and Parquet), or nothing but
             # the late values it carries

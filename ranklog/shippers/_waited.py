@@ -22,7 +22,7 @@ from ranklog.spool import RunInfo
 __all__ = ["Waited", "waited"]
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True, frozen=True, eq=False)
 class Waited:
     """What completeness needs of one round's rank views (see the module)."""
 
