@@ -4,7 +4,7 @@ A value ships under the name it was logged with, except where ranklog derives na
 ``m`` logged with several ops ships as ``m/mean``, ``m/max``; a timer ``t`` ships as
 ``timing/t`` and ``timing/t/slowest_rank``. When a derived name is also a name logged as
 such (``m/max`` logged on its own, a metric ``timing/t``), the shipper keeps both: the
-derived value ships with ``.derived`` appended (``ranklog.shippers._steps.DERIVED``).
+derived value ships with ``.derived`` appended (``ranklog.shippers._finish.DERIVED``).
 :class:`NameBook` sees the names of one rank as it logs them, and warns once per name
 when two meet, at log time; names of different ranks or steps only the shipper sees.
 

@@ -9,7 +9,8 @@ The engine, by role::
     _engine.py    the root: completeness, params, ship, commit the cursor
     _waited.py    completeness: what a round's rank views say may ship, found once
     _fanin.py     the same root over Ray reader actors (``ranklog ship --ray``)
-    _steps.py     per-step partials (mergeable) and their reduction into a ShippedStep
+    _steps.py     per-step partials (mergeable), built from what ranks logged
+    _finish.py    a step's partial reduced into the ShippedStep a target receives
     _reduce.py    mergeable partial aggregates and the reduce ops
     _cursor.py    the cursor file (tmp -> fsync -> rename)
     _lease.py     one shipper per target: the lease file

@@ -7,7 +7,8 @@ readers compute the very same thing::
 
 :class:`StepPartial` is mergeable: merging the partials of disjoint rank sets
 gives the partial of their union, and ``finish`` puts everything in rank order,
-so the result never depends on which reader held which rank, nor on timing.
+so the result never depends on which reader held which rank, nor on timing. ``finish``
+(and the late values a step carries) is :mod:`ranklog.shippers._finish`.
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Any, Final, cast
+from typing import Final, cast
 
 from ranklog.schemas import (
-    REDUCE_OPS,
     Gpu,
     Histogram,
     Image,
@@ -30,6 +30,7 @@ from ranklog.schemas import (
     Text,
     Timer,
 )
+from ranklog.shippers._finish import Finishing
 from ranklog.shippers._gather import (
     SUMMED_SPECS,
     Named,
@@ -43,8 +44,8 @@ from ranklog.shippers._gather import (
     summed_columns,
     summed_of,
 )
-from ranklog.shippers._reduce import Partial, output_names, parse_ops, zero_sign
-from ranklog.shippers._target import GpuStat, ImageItem, ShippedStep, TableItem, TextItem
+from ranklog.shippers._reduce import Partial, parse_ops, zero_sign
+from ranklog.shippers._target import ImageItem, TableItem, TextItem
 
 __all__ = ["Contributed", "Contribution", "StepAcc", "StepPartial"]
 
@@ -81,33 +82,6 @@ _EVENTS: Final = attrgetter("events")
 _LATE: Final = attrgetter("late")
 #: the two forms of a Metrics event a shipper reads
 _METRICS: Final = frozenset({Metrics, MetricsPacked})
-#: appended to a derived name (``m/max`` of ``m`` logged with mean and max, ``timing/t`` of
-#: a timer) that meets a name as logged, or an earlier derived one, in the same step
-DERIVED: Final = ".derived"
-
-
-def _gpu_stat(host: str, index: int, samples: list[Gpu]) -> GpuStat:
-    """One GPU over a step: mean utilisation and power, peak memory and temperature."""
-
-    def mean(xs: list[float | None]) -> float | None:
-        real = [x for x in xs if x is not None and x == x]
-        return math.fsum(real) / len(real) if real else None
-
-    def peak(xs: list[Any]) -> Any:
-        real = [x for x in xs if x is not None]
-        return max(real) if real else None
-
-    return GpuStat(
-        host=host,
-        index=index,
-        name=samples[-1].name,
-        samples=len(samples),
-        util=mean([g.util for g in samples]),
-        mem_used=peak([g.mem_used for g in samples]),
-        mem_total=peak([g.mem_total for g in samples]),
-        temp=peak([g.temp for g in samples]),
-        power=mean([g.power for g in samples]),
-    )
 
 
 def _own(events: list[Contributed]) -> dict[str, float]:
@@ -139,7 +113,7 @@ def _latest(acc: StepAcc, order: list[int], *, timer: bool) -> dict[str, tuple[f
 
 
 @dataclass(slots=True)
-class StepPartial:
+class StepPartial(Finishing):
     """What a set of ranks logged for one step, summarised and mergeable."""
 
     step: int
@@ -418,18 +392,6 @@ class StepPartial:
             or self.images or self.tables or self.damaged
         )  # fmt: skip
 
-    def shipped_late(self, world_size: int) -> list[ShippedStep]:
-        """The late values this step carries, one step each, in step order."""
-        out = []
-        for step in sorted(self.late):
-            part = self.late[step]
-            shipped = part.finish(closed=world_size, world_size=world_size)
-            shipped.ranks = part.ranks
-            shipped.carrier = self.step
-            self.renamed += part.renamed
-            out.append(shipped)
-        return out
-
     def merge(self, other: StepPartial) -> StepPartial:
         """The partial of both rank sets together (they must be disjoint)."""
         out = StepPartial(
@@ -463,94 +425,6 @@ class StepPartial:
             held = out.late.get(step)
             out.late[step] = part if held is None else held.merge(part)
         return out
-
-    def _derive(self, out: dict[str, float], several: list[tuple[str, Named]]) -> None:
-        """Add the derived names: ``name/op`` of several ops, then ``timing/<timer>`` and
-        ``timing/<timer>/slowest_rank``, each in name order.
-
-        A derived name already taken (by a name as logged, or an earlier derived one) is
-        shipped with ``.derived`` appended, once more for each further clash: both values
-        are kept, whatever order ranks and calls came in (:attr:`renamed` lists them).
-        """
-        derived: list[tuple[str, float]] = []
-        for name, named in sorted(several, key=lambda item: item[0]):
-            ops = parse_ops(named.spec)
-            for out_name, op in zip(output_names(name, ops), ops, strict=True):
-                derived.append((out_name, named.part.result(op)))
-        for name in sorted(self.timers):
-            named = self.timers[name]
-            ops = parse_ops(named.spec)
-            for out_name, op in zip(output_names(f"timing/{name}", ops), ops, strict=True):
-                derived.append((out_name, named.part.result(op)))
-            derived.append((f"timing/{name}/slowest_rank", float(self.slowest[name][1])))
-        for name, value in derived:
-            shipped = name
-            while shipped in out:
-                shipped += DERIVED
-            if shipped != name:
-                self.renamed.append((name, shipped))
-            out[shipped] = value
-
-    def finish(self, *, closed: int, world_size: int) -> ShippedStep:
-        """Reduce: the values each name asked for, in rank order wherever order shows.
-
-        ``closed`` is how many expected ranks closed the step; it is partial when that is
-        below ``world_size``, and then ``ranklog/ranks_reporting`` is added.
-        """
-        out: dict[str, float] = {}
-        summed = self.summed
-        if summed is not None:
-            if not (self.metrics or self.timers) and closed >= world_size and not self.gpus:
-                return self._shipped(  # the usual step: its names sorted once, with values
-                    summed.sorted_results(),
-                    closed, world_size, closed >= world_size,
-                )  # fmt: skip
-            out.update(zip(summed.names, summed.results(), strict=True))
-        several: list[tuple[str, Named]] = []
-        for name, named in self.metrics.items():
-            spec = named.spec
-            if spec in REDUCE_OPS:  # the common case: one op, shipped under its own name
-                out[name] = named.part.result(spec)
-            else:
-                several.append((name, named))
-        if several or self.timers:
-            self._derive(out, several)
-        reporting = self.ranks
-        complete = closed >= world_size
-        if not complete:
-            out["ranklog/ranks_reporting"] = float(max(reporting, closed))
-        gpus: dict[tuple[str, int], list[Gpu]] = {}
-        for _, g in self.gpus:
-            gpus.setdefault((g.host, g.index), []).append(g)
-        shipped = self._shipped({k: out[k] for k in sorted(out)}, closed, world_size, complete)
-        shipped.gpu = [
-            _gpu_stat(host, index, samples) for (host, index), samples in sorted(gpus.items())
-        ]
-        return shipped
-
-    def _shipped(
-        self, metrics: dict[str, float], closed: int, world_size: int, complete: bool
-    ) -> ShippedStep:
-        """The ShippedStep of this partial with ``metrics`` (sorted) and no GPU statistics."""
-        per_rank = None
-        if self.per_rank is not None:
-            per_rank = {r: self.per_rank[r] for r in sorted(self.per_rank)}
-        pooled = self.histograms
-        return ShippedStep(
-            step=self.step,
-            metrics=metrics,
-            ranks=closed if complete else max(self.ranks, closed),
-            world_size=world_size,
-            complete=complete,
-            ts=self.ts if self.ts > 0 else math.nan,
-            texts=self.texts,
-            histograms={k: [v for _, vs in pooled[k] for v in vs] for k in sorted(pooled)}
-            if pooled
-            else {},
-            images=self.images,
-            per_rank=per_rank,
-            tables=self.tables,
-        )
 
 
 def _late_partials(
