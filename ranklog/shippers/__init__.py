@@ -7,6 +7,7 @@ The engine, by role::
     _lost.py      lost frames: the steps they may have held marked partial, and cleared
     _ranks.py     what a tail knows and tells of its ranks (views, a round's findings)
     _engine.py    the root: completeness, params, ship, commit the cursor
+    _params.py    hyperparameters: which are new, and before which step each is written
     _waited.py    completeness: what a round's rank views say may ship, found once
     _fanin.py     the same root over Ray reader actors (``ranklog ship --ray``)
     _steps.py     per-step partials (mergeable), built from what ranks logged

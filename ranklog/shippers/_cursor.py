@@ -111,6 +111,21 @@ class Cursor(msgspec.Struct, forbid_unknown_fields=False):
         entry = self.segments.get(seg.key)
         return entry is not None and entry.done
 
+    def check_owner(self, run_id: str, identity: str, spec: str) -> None:
+        """:class:`CursorError` unless this cursor is of run ``run_id`` and of the target
+        that writes to ``identity`` (an older cursor names its target by ``spec``)."""
+        if self.run_id not in (None, run_id):
+            theirs, ours = f"run {self.run_id}", run_id
+        elif self.identity and self.identity != identity:
+            theirs, ours = f"target {self.identity}", identity
+        elif not self.identity and self.target not in ("", spec):
+            theirs, ours = f"target {self.target}", spec
+        else:
+            return
+        raise CursorError(
+            f"cursor {self.name!r} belongs to {theirs}, not {ours}: use another --name"
+        )
+
 
 log = logging.getLogger("ranklog.ship")
 

@@ -33,7 +33,6 @@ from typing import Final
 
 from ranklog._proc import process_running
 from ranklog.errors import (
-    CursorError,
     TailRestartedError,
     TransientTargetError,
 )
@@ -46,7 +45,8 @@ from ranklog.shippers._cursor import (
     save_cursor,
 )
 from ranklog.shippers._lease import DEFAULT_TTL, Lease
-from ranklog.shippers._meta import fingerprint, write_params
+from ranklog.shippers._meta import write_params
+from ranklog.shippers._params import ParamsQueue
 from ranklog.shippers._progress import Progress, Status
 from ranklog.shippers._ranks import NO_GAP, RankView, check_late
 from ranklog.shippers._registry import default_name
@@ -137,14 +137,8 @@ class Shipper:
         self.pending: set[int] = set()
         self.lag_bytes = 0
         self.stats = EngineStats()
-        #: every param (and run record) known, and those shipped: long texts (a diff) as
-        #: their :func:`fingerprint`, so that the cursor holding them stays small
-        self.params: dict[str, ParamValue] = {}
-        self.params_shipped: dict[str, ParamValue] = {}
-        #: new or changed params, in log order: (step before which to ship, key, value)
-        self.params_due: list[tuple[int, str, ParamValue]] = []
-        #: where each params event this process took in was (segment@frame end)
-        self._params_read: set[str] = set()
+        #: hyperparameters known, shipped, and due before a step
+        self.params = ParamsQueue()
         self.shipped_upto = -1  # steps <= this are shipped (or held by the target)
         self._width = 100  # values a shipped step held, on average, in the last batch
         #: steps of this run the target held when it was last opened: never sent again
@@ -189,25 +183,10 @@ class Shipper:
         assert self.run is not None
         cursor = load_cursor(self.spool, self.name)
         if cursor is not None:
-            if cursor.run_id not in (None, self.run.run_id):
-                raise CursorError(
-                    f"cursor {self.name!r} belongs to run {cursor.run_id}, "
-                    f"not {self.run.run_id}: use another --name"
-                )
-            if cursor.identity and cursor.identity != self.identity:
-                raise CursorError(
-                    f"cursor {self.name!r} belongs to target {cursor.identity}, "
-                    f"not {self.identity}: use another --name"
-                )
-            if not cursor.identity and cursor.target not in ("", self.target.spec):
-                raise CursorError(
-                    f"cursor {self.name!r} belongs to target {cursor.target}, "
-                    f"not {self.target.spec}: use another --name"
-                )
+            cursor.check_owner(self.run.run_id, self.identity, self.target.spec)
             self.cursor = cursor
             self.shipped_upto = cursor.last_step
-            self.params_shipped = dict(cursor.params)
-            self.params = dict(cursor.params)
+            self.params.restore(cursor.params)
             self.stats.steps_shipped = cursor.steps_shipped
             self.stats.late_events = cursor.late_events
             self.stats.relogged_events = cursor.relogged_events
@@ -257,22 +236,7 @@ class Shipper:
         self.views = {v.rank: v for v in res.views}
         self.pending = {s for s in res.steps if s > self.shipped_upto}
         self.lag_bytes = res.lag_bytes
-        # in read order, rank by rank within a round (as one tail reads them)
-        for read in sorted(res.params, key=lambda p: p.rank):
-            effective = read.effective
-            if read.where in self._params_read:
-                continue  # read again by a tail that restarted: this process has it
-            self._params_read.add(read.where)
-            if not read.fresh and effective <= self.shipped_upto:
-                continue  # handled by an earlier shipper process: shipped with its step
-            # fresh, for a step already shipped (its rank was released, or came back as a
-            # new incarnation): written before the next step shipped, never dropped
-            effective = max(effective, self.shipped_upto + 1)
-            for k, v in read.values.items():
-                kept = fingerprint(v)
-                if k not in self.params or self.params[k] != kept:
-                    self.params[k] = kept
-                    self.params_due.append((effective, k, v))
+        self.params.take(res.params, self.shipped_upto)
         return res.progressed
 
     # -- completeness -----------------------------------------------------------------
@@ -379,7 +343,7 @@ class Shipper:
         """
         assert self.lease is not None
         self.lease.check()  # a shipper that lost its lease sends nothing more
-        due = sorted(self.params_due, key=lambda d: d[0])  # stable: log order kept
+        due = self.params.in_order()
         sent = 0
         chunk: list[ShippedStep] = []
         written: list[ShippedStep] = []
@@ -413,10 +377,7 @@ class Shipper:
             sent = len(due)
         self.target.flush()
         # accepted: move on
-        for _, k, v in due[:sent]:
-            self.params_shipped[k] = fingerprint(v)
-        done = set(map(id, due[:sent]))
-        self.params_due = [d for d in self.params_due if id(d) not in done]
+        self.params.accepted(due[:sent])
         for s in steps:
             self.cursor.name_collisions += self._collisions.pop(s.step, 0)
         self.stats.steps_shipped += held  # the target holds them: shipped, as it counts
@@ -434,7 +395,7 @@ class Shipper:
         assert self.lease is not None
         self.lease.check()
         state = self.tails.commit(
-            self.shipped_upto, self._durable_gap, params_pending=bool(self.params_due)
+            self.shipped_upto, self._durable_gap, params_pending=bool(self.params.due)
         )
         c = self.cursor
         c.segments.update(state.segments)
@@ -449,7 +410,7 @@ class Shipper:
         c.steps_shipped = self.stats.steps_shipped
         c.late_events = self.stats.late_events
         c.relogged_events = self.stats.relogged_events
-        c.params = dict(self.params_shipped)
+        c.params = dict(self.params.shipped)
         if self._keep_cursor:
             save_cursor(self.spool, c)
 
@@ -470,7 +431,7 @@ class Shipper:
                 self._ship(steps, through=through)
                 shipped += len(steps)
                 continue
-            if self.params_due and not self.pending and self.all_released(time.time()):
+            if self.params.due and not self.pending and self.all_released(time.time()):
                 self._ship([], final=True)  # params logged after the last step
             break
         # Steps up to the global watermark that nobody logged anything for are done too:
