@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
@@ -59,11 +60,12 @@ _LUT: Final = 1 << 16
 
 def _read_columns(
     piece: Piece, footer: Any, columns: list[str], owners: Owners | None = None
-) -> tuple[Any, Any]:
-    """The piece's groups (the columns of them its file has), and each row's segment key:
-    a file of one segment's rows is read without its segment columns, and a block whose
-    ranks have one segment each there (``owners`` say which) with its rank column alone
-    (a row of another rank gets key -1, which no piece has)."""
+) -> tuple[Any, Any, Any]:
+    """The piece's groups (the columns of them its file has), and each row's segment: its
+    key, and None; or, for a block whose ranks have one segment each there (``owners`` say
+    which), its rank, and the function that turns ranks into keys (the rank column alone
+    is read; a row of another rank gets key -1, which no piece has). A file of one
+    segment's rows is read without its segment columns."""
     pf = open_file(piece.path, footer)
     have = set(pf.schema_arrow.names)
     wanted = [c for c in columns if c in have]
@@ -73,16 +75,16 @@ def _read_columns(
             t = pf.read(columns=wanted, use_threads=False)
         else:
             t = pf.read_row_groups(list(groups), columns=wanted, use_threads=False)
-        return t, np.full(t.num_rows, piece.key, np.int64)
+        return t, np.full(t.num_rows, piece.key, np.int64), None
     chosen = list(piece.groups(pf.metadata))
     if owners and min(owners.values()) >= 0:
         t = pf.read_row_groups(chosen, columns=["rank", *wanted], use_threads=False)
-        return t, _keys_of(t["rank"].to_numpy().astype(np.int64), owners)
+        return t, t["rank"].to_numpy().astype(np.int64), partial(_keys_of, owners=owners)
     t = pf.read_row_groups(chosen, columns=[*_SEGMENT, *wanted], use_threads=False)
-    return t, segment_key(*(t[c].to_numpy().astype(np.int64) for c in _SEGMENT))
+    return t, segment_key(*(t[c].to_numpy().astype(np.int64) for c in _SEGMENT)), None
 
 
-def _keys_of(rank: Any, owners: Owners) -> Any:
+def _keys_of(rank: Any, *, owners: Owners) -> Any:
     """Each row's segment key, from its rank (``owners``: one segment each); -1 for a rank
     that is not one of them."""
     lo, hi = min(owners), max(owners)
@@ -100,7 +102,9 @@ def _keys_of(rank: Any, owners: Owners) -> Any:
 
 def _ranks_block(piece: Piece, footer: Any, owners: Owners | None) -> dict[int, RanksHeads]:
     """A block of the ranks table (rows in write order: segment by segment), split."""
-    t, keys = _read_columns(piece, footer, list(_RANKS), owners)
+    t, keys, to_key = _read_columns(piece, footer, list(_RANKS), owners)
+    if to_key is not None:
+        keys = to_key(keys)
     if not len(keys):
         return {}
     q, i = t["seq"].to_numpy(), t["idx"].to_numpy()
@@ -182,17 +186,19 @@ class BlockHeads:
     def _read(piece: Piece, footer: Any, owners: Owners | None) -> tuple[dict[int, Heads], bool]:
         """The block's events by segment, and whether, in the file's order, its steps go
         down (windows of steps cannot read it)."""
-        t, row_keys = _read_columns(piece, footer, ["seq", "idx", "step"], owners)
+        t, rows_of, to_key = _read_columns(piece, footer, ["seq", "idx", "step"], owners)
         stepped = "step" in t.column_names
-        if not len(row_keys):
+        if not len(rows_of):
             return {}, False
-        cols = [row_keys, t["seq"].to_numpy(), t["idx"].to_numpy()]
-        # one row per event: an event's rows are next to each other (one step, one key)
-        new = np.zeros(len(row_keys), bool)
+        cols = [rows_of, t["seq"].to_numpy(), t["idx"].to_numpy()]
+        # one row per event: an event's rows are next to each other (one step, one segment)
+        new = np.zeros(len(rows_of), bool)
         new[0] = True
         for c in cols:
             new[1:] |= c[1:] != c[:-1]
         keys, seq, idx = (c[new].astype(np.int64) for c in cols)
+        if to_key is not None:  # (each event's rank: its segment's key, once per event)
+            keys = to_key(keys)
         if stepped:
             col = t["step"]
             step = (col.fill_null(_NULL) if col.null_count else col).to_numpy()[new]
