@@ -1005,6 +1005,39 @@ class TestTransposed:
             assert np.array_equal(got, want)
         assert taken > 1_000 and left > 100
 
+    def test_lanes_of_ranks_give_the_order_of_the_sort(self) -> None:
+        """A window's rows from several lanes (blocks of ranks of their own, each step by
+        step) give, by sorting runs, the order the stable sort of rows gives; a rank's step
+        in two runs, or steps with other ranks, are left to the sort."""
+        rng = np.random.default_rng(11)
+        taken = left = 0
+        for _ in range(2_000):
+            steps = np.sort(rng.choice(100, size=int(rng.integers(1, 5)), replace=False))
+            ranks = np.sort(rng.choice(60, size=int(rng.integers(2, 9)), replace=False))
+            width = int(rng.integers(1, 6))
+            names = rng.permutation(np.arange(10, 999))[:width]
+            parts = min(int(rng.integers(0, 3)), len(ranks) - 1)  # lanes: parts + 1
+            cuts = np.sort(rng.choice(np.arange(1, len(ranks)), size=parts, replace=False))
+            lanes = np.split(ranks, cuts)
+            if rng.random() < 0.3:
+                rng.shuffle(lanes)  # (lanes in another order than their ranks)
+            rows = [(s, r) for lane in lanes for s in steps for r in lane]
+            if rng.random() < 0.15:  # a rank's step again, in a run of its own
+                rows.append(rows[int(rng.integers(len(rows)))])
+            if rng.random() < 0.15:  # a rank that stopped before the last step
+                rows = [x for x in rows if x != (steps[-1], ranks[0])]
+            step = np.repeat([x[0] for x in rows], width)
+            rank = np.repeat([x[1] for x in rows], width)
+            name = np.tile(names, len(rows))
+            got = columnar_mod._transposed(step, rank, name)
+            want = np.argsort((step * 1000 + name) * 100 + rank, kind="stable")
+            if got is None:
+                left += 1
+                continue
+            taken += 1
+            assert np.array_equal(got, want)
+        assert taken > 1_000 and left > 100
+
 
 def _frames_one_by_one(segments: list[list[tuple[str, list[int], int]]]) -> str | None:
     """The check of frames as it was made rank by rank, segment by segment: the first

@@ -315,9 +315,11 @@ _TUPLES_NAMES: Final = 100_000
 
 def _transposed(step: Any, rank: Any, name: Any) -> Any:
     """The stable sort of rows by (step, name, rank) that :meth:`ColumnarTails._reduce`
-    needs, found without sorting when rows come as ranks usually write them: step by
-    step, ranks ascending within a step, each rank's rows one run of the same names in the
-    same order (none twice), and every step with as many ranks. Each step's rows are then
+    needs, found by sorting runs, not rows, when rows come as ranks usually write them:
+    in runs of one rank's step, each the same names in the same order (none twice), every
+    step with as many ranks, each (step, rank) one run. Runs come step by step, ranks
+    ascending (one block), or so within each lane (the blocks of a window, each with
+    ranks of its own): they are put in (step, rank) order, and each step's rows are then
     a (ranks x names) matrix, read column by column (the columns in name order). None
     when the rows are not so (the sort finds the order then)."""
     n = len(step)
@@ -334,8 +336,12 @@ def _transposed(step: Any, rank: Any, name: Any) -> Any:
     if np.any(names[0][columns][1:] == names[0][columns][:-1]):
         return None  # a name twice in a run
     steps, ranks = step[::width], rank[::width]
+    at = None  # the runs in (step, rank) order, when they are not so already
     if np.any((steps[1:] < steps[:-1]) | ((steps[1:] == steps[:-1]) & (ranks[1:] <= ranks[:-1]))):
-        return None
+        at = np.lexsort((ranks, steps))
+        steps, ranks = steps[at], ranks[at]
+        if np.any((steps[1:] == steps[:-1]) & (ranks[1:] == ranks[:-1])):
+            return None  # a rank's step in two runs
     firsts = np.flatnonzero(steps[1:] != steps[:-1]) + 1
     k = int(firsts[0]) if len(firsts) else len(steps)  # ranks a step
     if (
@@ -344,7 +350,8 @@ def _transposed(step: Any, rank: Any, name: Any) -> Any:
         or np.any(firsts != np.arange(k, len(steps), k))
     ):
         return None
-    cells = np.arange(n).reshape(-1, k, width)[:, :, columns]
+    starts = np.arange(0, n, width) if at is None else at * width
+    cells = (starts[:, None] + columns[None, :]).reshape(-1, k, width)
     return cells.transpose(0, 2, 1).ravel()
 
 
