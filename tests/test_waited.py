@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any, cast
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ranklog.shippers import Shipper
-from ranklog.shippers._ranks import RankView
+from ranklog.shippers._cursor import IncState
+from ranklog.shippers._ranks import RankState, RankView
+from ranklog.shippers._tail import RankTail
 from ranklog.shippers._waited import waited
 from ranklog.spool import RunInfo
 
@@ -101,3 +104,41 @@ class _NoTarget:
     """A target the engine is built with and never opens."""
 
     spec = "none:"
+
+
+_INC = st.builds(
+    IncState,
+    closed=st.integers(-1, 9),
+    max_step=st.integers(-1, 10),
+    ended=st.sampled_from([None, "ok", "error", "signal", ""]),
+    world_size=st.one_of(st.none(), st.integers(1, 8)),
+)
+_RANK = st.builds(
+    RankState,
+    incs=st.dictionaries(st.integers(1, 4), _INC, max_size=3),
+    last_activity=st.sampled_from([0.0, 950.0, 999.0]),
+    caught_up=st.booleans(),
+)
+
+
+class TestViews:
+    @settings(max_examples=400, deadline=None)
+    @given(ranks=st.dictionaries(st.integers(0, 9), _RANK, max_size=6))
+    def test_a_tails_views_are_its_ranks_states(self, ranks: dict[int, RankState]) -> None:
+        """Each rank's view (one incarnation or several, ended, silent, read or not) says
+        what its RankState's own methods say: watermark, released, ended, world size and
+        status."""
+        tail = RankTail(cast(Any, None), RunInfo("0" * 32, 0.0, "r"), dead_after=30.0)
+        tail.ranks = ranks
+        now = 1000.0
+        want = []
+        for r, s in ranks.items():
+            if not s.incs:
+                continue
+            sizes = [i.world_size for i in s.incs.values() if i.world_size is not None]
+            released = tail.released(s, now)
+            status = s.incs[s.latest].ended
+            want.append(RankView(r, s.watermark(), released, s.ended(), s.last_activity,
+                                 max(sizes) if sizes else None,
+                                 (status or "dead") if released else None))  # fmt: skip
+        assert tail.views(now) == want

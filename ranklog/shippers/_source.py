@@ -163,7 +163,8 @@ class SpoolSource:
         self.verify_counts = True
         self.step_range: tuple[int | None, int | None] | None = None
         self._dir_seen: dict[str, tuple[int, float]] = {}
-        self._rank_dirs: set[int] = set()
+        #: each rank's directory, as a path string (listed every round: made once)
+        self._rank_dirs: dict[int, str] = {}
         self._wake = threading.Event()
         self._observer: Any = None
         self._observing = False
@@ -218,7 +219,7 @@ class SpoolSource:
                 self._observer.join(timeout=2)
             self._observer = None
 
-    def _unchanged(self, path: str) -> bool:
+    def _unchanged(self, path: str, now: float | None = None) -> bool:
         """Whether directory ``path`` surely has no new entry since it was last listed.
 
         Its mtime must be unchanged *and* have been older than a second when it was
@@ -230,7 +231,7 @@ class SpoolSource:
             mtime = os.stat(path).st_mtime_ns
         except FileNotFoundError:
             return True
-        now = time.time()
+        now = time.time() if now is None else now
         before = self._dir_seen.get(path)
         self._dir_seen[path] = (mtime, now)
         if self.network or before is None:
@@ -247,9 +248,13 @@ class SpoolSource:
             if self.shard is not None:
                 i, n = self.shard
                 ranks = [r for r in ranks if r % n == i]
-            self._rank_dirs.update(ranks)
-        for rank in sorted(self._rank_dirs):
-            if self._unchanged(str(self.layout.rank_dir(rank))):
+            added = {r: str(self.layout.rank_dir(r)) for r in ranks if r not in self._rank_dirs}
+            if added:  # (in rank order)
+                self._rank_dirs = dict(sorted({**self._rank_dirs, **added}.items()))
+        now = time.time()  # (before the listings: a directory changed meanwhile is not
+        # taken as settled; see _unchanged)
+        for rank, path in self._rank_dirs.items():
+            if self._unchanged(path, now):
                 continue
             for seg in self.layout.segments(rank):
                 key = seg.id.key

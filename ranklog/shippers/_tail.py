@@ -443,23 +443,23 @@ class RankTail(LostFrames):
     def views(self, now: float) -> list[RankView]:
         """Every rank seen with an incarnation, as completeness needs it."""
         out = []
+        dead_after = self.dead_after
         for r, s in self.ranks.items():
-            if not s.incs:
+            incs = s.incs
+            if not incs:
                 continue
-            sizes = [i.world_size for i in s.incs.values() if i.world_size is not None]
-            released = self.released(s, now)
-            status = s.incs[s.latest].ended
-            out.append(
-                RankView(
-                    rank=r,
-                    watermark=s.watermark(),
-                    released=released,
-                    ended=s.ended(),
-                    last_activity=s.last_activity,
-                    world_size=max(sizes) if sizes else None,
-                    status=(status or "dead") if released else None,
-                )
-            )
+            if len(incs) == 1:  # (the usual rank: what the RankState methods give, at once)
+                (inc,) = incs.values()
+                mark, size, status = inc.watermark, inc.world_size, inc.ended
+                ended = status is not None and status != "signal"
+            else:
+                sizes = [i.world_size for i in incs.values() if i.world_size is not None]
+                mark, size = s.watermark(), max(sizes) if sizes else None
+                status, ended = incs[s.latest].ended, s.ended()
+            # self.released(s, now)
+            released = s.caught_up and (ended or now - s.last_activity > dead_after)
+            out.append(RankView(r, mark, released, ended, s.last_activity, size,
+                                (status or "dead") if released else None))  # fmt: skip
         return out
 
     def partials(
