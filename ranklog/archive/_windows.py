@@ -108,8 +108,8 @@ class _Rows:
     def columns(self) -> Columns:
         if not self.parts:
             return tuple(np.zeros(0, ROW[f]) for f in _FIELDS)
-        if len(self.parts) == 1:  # (a rest's fields are views of its records: copied)
-            return tuple(np.ascontiguousarray(c) for c in self.parts[0])
+        if len(self.parts) == 1:
+            return self.parts[0]
         return tuple(np.concatenate(c) for c in zip(*self.parts, strict=True))
 
 
@@ -325,7 +325,9 @@ class Loader:
         if rest is not None:
             got = self._spill.take(rest, hi)
             if got is not None:
-                parts.append(_fields(got))
+                # (copied: views of the rest's records would keep all of them, and hand
+                # the reduction strided columns)
+                parts.append(tuple(c.copy() for c in _fields(got)))
             if rest.at == rest.count:
                 rest = self._rests[k] = None
         i = self._next[k]
