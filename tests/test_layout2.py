@@ -368,7 +368,7 @@ class TestOwners:
         from ranklog.archive._blocks import _keys_of
 
         ranks = [*owners, *others]
-        got = _keys_of(np.array(ranks, np.int64), owners=owners).tolist()
+        got = _keys_of(np.array(ranks, np.int64), owners).tolist()
         assert got == [owners.get(r, -1) for r in ranks]
 
     def test_a_rank_with_two_segments_in_a_block_is_read_by_segment(

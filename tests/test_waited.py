@@ -137,7 +137,7 @@ class TestViews:
                 continue
             sizes = [i.world_size for i in s.incs.values() if i.world_size is not None]
             released = tail.released(s, now)
-            status = s.incs[s.latest].ended
+            status = s.incs[max(s.incs)].ended
             want.append(RankView(r, s.watermark(), released, s.ended(), s.last_activity,
                                  max(sizes) if sizes else None,
                                  (status or "dead") if released else None))  # fmt: skip

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
@@ -54,8 +53,6 @@ def ranks_heads(t: pa.Table) -> RanksHeads:
 
 #: a block's segments by rank: rank -> the key of its one segment there (-1: several)
 Owners = dict[int, int]
-#: a block's ranks spanning fewer numbers than this are looked up in a table
-_LUT: Final = 1 << 16
 
 
 def _read_columns(
@@ -63,9 +60,9 @@ def _read_columns(
 ) -> tuple[Any, Any, Any]:
     """The piece's groups (the columns of them its file has), and each row's segment: its
     key, and None; or, for a block whose ranks have one segment each there (``owners`` say
-    which), its rank, and the function that turns ranks into keys (the rank column alone
-    is read; a row of another rank gets key -1, which no piece has). A file of one
-    segment's rows is read without its segment columns."""
+    which), its rank, and those owners (the rank column alone is read: :func:`_keys_of`
+    turns ranks into keys). A file of one segment's rows is read without its segment
+    columns."""
     pf = open_file(piece.path, footer)
     have = set(pf.schema_arrow.names)
     wanted = [c for c in columns if c in have]
@@ -79,21 +76,14 @@ def _read_columns(
     chosen = list(piece.groups(pf.metadata))
     if owners and min(owners.values()) >= 0:
         t = pf.read_row_groups(chosen, columns=["rank", *wanted], use_threads=False)
-        return t, t["rank"].to_numpy().astype(np.int64), partial(_keys_of, owners=owners)
+        return t, t["rank"].to_numpy().astype(np.int64), owners
     t = pf.read_row_groups(chosen, columns=[*_SEGMENT, *wanted], use_threads=False)
     return t, segment_key(*(t[c].to_numpy().astype(np.int64) for c in _SEGMENT)), None
 
 
-def _keys_of(rank: Any, *, owners: Owners) -> Any:
-    """Each row's segment key, from its rank (``owners``: one segment each); -1 for a rank
-    that is not one of them."""
-    lo, hi = min(owners), max(owners)
-    if hi - lo < _LUT:  # (a block's ranks are near each other: a table of them)
-        lut = np.full(hi - lo + 2, -1, np.int64)  # (its last entry: any other rank)
-        lut[np.array(list(owners)) - lo] = list(owners.values())
-        if not len(rank) or (int(rank.min()) >= lo and int(rank.max()) <= hi):
-            return lut[rank - lo]  # (as a rule: every row of the block's own ranks)
-        return lut[np.where((rank >= lo) & (rank <= hi), rank - lo, hi - lo + 1)]
+def _keys_of(rank: Any, owners: Owners) -> Any:
+    """Each segment key of these ranks (``owners``: one segment each); -1 for a rank that
+    is not one of them."""
     ranks = np.array(sorted(owners), np.int64)
     keys = np.array([owners[r] for r in ranks.tolist()], np.int64)
     at = np.clip(np.searchsorted(ranks, rank), 0, len(ranks) - 1)
@@ -102,9 +92,9 @@ def _keys_of(rank: Any, *, owners: Owners) -> Any:
 
 def _ranks_block(piece: Piece, footer: Any, owners: Owners | None) -> dict[int, RanksHeads]:
     """A block of the ranks table (rows in write order: segment by segment), split."""
-    t, keys, to_key = _read_columns(piece, footer, list(_RANKS), owners)
-    if to_key is not None:
-        keys = to_key(keys)
+    t, keys, by_rank = _read_columns(piece, footer, list(_RANKS), owners)
+    if by_rank is not None:
+        keys = _keys_of(keys, by_rank)
     if not len(keys):
         return {}
     q, i = t["seq"].to_numpy(), t["idx"].to_numpy()
@@ -186,7 +176,7 @@ class BlockHeads:
     def _read(piece: Piece, footer: Any, owners: Owners | None) -> tuple[dict[int, Heads], bool]:
         """The block's events by segment, and whether, in the file's order, its steps go
         down (windows of steps cannot read it)."""
-        t, rows_of, to_key = _read_columns(piece, footer, ["seq", "idx", "step"], owners)
+        t, rows_of, by_rank = _read_columns(piece, footer, ["seq", "idx", "step"], owners)
         stepped = "step" in t.column_names
         if not len(rows_of):
             return {}, False
@@ -197,8 +187,8 @@ class BlockHeads:
         for c in cols:
             new[1:] |= c[1:] != c[:-1]
         keys, seq, idx = (c[new].astype(np.int64) for c in cols)
-        if to_key is not None:  # (each event's rank: its segment's key, once per event)
-            keys = to_key(keys)
+        if by_rank is not None:  # (each event's rank: its segment's key, once per event)
+            keys = _keys_of(keys, by_rank)
         if stepped:
             col = t["step"]
             step = (col.fill_null(_NULL) if col.null_count else col).to_numpy()[new]

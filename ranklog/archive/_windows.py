@@ -122,8 +122,9 @@ def _records(cols: Columns) -> Any:
 
 
 def _fields(rows: Any) -> Columns:
-    """:data:`ROW` records as columns (views of them)."""
-    return tuple(rows[f] for f in _FIELDS)
+    """:data:`ROW` records as columns, copied (views would keep every record, and hand the
+    reduction strided columns)."""
+    return tuple(rows[f].copy() for f in _FIELDS)
 
 
 @dataclass(slots=True)
@@ -325,9 +326,7 @@ class Loader:
         if rest is not None:
             got = self._spill.take(rest, hi)
             if got is not None:
-                # (copied: views of the rest's records would keep all of them, and hand
-                # the reduction strided columns)
-                parts.append(tuple(c.copy() for c in _fields(got)))
+                parts.append(_fields(got))
             if rest.at == rest.count:
                 rest = self._rests[k] = None
         i = self._next[k]

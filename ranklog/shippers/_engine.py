@@ -271,8 +271,7 @@ class Shipper:
         """Every expected rank ended or dead (and at least one rank seen)."""
         if not self.views:
             return False
-        w = self._completeness()
-        return w.released and not (w.missing and self._in_grace(now))
+        return self._completeness().limit_at(self._in_grace(now)) == math.inf
 
     # -- shipping ---------------------------------------------------------------------
 
@@ -296,10 +295,9 @@ class Shipper:
             closed = len(sorted_marks) - bisect.bisect_left(sorted_marks, step)
             if part.damaged:
                 views = self.views
-                size = w.world  # (expected: 0 .. size - 1; without one, every rank seen)
                 closed -= sum(1 for r in set(part.damaged)
                               if (v := views.get(r)) is not None and v.watermark >= step
-                              and (size is None or 0 <= r < size))  # fmt: skip
+                              and w.expects(r))  # fmt: skip
             # Nothing to ship of the step itself: GPU samples taken after the last step,
             # until the ranks ended (they stay in the spool and Parquet), or nothing but
             # the late values it carries

@@ -85,11 +85,6 @@ class RankState:
     #: every byte this rank wrote so far has been read (nothing left but a live tail)
     caught_up: bool = False
 
-    @property
-    def latest(self) -> int:
-        """The newest incarnation seen."""
-        return max(self.incs) if self.incs else 0
-
     def watermark(self) -> int:
         """Highest step this rank has closed, over all incarnations."""
         return max((s.watermark for s in self.incs.values()), default=NO_STEP)
@@ -103,8 +98,33 @@ class RankState:
         """
         if not self.incs:
             return False
-        status = self.incs[self.latest].ended
+        status = self.newest().ended
         return status is not None and status != "signal"
+
+    def newest(self) -> IncState:
+        """The newest incarnation's state (a rank seen with one, at least)."""
+        incs = self.incs
+        if len(incs) == 1:  # (the usual rank: no max of one)
+            (inc,) = incs.values()
+            return inc
+        return incs[max(incs)]
+
+    def released(self, now: float, dead_after: float) -> bool:
+        """Ended (rank_end) or silent for ``dead_after``; either way, only once fully read."""
+        return self.caught_up and (self.ended() or now - self.last_activity > dead_after)
+
+    def view(self, rank: int, now: float, dead_after: float) -> RankView:
+        """This rank as completeness needs it (a rank seen with an incarnation, at least)."""
+        incs = self.incs
+        if len(incs) == 1:  # (the usual rank: its one incarnation's, no max of one)
+            (inc,) = incs.values()
+            mark, size = inc.watermark, inc.world_size
+        else:
+            sizes = [i.world_size for i in incs.values() if i.world_size is not None]
+            mark, size = self.watermark(), max(sizes) if sizes else None
+        released = self.released(now, dead_after)
+        status = (self.newest().ended or "dead") if released else None
+        return RankView(rank, mark, released, self.ended(), self.last_activity, size, status)
 
     def closed_before(self, inc: int) -> int:
         """Highest step closed (step_end, or a later step) by an incarnation before ``inc``."""

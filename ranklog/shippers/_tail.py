@@ -436,31 +436,12 @@ class RankTail(LostFrames):
 
     def released(self, state: RankState, now: float) -> bool:
         """Ended (rank_end) or silent for dead_after; either way, only once fully read."""
-        if not state.caught_up:
-            return False
-        return state.ended() or now - state.last_activity > self.dead_after
+        return state.released(now, self.dead_after)
 
     def views(self, now: float) -> list[RankView]:
         """Every rank seen with an incarnation, as completeness needs it."""
-        out = []
         dead_after = self.dead_after
-        for r, s in self.ranks.items():
-            incs = s.incs
-            if not incs:
-                continue
-            if len(incs) == 1:  # (the usual rank: what the RankState methods give, at once)
-                (inc,) = incs.values()
-                mark, size, status = inc.watermark, inc.world_size, inc.ended
-                ended = status is not None and status != "signal"
-            else:
-                sizes = [i.world_size for i in incs.values() if i.world_size is not None]
-                mark, size = s.watermark(), max(sizes) if sizes else None
-                status, ended = incs[s.latest].ended, s.ended()
-            # self.released(s, now)
-            released = s.caught_up and (ended or now - s.last_activity > dead_after)
-            out.append(RankView(r, mark, released, ended, s.last_activity, size,
-                                (status or "dead") if released else None))  # fmt: skip
-        return out
+        return [s.view(r, now, dead_after) for r, s in self.ranks.items() if s.incs]
 
     def partials(
         self,

@@ -37,8 +37,6 @@ class Waited:
     limit: float
     #: an expected rank has no view yet (it never wrote: waited for the start grace)
     missing: bool
-    #: every expected rank that has a view is released
-    released: bool
     #: the watermarks of the expected ranks that have a view, sorted: how many ranks
     #: closed a step is a bisect
     marks: list[int]
@@ -49,6 +47,10 @@ class Waited:
         """The highest step every expected rank allows (inf: none is waited for);
         ``in_grace``: ranks not seen yet may still start (nothing ships)."""
         return min(self.limit, -1) if self.missing and in_grace else self.limit
+
+    def expects(self, rank: int) -> bool:
+        """Whether ``rank`` is one of :attr:`expected` (without a search of it)."""
+        return 0 <= rank < self.world if self.world is not None else rank in self.views
 
 
 def waited(views: dict[int, RankView], run: RunInfo | None) -> Waited:
@@ -78,7 +80,6 @@ def waited(views: dict[int, RankView], run: RunInfo | None) -> Waited:
         expected,
         limit,
         missing,
-        limit == math.inf,
         marks,
         min(waited_for) if waited_for else None,
     )
