@@ -34,10 +34,13 @@ def _on_sigterm(signum: int, frame: object) -> None:
 def ship(args: argparse.Namespace) -> int:
     """``ranklog ship``: its exit code."""
     from ranklog.shippers import Progress, Shipper, make_target
+    from ranklog.shippers._reopen import check_name
     from ranklog.shippers._retry import ONCE_RETRY_FOR
     from ranklog.spool import require_run
 
     targets: list[str] = args.to or []
+    if args.name is not None:
+        check_name(args.name)
     require_run(args.spool)
     if not targets:
         return _ship_known(args)
@@ -158,51 +161,107 @@ def _invocation(args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def _children(cmds: list[tuple[list[str], str | None]]) -> int:
-    """Run ``ranklog ship`` processes side by side; the highest exit code."""
-    procs = [subprocess.Popen(cmd, env=dict(os.environ), cwd=cwd) for cmd, cwd in cmds]
+def _children(cmds: list[list[str]]) -> list[int]:
+    """Run ``ranklog ship`` processes side by side (in this command's directory); the exit
+    code of each."""
+    procs = [subprocess.Popen(cmd, env=dict(os.environ)) for cmd in cmds]
     try:
-        return max((p.wait() for p in procs), default=0)
+        return [p.wait() for p in procs]
     except KeyboardInterrupt:
         for p in procs:
             p.terminate()
-        return max(p.wait() for p in procs)
+        return [p.wait() for p in procs]
 
 
 def _ship_each(args: argparse.Namespace, targets: list[str]) -> int:
     """One process per target: a slow or broken target never holds another back."""
     base = [sys.executable, "-m", "ranklog.cli", "ship", args.spool]
-    cmds: list[tuple[list[str], str | None]] = []
+    cmds: list[list[str]] = []
     for spec in targets:
         argv = _ship_argv(args, spec, _cursor_name(args, spec, len(targets)))
-        cmds.append(([*base, *argv, *_invocation(args)], None))
-    return _children(cmds)
+        cmds.append([*base, *argv, *_invocation(args)])
+    return max(_children(cmds), default=0)
+
+
+def _shipper_flags(args: argparse.Namespace, kind: str, given: list[str]) -> list[str]:
+    """This command's shipper options, and the target options it was given that ``kind``
+    takes (those of the identity, ``given``, win), as ``--flag=VALUE``."""
+    from ranklog.shippers import all_options
+
+    flags = [f"--dead-after={args.dead_after}", f"--start-grace={args.start_grace}",
+             f"--lease-ttl={args.lease_ttl}", f"--late={args.late}",
+             f"--below-last={args.below_last}"]  # fmt: skip
+    flags += ["--append-run"] * args.append_run
+    if args.poll is not None:
+        flags.append(f"--poll={args.poll}")
+    declared = all_options()
+    for key, value in options(args).items():
+        opt, kinds = declared[key]
+        if kind in kinds and not any(g.startswith(f"{opt.flag}=") for g in given):
+            flags.append(opt.flag if value is True else f"{opt.flag}={value}")
+    return flags
 
 
 def _ship_known(args: argparse.Namespace) -> int:
     """``ranklog ship SPOOL`` with no ``--to``: every target this spool's shippers recorded.
 
     The epilogue of a job: whatever the shippers a training process started did not get
-    to (they were killed with it), the same targets get now, with the same options.
+    to (they were killed with it), the same targets get now. Each target is re-created
+    from its cursor's identity (:mod:`ranklog.shippers._reopen`), with the options of this
+    command line; a cursor that cannot be read or re-created is one line and a non-zero
+    exit. It ends with one line per target: where it stands.
     """
-    from ranklog.shippers import list_cursors
+    from ranklog.errors import CursorError
+    from ranklog.shippers import load_cursor
+    from ranklog.shippers._reopen import check_name, reopen_flags
+    from ranklog.spool import SpoolLayout
 
-    base = [sys.executable, "-m", "ranklog.cli", "ship", os.path.abspath(args.spool)]
-    cmds: list[tuple[list[str], str | None]] = []
-    unknown = []
-    for c in list_cursors(args.spool):
-        if not c.argv:
-            unknown.append(c)
+    spool = os.path.abspath(args.spool)
+    base = [sys.executable, "-m", "ranklog.cli", "ship", spool]
+    d = SpoolLayout(spool).cursors_dir
+    names = sorted(p.name[: -len(".json")] for p in d.glob("*.json")) if d.is_dir() else []
+    cmds: list[list[str]] = []
+    started: list[tuple[str, str]] = []  # (cursor name, identity)
+    code = 0
+    for name in names:
+        try:
+            cursor = load_cursor(spool, check_name(name))
+        except (CursorError, ConfigError) as exc:
+            print(f"ranklog ship: {exc}", file=sys.stderr)
+            code = max(code, CursorError.exit_code)
             continue
-        cmds.append(([*base, *c.argv, *_invocation(args)], c.cwd or None))
-    for c in unknown:
-        print(f"ranklog ship: shipper {c.name} ({c.target}) was not started by `ranklog "
-              f"ship` (or by an older ranklog): ship it with --to {c.target}",
-              file=sys.stderr)  # fmt: skip
-    if not cmds:
+        if cursor is None:
+            continue
+        try:
+            flags = reopen_flags(cursor.identity)
+        except ConfigError:
+            print(f"ranklog ship: cursor {d / name}.json (target {cursor.target}) records no "
+                  "target this ranklog can re-create (written by an older ranklog, or not by "
+                  f"`ranklog ship`): ship it with --to {cursor.target}",
+                  file=sys.stderr)  # fmt: skip
+            code = max(code, ConfigError.exit_code)
+            continue
+        kind = cursor.identity.partition(":")[0]
+        per_rank = ["--per-rank"] if args.per_rank or "--per-rank" in cursor.argv else []
+        shipper = _shipper_flags(args, kind, flags)
+        cmds.append([*base, *flags, *per_rank, *shipper, f"--name={name}", *_invocation(args)])
+        started.append((name, cursor.identity))
+    if not cmds and not code:
         raise ConfigError(
             f"no --to given and no shipper of {args.spool} recorded its target: name the "
             "targets with --to"
         )
-    code = _children(cmds)
-    return max(code, ConfigError.exit_code if unknown else 0)
+    for (name, identity), rc in zip(started, _children(cmds), strict=True):
+        try:
+            cursor = load_cursor(spool, name)
+        except CursorError:
+            cursor = None
+        upto = "nothing" if cursor is None or cursor.last_step < 0 else cursor.last_step
+        where = f"step {upto}" if isinstance(upto, int) else upto
+        if rc == 0:
+            print(f"ranklog ship: {identity}: shipped up to {where}", file=sys.stderr)
+        else:
+            print(f"ranklog ship: {identity}: stopped at {where} (exit {rc}, said above)",
+                  file=sys.stderr)  # fmt: skip
+        code = max(code, rc)
+    return code

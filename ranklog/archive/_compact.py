@@ -37,6 +37,7 @@ import pyarrow.parquet as pq
 from ranklog._fs import DIR_MODE, atomic_write, fsync_dir
 from ranklog.archive._block import Block
 from ranklog.archive._delete import delete_verified
+from ranklog.archive._lock import DatasetLock
 from ranklog.archive._manifest import (
     Manifest,
     SegmentEntry,
@@ -47,6 +48,7 @@ from ranklog.archive._merge import merge_parts
 from ranklog.archive._parts import (
     ROW_GROUP,
     Parts,
+    check_files,
     parquet_options,
     remove_orphans,
     table_entries,
@@ -67,6 +69,7 @@ from ranklog.spool import (
     UNRESOLVED,
     BadRange,
     Frame,
+    RunInfo,
     SegmentName,
     SegmentReader,
     SpoolLayout,
@@ -170,8 +173,10 @@ class _Saver:
     frames again (:class:`_Orphans`).
     """
 
-    def __init__(self, out: Path, manifest: Manifest, result: CompactResult) -> None:
-        self.out, self.manifest, self.result = out, manifest, result
+    def __init__(
+        self, out: Path, manifest: Manifest, result: CompactResult, lock: DatasetLock
+    ) -> None:
+        self.out, self.manifest, self.result, self.lock = out, manifest, result, lock
         self.dirs: set[Path] = set()
         self.pending = 0  # spool bytes compacted since the last save
         self._bad = 0  # damaged ranges of this run already in the manifest
@@ -197,6 +202,7 @@ class _Saver:
         bad = self.result.bad
         self.manifest.bad += [str(b) for b in bad[self._bad :]]
         self._bad = len(bad)
+        self.lock.check()
         save_manifest(self.out, self.manifest)
         self.pending = 0
 
@@ -260,6 +266,20 @@ def compact(
     except OSError as exc:
         raise ConfigError(f"cannot create dataset directory {outdir}: {exc}") from exc
     run = require_run(spool)
+    with DatasetLock(outdir) as lock:
+        return _compact_locked(layout, run, outdir, lock, delete, force, dataset_layout)
+
+
+def _compact_locked(
+    layout: SpoolLayout,
+    run: RunInfo,
+    outdir: Path,
+    lock: DatasetLock,
+    delete: bool,
+    force: bool,
+    dataset_layout: int | None,
+) -> CompactResult:
+    """:func:`compact`, holding the dataset's lock."""
     manifest = load_manifest(outdir)
     if manifest.run_id and manifest.run_id != run.run_id:
         raise RunMismatchError(f"{outdir} holds run {manifest.run_id}, not {run.run_id}")
@@ -276,10 +296,11 @@ def compact(
     manifest.run_id, manifest.name = run.run_id, run.name
     manifest.world_size, manifest.created = run.world_size, run.created
     result = CompactResult()
-    saver = _Saver(outdir, manifest, result)
+    saver = _Saver(outdir, manifest, result, lock)
     orphans = _Orphans(outdir) if manifest.layout == 1 else None
     if orphans is None:
         remove_orphans(outdir, manifest)
+    check_files(outdir, manifest)
     try:
         for rank in layout.ranks():
             segs = layout.segments(rank)
@@ -297,9 +318,11 @@ def compact(
     finally:
         saver.close()
     if manifest.layout >= 2:
+        lock.check()
         result.merged, written = merge_parts(outdir, manifest)
         result.files += written
     if delete:
+        lock.check()
         deleted, kept = delete_verified(layout, run.run_id, outdir, manifest, force=force)
         result.deleted += deleted
         result.kept += kept

@@ -43,6 +43,7 @@ __all__ = [
     "PART",
     "ROW_GROUP",
     "Parts",
+    "check_files",
     "parquet_options",
     "part_file",
     "pieces_of",
@@ -245,6 +246,50 @@ def remove_orphans(out: Path, manifest: Manifest) -> None:
         tmp = name.startswith(".part-") and name.endswith(".tmp")
         if tmp or (PART.fullmatch(name) and f"{table}/{name}" not in listed):
             (out / table / name).unlink(missing_ok=True)
+
+
+def check_files(out: Path, manifest: Manifest) -> None:
+    """:class:`ArchiveError` naming the first file the manifest lists that is missing or
+    damaged (no Parquet footer; fewer row groups than the manifest's pieces name), so a
+    reader says which file, not a traceback from deep inside pyarrow."""
+    groups: dict[str, int] = {}  # part file -> row groups the manifest's pieces need
+    for entry in manifest.segments.values():
+        for table, held in entry.pieces.items():
+            for p, g, _, end in held:
+                rel = part_file(table, p, g)
+                groups[rel] = max(groups.get(rel, 0), end)
+        for rel in entry.files:
+            groups.setdefault(rel, 0)
+    for rel in sorted(groups):
+        path = out / rel
+        why = _damage(path, groups[rel])
+        if why is not None:
+            raise ArchiveError(
+                f"{path}: {why}; the dataset cannot be read whole (a file changed or cut "
+                "after compaction wrote it): compact the spool into a new directory, or "
+                f"restore the file"
+            )
+
+
+def _damage(path: Path, groups: int) -> str | None:
+    """Why the file at ``path`` cannot hold ``groups`` row groups (None: it can)."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 12 or (f.seek(size - 4), f.read(4))[1] != b"PAR1":
+                return "damaged (no Parquet footer)"
+    except FileNotFoundError:
+        return "missing"
+    except OSError as exc:
+        return f"unreadable ({exc.strerror})"
+    if groups:
+        try:
+            got = pq.read_metadata(path).num_row_groups
+        except (OSError, pa.ArrowException) as exc:
+            return f"damaged ({exc})"
+        if got < groups:
+            return f"damaged ({got} row groups, the manifest names {groups})"
+    return None
 
 
 def table_entries(out: Path) -> list[tuple[str, str]]:

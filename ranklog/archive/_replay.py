@@ -38,7 +38,7 @@ import pyarrow.parquet as pq
 from ranklog.archive._columnar import ColumnarTails
 from ranklog.archive._files import GroupCache, Piece, RowGroups, Shared, read_rows, source_rows
 from ranklog.archive._manifest import Manifest, load_manifest, require_manifest
-from ranklog.archive._parts import pieces_of
+from ranklog.archive._parts import check_files, pieces_of
 from ranklog.archive._plan import check, scan
 from ranklog.archive._rows import COLUMNS, frame_events
 from ranklog.archive._tables import STEP_TABLES, TABLES
@@ -402,6 +402,7 @@ def replay(
             "it with the same selection (make_target(..., names=...))"
         )
     manifest = require_manifest(dataset)
+    check_files(dataset, manifest)
     run = RunInfo(manifest.run_id, manifest.created, manifest.name, manifest.world_size)
     # run.json and the lease (the cursor is kept in memory only)
     scratch = Path(tempfile.mkdtemp(prefix="ranklog-replay-"))

@@ -22,6 +22,13 @@ key (40 hex digits, unless its key names a commit, sha, hash or revision: a git 
 Hugging Face token (``hf_...``), an OpenAI key (``sk-...``), a GitHub token (``ghp_...``,
 ``github_pat_...``), a Slack token (``xox?-...``) or a JWT (``eyJ...``).
 
+Inside a longer string (a database URL, a header, a command line, an object's text) the
+same shapes are hidden where they stand and the rest of the string is kept
+(:meth:`Redactor.text`): the password of a URL (``postgresql://user:<redacted>@host``), what
+follows ``Bearer`` or ``Basic``, the value after ``password=``, ``secret=``, ``token=``,
+``api_key=`` (and ``:``), 40 hex digits after ``key=`` or ``api_key=``, and the token shapes
+above.
+
 Users add their own: ``ranklog.init(redact=["*.db_url", "private_*"])`` and the
 environment variable ``RANKLOG_REDACT`` (comma-separated), shell globs matched, case
 blind, against the whole dotted key and against each component.
@@ -36,7 +43,7 @@ import re
 from collections.abc import Iterable
 from typing import Final
 
-__all__ = ["REDACT_ENV", "Redactor", "redact_text"]
+__all__ = ["REDACT_ENV", "Redactor", "redact_in_text", "redact_text"]
 
 #: the environment variable with more globs of keys to redact (comma-separated)
 REDACT_ENV: Final = "RANKLOG_REDACT"
@@ -66,6 +73,27 @@ _LOOKS_SECRET: Final = re.compile(
     r"|github_pat_\w{20,}|xox[abposr]-[A-Za-z0-9\-]{10,}|eyJ[\w\-]{10,}\.[\w\-]{10,}\.[\w\-]+"
 )
 _HEX40: Final = re.compile(r"[0-9a-f]{40}")
+
+
+#: credential shapes inside a longer string: each keeps its group 1 (what says what the
+#: secret is) and hides the rest of the match
+_IN_TEXT: Final = re.compile(
+    r"(?i:(\b(?:bearer|basic|token)\s+))[A-Za-z0-9\-._~+/]{8,}=*"  # Authorization headers
+    r"|(?i:(\b[a-z][a-z0-9+.\-]*://[^\s/:@]+:))[^\s/@]+(?=@)"  # user:password@ in a URL
+    r"|(?i:((?<![a-z0-9])(?:password|passwd|pwd|secret|token|api[_\-]?key|apikey|access[_\-]?key"
+    r"|auth)\s*[=:]\s*[\"']?))[^\s\"'&;,]{4,}"  # password=..., token: ...
+    r"|(?i:((?<![a-z0-9])key\s*[=:]\s*[\"']?))[0-9a-f]{40}(?![0-9a-f])"  # key=<W&B key>
+    rf"|()(?<![\w-])(?:{_LOOKS_SECRET.pattern})"
+)
+
+
+def _hide(m: re.Match[str]) -> str:
+    return next((g for g in m.groups() if g is not None), "") + "<redacted>"
+
+
+def redact_in_text(text: str) -> str:
+    """``text`` with every credential shape in it hidden, the rest kept (see the module)."""
+    return _IN_TEXT.sub(_hide, text)
 
 
 def redact_text(text: str) -> tuple[str, int]:
@@ -110,6 +138,13 @@ class Redactor:
             fnmatch.fnmatchcase(low, g) or any(fnmatch.fnmatchcase(p.lower(), g) for p in parts)
             for g in self.globs
         )
+
+    def text(self, key: str, value: str) -> str:
+        """The string ``value`` of ``key`` as shipped: ``<redacted>`` when it is a
+        credential, else with the credentials inside it hidden (the rest kept)."""
+        if self.value(key, value):
+            return "<redacted>"
+        return redact_in_text(value) if len(value) >= 12 else value
 
     def value(self, key: str, value: str) -> bool:
         """Whether the string ``value`` of ``key`` looks like a credential."""

@@ -6,6 +6,7 @@ import json
 import math
 import numbers
 import re
+import types
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
@@ -155,7 +156,12 @@ def _as_mapping(obj: Any) -> Mapping[str, Any]:
 
 
 def _flatten(
-    node: Mapping[str, Any], prefix: str, sep: str, out: dict[str, ParamValue], red: Redactor
+    node: Mapping[str, Any],
+    prefix: str,
+    sep: str,
+    out: dict[str, ParamValue],
+    red: Redactor,
+    depth: int = 0,
 ) -> None:
     for k, v in node.items():
         key = check_name("hyperparameter", f"{prefix}{k}")
@@ -164,17 +170,31 @@ def _flatten(
                 f"hyperparameter {key!r}: a name starting with {META_PREFIX!r} is a ranklog run "
                 "record's (define_metric, log_summary, code): rename the key"
             )
-        if isinstance(v, Mapping) or hasattr(v, "__dataclass_fields__"):
-            _flatten(_as_mapping(v), key + sep, sep, out, red)
+        if _nested(v) and depth < _MAX_DEPTH:
+            _flatten(_as_mapping(v), key + sep, sep, out, red, depth + 1)
         elif red.key(key):
             out[key] = REDACTED
         else:
             value = _param_value(v)
             if isinstance(value, list):
-                value = [REDACTED if isinstance(x, str) and red.value(key, x) else x for x in value]
-            elif isinstance(value, str) and red.value(key, value):
-                value = REDACTED
+                value = [red.text(key, x) if isinstance(x, str) else x for x in value]
+            elif isinstance(value, str):
+                value = red.text(key, value)
             out[key] = value
+
+
+#: nesting flattened at most (a config that refers to itself stops there, as text)
+_MAX_DEPTH: Final = 32
+
+
+def _nested(v: Any) -> bool:
+    """Whether ``v`` is flattened into keys: a mapping, a dataclass instance, or a namespace
+    (``argparse.Namespace``, ``types.SimpleNamespace``); other objects are their text."""
+    if isinstance(v, Mapping | types.SimpleNamespace):
+        return True
+    if any(c.__name__ == "Namespace" and c.__module__ == "argparse" for c in type(v).__mro__):
+        return True  # (argparse itself not imported: import ranklog stays light)
+    return hasattr(v, "__dataclass_fields__") and not isinstance(v, type)
 
 
 def _param_value(v: Any) -> ParamValue:

@@ -15,15 +15,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shlex
 import time
 from pathlib import Path
 
 import msgspec
 
-from ranklog._fs import DIR_MODE, atomic_write
-from ranklog.errors import CursorError
+from ranklog._fs import DIR_MODE, atomic_write, fsync_dir
+from ranklog.errors import ConfigError, CursorError
 from ranklog.schemas import ParamValue
 from ranklog.shippers._held import StepSet
+from ranklog.shippers._reopen import check_name, reopen_flags
 from ranklog.spool import NO_STEP, RunInfo, SegmentId, SpoolLayout, deleted_segments, watermark
 
 __all__ = [
@@ -134,8 +136,8 @@ _decoder = msgspec.json.Decoder(Cursor)
 
 
 def cursor_path(spool: str | os.PathLike[str], name: str) -> Path:
-    """Where the cursor of shipper ``name`` lives."""
-    return SpoolLayout(spool).cursors_dir / f"{name}.json"
+    """Where the cursor of shipper ``name`` lives (a plain file name: :func:`check_name`)."""
+    return SpoolLayout(spool).cursors_dir / f"{check_name(name)}.json"
 
 
 def load_cursor(spool: str | os.PathLike[str], name: str) -> Cursor | None:
@@ -180,13 +182,22 @@ def adopt_legacy_cursor(
     """Rename the cursor ``legacy`` (named by an older ranklog after the spec as typed) to
     ``name`` (named after what the target writes to); whether it did."""
     old, new = cursor_path(spool, legacy), cursor_path(spool, name)
-    if legacy == name or not old.exists() or new.exists():
+    if legacy == name or not old.exists():
         return False
     cursor = load_cursor(spool, legacy)
     if cursor is None or cursor.run_id not in (None, run.run_id):
         return False
+    if new.exists():
+        # a release that renamed without renaming the cursor's own name left a frozen copy
+        # here, and went on committing under the old name: the old file is the live one
+        frozen = load_cursor(spool, name)
+        if frozen is None or frozen.name != legacy or frozen.last_step > cursor.last_step:
+            return False
     log.info("cursor %s renamed %s (named after what its target writes to)", legacy, name)
-    os.replace(old, new)
+    cursor.name = name
+    save_cursor(spool, cursor)  # (the new name, written whole before the old one goes)
+    old.unlink()
+    fsync_dir(old.parent)
     return True
 
 
@@ -207,9 +218,19 @@ def check_not_deleted(
         gone.append(d)
     if gone:
         first = gone[0]
+        to = _replay_flags(cursor.identity, spec)
         raise CursorError(
             f"{len(gone)} segment(s) of this spool ({first.segment.key}, ...) were compacted "
             f"into {first.dataset} and deleted before this shipper shipped them: ship from "
-            f"the dataset with `ranklog replay {first.dataset} --to {spec}` (it writes only "
-            f"the steps {spec} lacks), then start this shipper again"
+            f"the dataset with `ranklog replay {shlex.quote(first.dataset)} {to}` (it writes "
+            f"only the steps {spec} lacks), then start this shipper again"
         )
+
+
+def _replay_flags(identity: str, spec: str) -> str:
+    """The flags of a command the user runs to write into this target, from anywhere:
+    its identity's (absolute), or the spec as given where the identity cannot say."""
+    try:
+        return shlex.join(reopen_flags(identity))
+    except ConfigError:
+        return shlex.join(["--to", spec])

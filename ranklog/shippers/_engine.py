@@ -27,6 +27,7 @@ import bisect
 import logging
 import math
 import os
+import shlex
 import time
 from dataclasses import dataclass, field
 from typing import Final
@@ -184,6 +185,7 @@ class Shipper:
         cursor = load_cursor(self.spool, self.name)
         if cursor is not None:
             cursor.check_owner(self.run.run_id, self.identity, self.target.spec)
+            cursor.name = self.name  # (committed under this name, whatever the file said)
             self.cursor = cursor
             self.shipped_upto = cursor.last_step
             self.params.restore(cursor.params)
@@ -194,7 +196,7 @@ class Shipper:
         self.cursor.identity = self.identity
         self.cursor.target = self.target.spec
         if self.argv is not None:
-            self.cursor.argv, self.cursor.cwd = self.argv, os.getcwd()
+            self.cursor.argv, self.cursor.cwd = self.argv, ""  # (never run again: data)
         self.tails.open(self.run, self.cursor)  # the object _commit keeps current
         self._target_ok = False  # opened by the loop, with retries (a server may be down)
 
@@ -588,7 +590,7 @@ class Shipper:
             log.warning(
                 "process %d (training) ended: shipped up to step %d; steps its ranks closed "
                 "later ship with `ranklog ship %s --once` (or at the next start)",
-                self.parent, self.shipped_upto, self.spool,
+                self.parent, self.shipped_upto, shlex.quote(os.path.abspath(self.spool)),
             )  # fmt: skip
         else:
             log.info("process %d (training) ended: everything it closed is shipped (step %d)",

@@ -37,6 +37,7 @@ from typing import Any, Final, NamedTuple
 from ranklog._fs import DIR_MODE, FILE_MODE
 from ranklog._proc import process_running
 from ranklog.errors import LeaseHeldError, SpoolError
+from ranklog.shippers._reopen import check_name
 from ranklog.shippers._retry import RetryClock, describe, is_permanent
 from ranklog.spool import SpoolLayout
 
@@ -52,9 +53,16 @@ class Lease:
     """The lease of one target of one spool, held by this process."""
 
     def __init__(
-        self, spool: str | os.PathLike[str], key: str, *, target: str, ttl: float = DEFAULT_TTL
+        self,
+        spool: str | os.PathLike[str],
+        key: str,
+        *,
+        target: str,
+        ttl: float = DEFAULT_TTL,
+        path: Path | None = None,
     ) -> None:
-        self.path = SpoolLayout(spool).cursors_dir / f"{key}.lease"
+        #: ``path``: a lease kept elsewhere than the spool's cursors (a dataset's lock)
+        self.path = path or SpoolLayout(spool).cursors_dir / f"{check_name(key)}.lease"
         self.target = target
         self.ttl = ttl
         self.host = socket.gethostname()

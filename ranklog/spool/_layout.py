@@ -35,6 +35,7 @@ __all__ = [
     "SegmentName",
     "SpoolLayout",
     "default_run_name",
+    "deleted_incarnation",
     "deleted_segments",
     "ensure_run",
     "read_run",
@@ -282,6 +283,32 @@ def deleted_segments(root: str | os.PathLike[str]) -> list[DeletedSegment]:
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise SpoolFormatError(f"{path}: not a valid deleted.json ({exc})") from exc
     return sorted(out, key=lambda d: d.segment)
+
+
+def deleted_incarnation(root: str | os.PathLike[str], rank: int) -> int:
+    """The highest incarnation of ``rank`` that ``deleted.json`` records (0: none).
+
+    A new incarnation is numbered above it, so a requeue after ``compact --delete`` never
+    reuses the number of one whose segments are gone (shippers' cursors still hold them
+    as done). A damaged ``deleted.json`` is read for the segment keys it still shows:
+    numbering a restart too high costs nothing, reusing one loses its steps.
+    """
+    path = SpoolLayout(root).deleted_json
+    try:
+        return max((d.segment.incarnation for d in deleted_segments(root)
+                    if d.segment.rank == rank), default=0)  # fmt: skip
+    except SpoolFormatError:
+        pass
+    try:
+        raw = path.read_bytes()
+    except OSError:
+        return 0
+    found = (int(m.group(2)) for m in _DELETED_KEY.finditer(raw) if int(m.group(1)) == rank)
+    return max(found, default=0)
+
+
+#: a segment's key as deleted.json writes it (``"00003/0001-000001"``), for a damaged file
+_DELETED_KEY: Final = re.compile(rb'"(\d{5,})/(\d{4,})-\d{6,}"')
 
 
 def _deleted(path: Path, key: str, value: object) -> DeletedSegment:

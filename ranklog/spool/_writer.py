@@ -38,7 +38,7 @@ from ranklog.spool._format import (
     msgpack_array_header,
     pack_header,
 )
-from ranklog.spool._layout import RunInfo, SpoolLayout
+from ranklog.spool._layout import RunInfo, SpoolLayout, deleted_incarnation
 
 __all__ = ["DEFAULT_SEGMENT_BYTES", "IncarnationWriter"]
 
@@ -104,7 +104,9 @@ class IncarnationWriter:
         rank_dir = layout.rank_dir(rank)
         rank_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         existing = [s.incarnation for s in layout.segments(rank)]
-        incarnation = max(existing, default=0) + 1
+        # after the listing: compact --delete records a segment before removing it, so one
+        # the listing missed is in deleted.json by now
+        incarnation = max(max(existing, default=0), deleted_incarnation(layout.root, rank)) + 1
         while True:
             path = layout.segment_path(rank, incarnation, 1)
             try:

@@ -47,6 +47,7 @@ import json
 import logging
 import os
 import re
+import stat
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final
@@ -55,7 +56,7 @@ import msgspec
 
 from ranklog._fs import create_once
 from ranklog._kept import Kept
-from ranklog.errors import TargetError
+from ranklog.errors import TargetError, TargetHeldError
 from ranklog.schemas import META_PREFIX, ParamScalar, ParamValue
 from ranklog.shippers._held import ALL_NAMES, Holding, StepSet, refuse_other
 from ranklog.shippers._registry import TargetContext, TargetKind
@@ -192,7 +193,7 @@ class JsonlTarget:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         mine = Holding(run.run_id, run.name, self.names)
         _create(self.path, _line({"ranklog": _run_obj(mine)}))
-        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
+        fd = _open_ours(self.path)
         try:
             _repair(fd)
             scan = scan_jsonl(fd)
@@ -293,6 +294,52 @@ class JsonlTarget:
         if self._fd is None:
             raise TargetError(f"{self.spec} is not open")
         return self._fd
+
+
+#: how every line ranklog writes into a JSONL target starts (older releases wrote no run
+#: line: their files start with a step, params or meta line)
+_OURS: Final = (b'{"ranklog": ', b'{"step": ', b'{"params": ', b'{"meta": ', b'{"shipped_with": ')
+
+
+def _open_ours(path: Path) -> int:
+    """Open ``path`` for appending if it is a file ranklog wrote (or an empty one).
+
+    A file that is not ours (the user's JSON, a CSV, a device, a pipe) is refused,
+    never "repaired": :class:`TargetHeldError`, nothing written.
+    """
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise TargetError(f"{path}: {exc.strerror}") from exc
+    if not stat.S_ISREG(st.st_mode):
+        what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        raise TargetHeldError(
+            f"not a ranklog JSONL file: {path} is {what}; choose another path"
+        )  # fmt: skip
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # (replaced between the two looks)
+            raise TargetHeldError(f"not a ranklog JSONL file: {path}; choose another path")
+        head = os.pread(fd, 64, 0)
+        if head and not _starts_ours(head):
+            raise TargetHeldError(
+                f"not a ranklog JSONL file: {path} (its first line is not one ranklog "
+                "writes); choose another path"
+            )  # fmt: skip
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _starts_ours(head: bytes) -> bool:
+    """Whether a file's first bytes start a line ranklog writes (a first line cut short by
+    a crash while an older release wrote it counts: it is a start of one)."""
+    first = head.split(b"\n", 1)[0]
+    if len(first) < len(head):  # a whole first line: it starts like one of ours
+        return first.startswith(_OURS)
+    return any(head.startswith(p) or p.startswith(head) for p in _OURS)
 
 
 def _create(path: Path, first: bytes) -> None:

@@ -1,0 +1,130 @@
+"""One compaction at a time per dataset, and parts visible only complete.
+
+How this could break, and what each test tries:
+
+- two ``compact`` runs at once (a cron job overlapping the epilogue's): each lists,
+  writes and removes parts the other does not know of — the second is refused in one
+  line naming the holder (exit 3), nothing written;
+- a run paused (SIGSTOP) after writing a part but before its manifest, another run
+  meanwhile, then the first resumed and a third run: the paused run keeps its flock,
+  so the second is refused, and the dataset holds every value exactly once;
+- a run killed (SIGKILL) at any instant: the kernel drops the lock, the next run takes
+  it, removes what the dead one left unlisted and reads back every value once;
+- a lock file that is garbage or names a process long gone (the dataset is shared):
+  only the flock decides; its text is only shown;
+- a damaged part (cut short, overwritten): every command that reads the dataset says
+  which file in one line (exit 4), never a pyarrow traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+import ranklog
+from ranklog.archive import compact
+from ranklog.archive._lock import LOCK_NAME, DatasetLock
+from ranklog.errors import LeaseHeldError
+
+from .conftest import python_env
+
+
+def _job(spool: Path, ranks: int = 4, steps: int = 400, metrics: int = 25) -> int:
+    for r in range(ranks):
+        with ranklog.init(spool, rank=r, world_size=ranks, handle_signals=False,
+                          flush_interval=3600) as run:  # fmt: skip
+            for s in range(steps):
+                run.log_metrics({f"m{i}": float(r * s + i) for i in range(metrics)}, step=s)
+                run.step_end(s)
+    return ranks * steps * metrics
+
+
+def _compact(spool: Path, ds: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "ranklog.cli", "compact", str(spool), "--out", str(ds)],
+        env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def _metric_rows(ds: Path) -> int:
+    files = sorted((ds / "metrics").glob("*.parquet"))
+    return sum(pq.read_metadata(f).num_rows for f in files)
+
+
+def test_a_second_compaction_is_refused_naming_the_holder(tmp_path: Path) -> None:
+    """While one run holds the dataset, another is refused (LeaseHeldError: exit 3) with
+    the holder's pid, and writes nothing."""
+    spool, ds = tmp_path / "spool", tmp_path / "ds"
+    _job(spool, ranks=1, steps=5, metrics=2)
+    ds.mkdir()
+    with DatasetLock(ds), pytest.raises(LeaseHeldError, match=f"pid {os.getpid()} on "):
+        compact(spool, ds)
+    assert not (ds / "_manifest.json").exists()
+    compact(spool, ds)  # released: the next run goes on
+    assert _metric_rows(ds) == 10
+
+
+def test_paused_compaction_then_another_then_resumed_keeps_values_once(tmp_path: Path) -> None:
+    """A compact paused (SIGSTOP) once it writes a part: a second is refused (exit 3, one
+    line); the first resumed and a third run leave every value once in the files."""
+    spool, ds = tmp_path / "spool", tmp_path / "ds"
+    values = _job(spool)
+    first = _compact(spool, ds)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(ds.glob("metrics/*part-*")) and first.poll() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        os.kill(first.pid, signal.SIGSTOP)
+        second = _compact(spool, ds)
+        _, err = second.communicate(timeout=60)
+        assert second.returncode == 3, err
+        assert f"pid {first.pid}" in err and len(err.strip().splitlines()) == 1, err
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    _, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err
+    third = _compact(spool, ds)
+    third.communicate(timeout=120)
+    assert third.returncode == 0
+    assert _metric_rows(ds) == values
+
+
+def test_a_killed_compaction_leaves_the_lock_to_the_next(tmp_path: Path) -> None:
+    """SIGKILL mid-run: the kernel drops the flock; the next run compacts every value once."""
+    spool, ds = tmp_path / "spool", tmp_path / "ds"
+    values = _job(spool)
+    first = _compact(spool, ds)
+    deadline = time.monotonic() + 60
+    while not any(ds.glob("metrics/*part-*")) and first.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    first.kill()
+    first.communicate()
+    (ds / LOCK_NAME).write_text('{"host": "elsewhere", "pid": 1}')  # stale text: shown only
+    compact(spool, ds)
+    assert _metric_rows(ds) == values
+
+
+def test_a_damaged_part_is_named_not_a_traceback(tmp_path: Path) -> None:
+    """A part cut short: compact and replay each say which file, in one line (exit 4)."""
+    spool, ds = tmp_path / "spool", tmp_path / "ds"
+    _job(spool, ranks=2, steps=20, metrics=3)
+    compact(spool, ds)
+    part = sorted((ds / "metrics").glob("part-*.parquet"))[0]
+    part.write_bytes(part.read_bytes()[:-100])
+    env = python_env()
+    for args in (["compact", str(spool), "--out", str(ds)],
+                 ["replay", str(ds), "--to", f"jsonl:{tmp_path / 'r.jsonl'}"]):  # fmt: skip
+        p = subprocess.run([sys.executable, "-m", "ranklog.cli", *args], env=env,
+                           capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+        assert p.returncode == 4, p.stderr
+        assert str(part) in p.stderr and "Traceback" not in p.stderr, p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1, p.stderr
