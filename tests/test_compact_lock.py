@@ -30,7 +30,6 @@ import pytest
 
 import ranklog
 from ranklog.archive import compact
-from ranklog.archive._lock import LOCK_NAME, DatasetLock
 from ranklog.errors import LeaseHeldError
 
 from .conftest import python_env
@@ -62,6 +61,8 @@ def test_a_second_compaction_is_refused_naming_the_holder(tmp_path: Path) -> Non
     """While one run holds the dataset, another is refused (LeaseHeldError: exit 3) with
     the holder's pid, and writes nothing."""
     spool, ds = tmp_path / "spool", tmp_path / "ds"
+    from ranklog.archive._lock import DatasetLock
+
     _job(spool, ranks=1, steps=5, metrics=2)
     ds.mkdir()
     with DatasetLock(ds), pytest.raises(LeaseHeldError, match=f"pid {os.getpid()} on "):
@@ -108,7 +109,7 @@ def test_a_killed_compaction_leaves_the_lock_to_the_next(tmp_path: Path) -> None
         time.sleep(0.002)
     first.kill()
     first.communicate()
-    (ds / LOCK_NAME).write_text('{"host": "elsewhere", "pid": 1}')  # stale text: shown only
+    (ds / ".compact.lock").write_text('{"host": "elsewhere", "pid": 1}')  # stale text: shown only
     compact(spool, ds)
     assert _metric_rows(ds) == values
 

@@ -80,8 +80,8 @@ _HEX40: Final = re.compile(r"[0-9a-f]{40}")
 _IN_TEXT: Final = re.compile(
     r"(?i:(\b(?:bearer|basic|token)\s+))[A-Za-z0-9\-._~+/]{8,}=*"  # Authorization headers
     r"|(?i:(\b[a-z][a-z0-9+.\-]*://[^\s/:@]+:))[^\s/@]+(?=@)"  # user:password@ in a URL
-    r"|(?i:((?<![a-z0-9])(?:password|passwd|pwd|secret|token|api[_\-]?key|apikey|access[_\-]?key"
-    r"|auth)\s*[=:]\s*[\"']?))[^\s\"'&;,]{4,}"  # password=..., token: ...
+    r"|(?i:((?<![a-z0-9])(?:[a-z0-9_]*(?:password|passwd|secret)|pwd|token|api[_\-]?key|apikey"
+    r"|access[_\-]?key|auth)\s*[=:]\s*[\"']?))[^\s\"'&;,]{4,}"  # password=..., token: ...
     r"|(?i:((?<![a-z0-9])key\s*[=:]\s*[\"']?))[0-9a-f]{40}(?![0-9a-f])"  # key=<W&B key>
     rf"|()(?<![\w-])(?:{_LOOKS_SECRET.pattern})"
 )
