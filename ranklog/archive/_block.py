@@ -80,6 +80,21 @@ _METRICS: Final = pa.schema(
 )  # fmt: skip
 
 
+_MOVES: Final = frozenset((Metrics, MetricsRaw, MetricsPacked, *_STEPPED))
+
+
+def _implied(events: list[Any], top: int, implied: int) -> int:
+    """A stream's implied close after ``events`` (:func:`ranklog.spool.implied_after`),
+    from its highest step ``top`` and implied close so far, none of them a step_end."""
+    for ev in events:
+        kind = type(ev)
+        if kind is StepEnd:
+            break
+        if kind in _MOVES and ev.step > top:
+            implied, top = top, ev.step
+    return implied
+
+
 class _Gathered:
     """Events of a read, in write order, each with its frame's ``seq`` and its ``idx``
     in the frame (numpy arrays): gathered by C loops over all frames at once, with no
@@ -186,6 +201,8 @@ class Block:
         if rest.events:
             top = self._add_rows(ident, rest, upto)
         if mark is not None:
+            if mark[0] == -1:  # implied_after(): moves only until the first step_end
+                mark[2] = _implied(every.events, mark[1], mark[2])
             if ends.events:
                 mark[0] = max(mark[0], max(map(_STEP_OF, ends.events)))
             if metrics.events:  # one with no values has no row, but has its step

@@ -68,12 +68,16 @@ class Manifest(msgspec.Struct, forbid_unknown_fields=False):
     #: segment stem (``00003-0001-000001``) -> what is compacted of it
     segments: dict[str, SegmentEntry] = msgspec.field(default_factory=dict)
     bad: list[str] = msgspec.field(default_factory=list)
-    #: incarnation key (``3/1``) -> [highest step_end, highest step]: what it had closed
+    #: incarnation key (``3/1``) -> [highest step_end, highest step, implied close]: what
+    #: it had closed (:func:`ranklog.spool.watermark`; older manifests: the first two)
     marks: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
     def mark(self, seg: SegmentId) -> list[int]:
         """The (mutable) marks of ``seg``'s incarnation."""
-        return self.marks.setdefault(seg.incarnation_key, [NO_STEP, NO_STEP])
+        mark = self.marks.setdefault(seg.incarnation_key, [NO_STEP, NO_STEP, NO_STEP])
+        if len(mark) < 3:  # (an older manifest: as it judged)
+            mark.append(mark[1] - 1 if mark[0] == NO_STEP else NO_STEP)
+        return mark
 
     def relogged_upto(self, rank: int, incarnation: int) -> int:
         """The highest step an earlier incarnation of ``rank`` had closed (-1: none).
@@ -86,7 +90,10 @@ class Manifest(msgspec.Struct, forbid_unknown_fields=False):
         for inc in range(incarnation):
             mark = self.marks.get(SegmentId(rank, inc, 0).incarnation_key)
             if mark is not None:
-                best = max(best, watermark(*mark))
+                implied = (
+                    mark[2] if len(mark) > 2 else (mark[1] - 1 if mark[0] == NO_STEP else NO_STEP)
+                )
+                best = max(best, watermark(mark[0], implied))
         return best
 
 

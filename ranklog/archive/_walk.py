@@ -134,7 +134,11 @@ def streams(batch: list[Walk]) -> None:
     closed = running(np.where(is_end, step, NO_STEP))
     top = running(np.where(is_step, step, NO_STEP))
     before_closed, before_top = before(closed), before(top)
-    own = np.where(before_closed != NO_STEP, before_closed, before_top - 1)  # the watermark
+    # implied_after(): a step event above every step before it, no step_end before it,
+    # closes the highest step before it; the running maximum of those
+    moved = is_step & (step > before_top) & (before_closed == NO_STEP)
+    implied = running(np.where(moved, before_top, NO_STEP))
+    own = np.maximum(before_closed, before(implied))  # the watermark (watermark())
     #: (rank's place, check's place, event's place, why): the first of them is named
     failed: list[tuple[int, int, int, str]] = [] if frames is None else [frames]
     late = np.flatnonzero(is_step & (step <= own))
@@ -186,9 +190,9 @@ def streams(batch: list[Walk]) -> None:
         for at, part in zip(gwho[np.concatenate(([0], cut))].tolist(), np.split(steps_of, cut),
                             strict=True):  # fmt: skip
             batch[at][0].gpu_steps = part
-    last_closed, last_top = closed[ends].tolist(), top[ends].tolist()
-    for place, c, t in zip(who[ends].tolist(), last_closed, last_top, strict=True):
-        batch[place][0].watermark = int(c if c != NO_STEP else t - 1)
+    last = np.maximum(closed[ends], implied[ends]).tolist()
+    for place, mark in zip(who[ends].tolist(), last, strict=True):
+        batch[place][0].watermark = int(mark)
     for place, effective, q, k in said:
         rp, _, params, where, _ = batch[place]
         items = params[(q, k)]

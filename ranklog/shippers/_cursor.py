@@ -54,6 +54,8 @@ class SegmentCursor(msgspec.Struct, forbid_unknown_fields=False):
     #: saved): a restarted shipper re-reads from there with the very watermark it had
     closed: int | None = None
     max_step: int | None = None
+    #: its implied close before ``offset`` (None: a cursor from before it was saved)
+    implied: int | None = None
     #: offsets of the frames before ``offset`` that hold names records (segment format 2):
     #: a restarted shipper reads them alone (None: not saved; it follows frame headers)
     names: list[int] | None = None
@@ -66,6 +68,8 @@ class IncState(msgspec.Struct, forbid_unknown_fields=False):
     closed: int = NO_STEP
     #: highest step of a step event read
     max_step: int = NO_STEP
+    #: the steps it closed by moving on before its first step_end (:func:`implied_after`)
+    implied: int = NO_STEP
     ended: str | None = None
     world_size: int | None = None
     host: str | None = None
@@ -74,7 +78,7 @@ class IncState(msgspec.Struct, forbid_unknown_fields=False):
     @property
     def watermark(self) -> int:
         """The highest step this incarnation closed (:func:`ranklog.spool.watermark`)."""
-        return watermark(self.closed, self.max_step)
+        return watermark(self.closed, self.implied)
 
 
 class Cursor(msgspec.Struct, forbid_unknown_fields=False):

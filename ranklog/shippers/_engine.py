@@ -45,7 +45,7 @@ from ranklog.shippers._cursor import (
     load_cursor,
     save_cursor,
 )
-from ranklog.shippers._lease import DEFAULT_TTL, Lease
+from ranklog.shippers._lease import DEFAULT_TTL, Lease, LeasePair
 from ranklog.shippers._meta import write_params
 from ranklog.shippers._params import ParamsQueue
 from ranklog.shippers._progress import Progress, Status
@@ -54,10 +54,16 @@ from ranklog.shippers._registry import default_name
 from ranklog.shippers._retry import RetryClock, describe, is_permanent, permanent_error
 from ranklog.shippers._source import Source, SpoolSource
 from ranklog.shippers._tails import LocalTails, Tails
-from ranklog.shippers._target import ShippedStep, Target, job_status, target_identity
+from ranklog.shippers._target import (
+    ShippedStep,
+    Target,
+    job_status,
+    target_identity,
+    target_place,
+)
 from ranklog.shippers._waited import Waited, waited
 from ranklog.shippers._written import BELOW_LAST, TargetHeld
-from ranklog.spool import BadRange, RunInfo, read_run
+from ranklog.spool import BadRange, RunInfo, SpoolLayout, read_run
 
 __all__ = ["BELOW_LAST", "EngineStats", "LocalTails", "Shipper", "Tails"]
 
@@ -160,7 +166,7 @@ class Shipper:
         #: the job ended and everything was shipped: the target was told (Target.end)
         self.ended: str | None = None
         #: one shipper per (spool, target): held while running (made once the run is read)
-        self.lease: Lease | None = None
+        self.lease: Lease | LeasePair | None = None
         self._lease_ttl = lease_ttl
 
     # -- start ----------------------------------------------------------------------------
@@ -177,6 +183,22 @@ class Shipper:
         self.lease = Lease(
             self.spool, default_name(self.identity), target=self.identity, ttl=self._lease_ttl
         )
+
+    def _hold_place(self, lease: Lease, clock: RetryClock) -> None:
+        """Hold the lease of the target's place too (a hard link, a bind mount, another
+        name of the same server meet the same lease): refused like a second spelling."""
+        assert self.run is not None
+        try:
+            place = target_place(self.target, self.run)
+            if place is None:
+                return
+            where = SpoolLayout(self.spool).cursors_dir / f"{default_name(place)}.place"
+            second = Lease(self.spool, "", target=self.identity, ttl=self._lease_ttl, path=where)
+            second.acquire_waiting(clock)
+        except BaseException:
+            lease.release()
+            raise
+        self.lease = LeasePair(lease, second)
 
     def _open(self) -> None:
         if self.run is None:
@@ -515,8 +537,9 @@ class Shipper:
         clock = RetryClock(self.retry_for)
         try:
             self._identify()
-            assert self.lease is not None
+            assert self.lease is not None and isinstance(self.lease, Lease)
             self.lease.acquire_waiting(clock)
+            self._hold_place(self.lease, clock)
         except BaseException:
             self.tails.close()
             raise

@@ -41,12 +41,31 @@ from ranklog.shippers._reopen import check_name
 from ranklog.shippers._retry import RetryClock, describe, is_permanent
 from ranklog.spool import SpoolLayout
 
-__all__ = ["DEFAULT_TTL", "Lease", "LeaseInfo", "read_leases"]
+__all__ = ["DEFAULT_TTL", "Lease", "LeaseInfo", "LeasePair", "read_leases"]
 
 log = logging.getLogger("ranklog.ship")
 
 #: seconds without a renewal after which a lease is taken over
 DEFAULT_TTL: Final = 30.0
+
+
+class LeasePair:
+    """The lease of a target's identity and the lease of its place (what the operating
+    system says is the same file or server: a hard link, a bind mount, ``localhost`` for
+    ``127.0.0.1``), held together: lost when either is."""
+
+    def __init__(self, first: Lease, second: Lease) -> None:
+        self.first, self.second = first, second
+
+    def check(self) -> None:
+        self.first.check()
+        self.second.check()
+
+    def release(self) -> None:
+        try:
+            self.second.release()
+        finally:
+            self.first.release()
 
 
 class Lease:

@@ -98,12 +98,14 @@ class SegState:
     #: its place in its incarnation's sequence was checked (a missing segment before it)
     placed: bool = False
     #: frames read but not yet consumed: (end, max step in frame, holds params, next seq,
-    #: the incarnation's (closed, max step) after it)
-    frames: list[tuple[int, int, bool, int | None, int, int]] = field(default_factory=list)
-    #: the incarnation's (closed, max step) at ``consumed`` (None: not known)
-    consumed_state: tuple[int, int] | None = None
+    #: the incarnation's (closed, max step, implied) after it)
+    frames: list[tuple[int, int, bool, int | None, tuple[int, int, int]]] = field(
+        default_factory=list
+    )
+    #: the incarnation's (closed, max step, implied) at ``consumed`` (None: not known)
+    consumed_state: tuple[int, int, int] | None = None
     #: ... as a committed cursor saved it: the state re-reading starts from
-    restore_state: tuple[int, int] | None = None
+    restore_state: tuple[int, int, int] | None = None
     #: restored from a cursor of a version that did not save that state: values re-read
     #: below ``seen`` are never carried as late (they may be values of steps shipped)
     legacy: bool = False

@@ -113,6 +113,7 @@ class RankTail(LostFrames):
             for k, v in incs.items():
                 v.closed = min(v.closed, cursor.last_step)
                 v.max_step = min(v.max_step, cursor.last_step + 1)
+                v.implied = min(v.implied, cursor.last_step)
                 restored[int(k)] = v
             self.ranks[int(rank)] = RankState(restored)
         self._saved = cursor.segments
@@ -151,7 +152,10 @@ class RankTail(LostFrames):
                 if saved.names is not None:
                     seg.reader.resume_from(saved.names, saved.offset)
                 if saved.closed is not None and saved.max_step is not None:
-                    seg.restore_state = seg.consumed_state = (saved.closed, saved.max_step)
+                    implied = saved.implied
+                    if implied is None:  # (an older cursor: as it judged)
+                        implied = saved.max_step - 1 if saved.closed == NO_STEP else NO_STEP
+                    seg.restore_state = seg.consumed_state = (saved.closed, saved.max_step, implied)
                 else:
                     seg.legacy = True
             elif seg.name.segment == 1:
@@ -187,17 +191,23 @@ class RankTail(LostFrames):
                     self._place(rank, segs, i)
                 inc = state.incs.setdefault(seg.name.incarnation, IncState())
                 if seg.restore_state is not None:  # where the committed cursor left it
-                    inc.closed, inc.max_step = seg.restore_state
+                    inc.closed, inc.max_step, inc.implied = seg.restore_state
                     seg.restore_state = None
                 elif seg.consumed_state is None:
-                    seg.consumed_state = (inc.closed, inc.max_step)
+                    seg.consumed_state = (inc.closed, inc.max_step, inc.implied)
                 for frame in res.frames:
                     self._sequence(rank, seg, frame.seq)
                     if self._damaged_from:
                         self._damage_until(rank, seg.name.incarnation, frame.events)
                     max_step, holds = self._apply(rank, seg, frame.events, frame.end)
                     seg.frames.append(
-                        (frame.end, max_step, holds, seg.next_seq, inc.closed, inc.max_step)
+                        (
+                            frame.end,
+                            max_step,
+                            holds,
+                            seg.next_seq,
+                            (inc.closed, inc.max_step, inc.implied),
+                        )
                     )
                 if res.bad:
                     self._report_bad(res.bad, seg)
@@ -213,7 +223,7 @@ class RankTail(LostFrames):
                     seg.exhausted = True
                     if not seg.frames:
                         seg.consumed = seg.offset
-                        seg.consumed_state = (inc.closed, inc.max_step)
+                        seg.consumed_state = (inc.closed, inc.max_step, inc.implied)
                     continue
                 break  # a live tail
         return progressed
@@ -305,10 +315,13 @@ class RankTail(LostFrames):
                 ev: StepEvent = event  # type: ignore[assignment]  # the set holds only those
                 step = ev.step
                 # inc.watermark, inlined: this runs once per event
-                own = inc.closed if inc.closed != NO_STEP else inc.max_step - 1
+                own = inc.closed if inc.closed > inc.implied else inc.implied
                 if step > max_step:
                     max_step = step
                 if step > inc.max_step:
+                    # implied_after(), inlined: moving on closes the step it was in
+                    if inc.closed == NO_STEP:
+                        inc.implied = inc.max_step
                     inc.max_step = step
                 if prev_closed is None:
                     prev_closed = state.closed_before(inc_no)
@@ -479,11 +492,11 @@ class RankTail(LostFrames):
         for seg in self.source.segments.values():
             frames = seg.frames
             n = 0
-            for end, max_step, holds, next_seq, closed, top in frames:
+            for end, max_step, holds, next_seq, marks in frames:
                 if max_step > shipped_upto or (holds and params_pending):
                     break
                 seg.consumed, seg.consumed_seq = end, next_seq
-                seg.consumed_state = (closed, top)
+                seg.consumed_state = marks
                 n += 1
             if n:
                 del frames[:n]
@@ -497,6 +510,7 @@ class RankTail(LostFrames):
                 seq=-1 if seg.consumed_seq is None else seg.consumed_seq,
                 closed=None if state is None else state[0],
                 max_step=None if state is None else state[1],
+                implied=None if state is None else state[2],
                 names=seg.reader.names_before(seg.consumed),
             )
         ranks = {

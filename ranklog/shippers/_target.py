@@ -59,6 +59,7 @@ __all__ = [
     "TextItem",
     "job_status",
     "target_identity",
+    "target_place",
 ]
 
 #: how a job ended, as ``Target.end`` is told: every rank ended ok; a rank failed (an
@@ -170,6 +171,14 @@ class Target(Protocol):
     def close(self) -> None:
         """Release resources (flush first if needed)."""
         ...
+
+
+def target_place(target: Target, run: RunInfo) -> str | None:
+    """Where ``target`` writes as the operating system sees it (``file:<dev>:<inode>``, a
+    server's resolved address), or None: its ``place(run)``, which may create what
+    :meth:`Target.open` creates first (a file, a directory) to learn its inode."""
+    place = getattr(target, "place", None)
+    return str(place(run)) if callable(place) else None
 
 
 def target_identity(target: Target, run: RunInfo) -> str:

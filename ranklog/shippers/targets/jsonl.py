@@ -59,6 +59,7 @@ from ranklog._kept import Kept
 from ranklog.errors import TargetError, TargetHeldError
 from ranklog.schemas import META_PREFIX, ParamScalar, ParamValue
 from ranklog.shippers._held import ALL_NAMES, Holding, StepSet, refuse_other
+from ranklog.shippers._place import file_place
 from ranklog.shippers._registry import TargetContext, TargetKind
 from ranklog.shippers._target import ShippedStep
 from ranklog.shippers.targets._media import summary
@@ -186,6 +187,17 @@ class JsonlTarget:
     def identity(self, run: RunInfo) -> str:
         """The file's real path (links and ``..`` resolved as far as they exist)."""
         return f"jsonl:{os.path.realpath(self.path.expanduser())}"
+
+    def place(self, run: RunInfo) -> str | None:
+        """The file's device and inode (a hard link is the same file): created first, with
+        this run's line, as :meth:`open` creates it."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            mine = Holding(run.run_id, run.name, self.names)
+            _create(self.path, _line({"ranklog": _run_obj(mine)}))
+        except OSError:
+            return None  # open() says why
+        return file_place(self.path)
 
     def open(self, run: RunInfo) -> StepSet:
         """Cut a torn tail; read back which steps of ``run`` the file holds."""

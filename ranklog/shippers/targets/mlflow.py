@@ -81,6 +81,7 @@ from ranklog.errors import (
 )
 from ranklog.schemas import ParamScalar, ParamValue
 from ranklog.shippers._held import ALL_NAMES, Holding, StepSet, refuse_other
+from ranklog.shippers._place import file_place, server_place
 from ranklog.shippers._registry import Option, TargetContext, TargetKind
 from ranklog.shippers._target import ShippedStep
 from ranklog.shippers.targets._media import GPU_NAMES_OPTION
@@ -215,6 +216,13 @@ class MlflowTarget:
         self._step_tags: dict[str, str] = {}  # the ranklog.steps tags as stored
 
     # -- the Target protocol ------------------------------------------------------------
+
+    def place(self, run: RunInfo) -> str | None:
+        """A server's resolved address (``localhost`` and ``127.0.0.1`` are one server), or
+        the sqlite file's device and inode, with the experiment or run as in the identity."""
+        where = self.identity(run).rpartition("#")[2]
+        at = file_place(self._db) if self._db is not None else server_place(self.uri)
+        return None if at is None else f"mlflow:{at}#{where}"
 
     def identity(self, run: RunInfo) -> str:
         """Tracking URI (a sqlite file's real path, a server's lower-cased host) and the

@@ -49,6 +49,7 @@ from ranklog._fs import atomic_write, fsync_dir
 from ranklog.errors import TargetError
 from ranklog.schemas import ParamScalar, ParamValue
 from ranklog.shippers._held import ALL_NAMES, Holding, StepSet, refuse_other
+from ranklog.shippers._place import dir_place
 from ranklog.shippers._registry import Option, TargetContext, TargetKind
 from ranklog.shippers._target import ShippedStep
 from ranklog.shippers.targets._media import GPU_NAMES_OPTION
@@ -354,6 +355,10 @@ class TensorBoardTarget:
     def identity(self, run: RunInfo) -> str:
         """The directory's real path."""
         return f"tensorboard:{os.path.realpath(self.path.expanduser())}"
+
+    def place(self, run: RunInfo) -> str | None:
+        """The directory's device and inode (a bind mount is the same directory)."""
+        return dir_place(self.path.expanduser())
 
     def open(self, run: RunInfo) -> StepSet:
         self._close_files()
