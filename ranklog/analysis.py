@@ -25,8 +25,9 @@ __all__ = ["metric_band", "per_rank", "rank_divergence", "slowest_rank"]
 
 
 def _table(dataset: str | os.PathLike[str], kind: str, name: str) -> pa.Table:
-    from ranklog.archive import SCHEMAS, table_files
+    from ranklog.archive import SCHEMAS, check_files, load_manifest, table_files
 
+    check_files(Path(dataset), load_manifest(dataset))  # a damaged file: named, not a traceback
     path = Path(dataset) / kind
     files = table_files(dataset, kind)
     if not path.is_dir() or not files:

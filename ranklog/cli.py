@@ -115,7 +115,10 @@ def _compact(args: argparse.Namespace) -> int:
 
     long_running()
     res = compact(args.spool, args.out, delete=args.delete, force=args.force,
-                  dataset_layout=args.layout)  # fmt: skip
+                  dataset_layout=args.layout, repair=args.repair)  # fmt: skip
+    for rel in res.repaired:
+        print(f"  repaired from the spool: {args.out}/{rel} (the damaged file kept in "
+              f"{args.out}/.damaged/{rel})")  # fmt: skip
     rows = ", ".join(f"{t} {n:,}" for t, n in sorted(res.rows.items())) or "nothing new"
     print(f"compacted {res.files} files into {args.out}: {rows}")
     for b in res.bad:
@@ -310,6 +313,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "--delete", action="store_true",
         help="delete sealed segments once their rows are verified in Parquet and every "
         "shipper the spool knows shipped them",
+    )  # fmt: skip
+    comp.add_argument(
+        "--repair", action="store_true",
+        help="rewrite the dataset's damaged files from the spool's segments (the damaged "
+        "ones are moved to DIR/.damaged/); refused when a segment they hold is gone",
     )  # fmt: skip
     comp.add_argument(
         "--force", action="store_true",

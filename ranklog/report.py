@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
-from ranklog.archive import MANIFEST, SCHEMAS, TABLES, load_manifest, table_files
+from ranklog.archive import MANIFEST, SCHEMAS, TABLES, check_files, load_manifest, table_files
 from ranklog.errors import ConfigError, ExtraMissingError
 from ranklog.schemas import is_meta_key
 from ranklog.shippers._meta import code_line, records
@@ -415,7 +415,9 @@ def write_report(dataset: Path, out: Path) -> Path:
     dataset, out = Path(dataset), Path(out)
     if not (dataset / MANIFEST).is_file() and not any((dataset / t).is_dir() for t in TABLES):
         raise ConfigError(f"{dataset} is not a ranklog Parquet dataset (no {MANIFEST})")
-    manifest, bars = load_manifest(dataset), timeline_bars(dataset)
+    manifest = load_manifest(dataset)
+    check_files(dataset, manifest)  # a damaged file: named in one line, not a traceback
+    bars = timeline_bars(dataset)
     t0, t1 = min((b.start for b in bars), default=0.0), max((b.end for b in bars), default=0.0)
     span = t1 - t0
     div, unit = (1.0, "s") if span < 180 else (60.0, "min") if span < 3 * 3600 else (3600.0, "h")

@@ -123,9 +123,57 @@ def test_a_damaged_part_is_named_not_a_traceback(tmp_path: Path) -> None:
     part.write_bytes(part.read_bytes()[:-100])
     env = python_env()
     for args in (["compact", str(spool), "--out", str(ds)],
-                 ["replay", str(ds), "--to", f"jsonl:{tmp_path / 'r.jsonl'}"]):  # fmt: skip
+                 ["replay", str(ds), "--to", f"jsonl:{tmp_path / 'r.jsonl'}"],
+                 ["report", str(ds), "--out", str(tmp_path / "r.html")]):  # fmt: skip
         p = subprocess.run([sys.executable, "-m", "ranklog.cli", *args], env=env,
                            capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
         assert p.returncode == 4, p.stderr
         assert str(part) in p.stderr and "Traceback" not in p.stderr, p.stderr
         assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+@pytest.mark.parametrize("layout", [1, 2])
+def test_repair_rewrites_a_damaged_file_from_the_spool(
+    tmp_path: Path, layout: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file cut short: ``compact --repair`` rewrites what it held from the segments (the
+    damaged one moved aside), and replay then gives what live shipping gave."""
+    import ranklog.archive._compact as compact_mod
+    from ranklog.archive import replay
+    from ranklog.shippers.targets.jsonl import JsonlTarget
+
+    from .shiphelp import lines, ship
+
+    monkeypatch.setattr(compact_mod, "DEFAULT_LAYOUT", layout)
+    spool, ds = tmp_path / "spool", tmp_path / "ds"
+    values = _job(spool, ranks=3, steps=60, metrics=4)
+    compact(spool, ds)
+    _job(spool, ranks=3, steps=0, metrics=0)  # (a requeue that logged nothing)
+    live = tmp_path / "live.jsonl"
+    ship(spool, live)
+    victim = sorted((ds / "metrics").glob("*.parquet"))[-1]
+    victim.write_bytes(victim.read_bytes()[: len(victim.read_bytes()) // 2])
+    res = compact(spool, ds, repair=True)
+    assert res.repaired == [f"metrics/{victim.name}"]
+    assert (ds / ".damaged" / "metrics" / victim.name).is_file()
+    assert _metric_rows(ds) == values
+    again = tmp_path / "again.jsonl"
+    replay(ds, JsonlTarget(again))
+    assert lines(again) == lines(live)
+
+
+def test_repair_refuses_when_the_segment_is_gone(tmp_path: Path) -> None:
+    """A damaged part holding rows of deleted segments: one line naming the file and a
+    segment, exit 4, nothing changed."""
+    spool, ds = tmp_path / "spool", tmp_path / "ds"
+    _job(spool, ranks=2, steps=20, metrics=3)
+    compact(spool, ds, delete=True, force=True)
+    part = sorted((ds / "metrics").glob("part-*.parquet"))[0]
+    cut = part.read_bytes()[:-100]
+    part.write_bytes(cut)
+    p = subprocess.run([sys.executable, "-m", "ranklog.cli", "compact", str(spool), "--out",
+                        str(ds), "--repair"], env=python_env(), capture_output=True, text=True,
+                       timeout=120, check=False)  # fmt: skip
+    assert p.returncode == 4, p.stderr
+    assert str(part) in p.stderr and "no longer in the spool" in p.stderr, p.stderr
+    assert part.read_bytes() == cut

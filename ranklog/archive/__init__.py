@@ -41,6 +41,7 @@ from ranklog.archive._tables import COMMON, SCHEMAS, STEP_TABLES, TABLES
 if TYPE_CHECKING:
     from ranklog.archive._block import segment_tables
     from ranklog.archive._compact import CompactResult, compact
+    from ranklog.archive._parts import check_files
     from ranklog.archive._replay import ParquetSource, replay
 
 #: names imported when first asked for, from the module that holds them: a replay does not
@@ -51,6 +52,7 @@ _LAZY = {
     "CompactResult": "_compact",
     "compact": "_compact",
     "segment_tables": "_block",
+    "check_files": "_parts",
 }
 
 __all__ = [
@@ -62,6 +64,7 @@ __all__ = [
     "CompactResult",
     "Manifest",
     "ParquetSource",
+    "check_files",
     "compact",
     "load_manifest",
     "replay",

@@ -53,6 +53,7 @@ from ranklog.archive._parts import (
     remove_orphans,
     table_entries,
 )
+from ranklog.archive._repair import repair as repair_files
 from ranklog.archive._tables import NamesRow, names_row
 from ranklog.errors import ArchiveError, ConfigError, RunMismatchError
 from ranklog.schemas import (
@@ -110,6 +111,7 @@ class CompactResult:
     deleted: list[str] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)  # --delete refused, with why
     merged: list[str] = field(default_factory=list)  # small parts merged into larger ones
+    repaired: list[str] = field(default_factory=list)  # damaged files rewritten (--repair)
 
 
 def _file(table: str, key: str, start: int, end: int) -> str:
@@ -251,13 +253,16 @@ def compact(
     delete: bool = False,
     force: bool = False,
     dataset_layout: int | None = None,
+    repair: bool = False,
 ) -> CompactResult:
     """Compact every new complete frame of ``spool`` into the dataset at ``out``.
 
     ``delete``: then delete sealed segments whose rows read back equal, once every
     shipper the spool knows has shipped them (``force``: whether they did or not).
     ``dataset_layout``: the layout of a new dataset (1 or 2; default
-    :data:`DEFAULT_LAYOUT`); an existing dataset keeps its own.
+    :data:`DEFAULT_LAYOUT`); an existing dataset keeps its own. ``repair``: first rewrite
+    the dataset's damaged files from the spool (:mod:`ranklog.archive._repair`). One run
+    at a time per dataset (:class:`~ranklog.archive._lock.DatasetLock`).
     """
     layout = SpoolLayout(spool)
     outdir = Path(out)
@@ -267,7 +272,7 @@ def compact(
         raise ConfigError(f"cannot create dataset directory {outdir}: {exc}") from exc
     run = require_run(spool)
     with DatasetLock(outdir) as lock:
-        return _compact_locked(layout, run, outdir, lock, delete, force, dataset_layout)
+        return _compact_locked(layout, run, outdir, lock, delete, force, dataset_layout, repair)
 
 
 def _compact_locked(
@@ -278,6 +283,7 @@ def _compact_locked(
     delete: bool,
     force: bool,
     dataset_layout: int | None,
+    repair: bool,
 ) -> CompactResult:
     """:func:`compact`, holding the dataset's lock."""
     manifest = load_manifest(outdir)
@@ -300,7 +306,9 @@ def _compact_locked(
     orphans = _Orphans(outdir) if manifest.layout == 1 else None
     if orphans is None:
         remove_orphans(outdir, manifest)
-    check_files(outdir, manifest)
+    if repair:
+        result.repaired = repair_files(layout, run.run_id, outdir, manifest)
+    check_files(outdir, manifest, layout.root)
     try:
         for rank in layout.ranks():
             segs = layout.segments(rank)

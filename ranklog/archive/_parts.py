@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import shlex
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
@@ -44,6 +45,7 @@ __all__ = [
     "ROW_GROUP",
     "Parts",
     "check_files",
+    "damaged_files",
     "parquet_options",
     "part_file",
     "pieces_of",
@@ -248,11 +250,24 @@ def remove_orphans(out: Path, manifest: Manifest) -> None:
             (out / table / name).unlink(missing_ok=True)
 
 
-def check_files(out: Path, manifest: Manifest) -> None:
+def check_files(out: Path, manifest: Manifest, spool: str | os.PathLike[str] | None = None) -> None:
     """:class:`ArchiveError` naming the first file the manifest lists that is missing or
     damaged (no Parquet footer; fewer row groups than the manifest's pieces name), so a
-    reader says which file, not a traceback from deep inside pyarrow."""
-    groups: dict[str, int] = {}  # part file -> row groups the manifest's pieces need
+    reader says which file, not a traceback from deep inside pyarrow; with the command
+    that rewrites it from ``spool`` where it is known."""
+    for rel, why in damaged_files(out, manifest):
+        fix = (
+            f"`ranklog compact {shlex.quote(os.path.abspath(spool))} --out "
+            f"{shlex.quote(str(out.resolve()))} --repair` rewrites it from the spool"
+            if spool is not None
+            else "`ranklog compact SPOOL --out DIR --repair` rewrites it from its spool"
+        )
+        raise ArchiveError(f"{out / rel}: {why}; the dataset cannot be read whole: {fix}")
+
+
+def damaged_files(out: Path, manifest: Manifest) -> list[tuple[str, str]]:
+    """(file, why) of every file the manifest lists that is missing or damaged."""
+    groups: dict[str, int] = {}  # file -> row groups the manifest's pieces need
     for entry in manifest.segments.values():
         for table, held in entry.pieces.items():
             for p, g, _, end in held:
@@ -260,15 +275,12 @@ def check_files(out: Path, manifest: Manifest) -> None:
                 groups[rel] = max(groups.get(rel, 0), end)
         for rel in entry.files:
             groups.setdefault(rel, 0)
+    out_: list[tuple[str, str]] = []
     for rel in sorted(groups):
-        path = out / rel
-        why = _damage(path, groups[rel])
+        why = _damage(out / rel, groups[rel])
         if why is not None:
-            raise ArchiveError(
-                f"{path}: {why}; the dataset cannot be read whole (a file changed or cut "
-                "after compaction wrote it): compact the spool into a new directory, or "
-                f"restore the file"
-            )
+            out_.append((rel, why))
+    return out_
 
 
 def _damage(path: Path, groups: int) -> str | None:
