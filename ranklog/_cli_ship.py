@@ -207,13 +207,14 @@ def _ship_known(args: argparse.Namespace) -> int:
 
     The epilogue of a job: whatever the shippers a training process started did not get
     to (they were killed with it), the same targets get now. Each target is re-created
-    from its cursor's identity (:mod:`ranklog.shippers._reopen`), with the options of this
-    command line; a cursor that cannot be read or re-created is one line and a non-zero
-    exit. It ends with one line per target: where it stands.
+    from its cursor's identity (:mod:`ranklog.shippers._reopen`), with the shipper options
+    of this command line (and its presentation options, checked, as recorded); a cursor
+    that cannot be read or re-created is one line and a non-zero exit. It ends with one
+    line per target: where it stands.
     """
     from ranklog.errors import CursorError
     from ranklog.shippers import load_cursor
-    from ranklog.shippers._reopen import check_name, reopen_flags
+    from ranklog.shippers._reopen import check_name, kept_options, reopen_flags
     from ranklog.spool import SpoolLayout
 
     spool = os.path.abspath(args.spool)
@@ -243,8 +244,11 @@ def _ship_known(args: argparse.Namespace) -> int:
             continue
         kind = cursor.identity.partition(":")[0]
         per_rank = ["--per-rank"] if args.per_rank or "--per-rank" in cursor.argv else []
-        shipper = _shipper_flags(args, kind, flags)
-        cmds.append([*base, *flags, *per_rank, *shipper, f"--name={name}", *_invocation(args)])
+        given = _shipper_flags(args, kind, flags)
+        kept = [k for k in kept_options(kind, cursor.argv)
+                if not any(g.split("=")[0] == k.split("=")[0] for g in given)]  # fmt: skip
+        cmds.append([*base, *flags, *per_rank, *given, *kept, f"--name={name}",
+                     *_invocation(args)])  # fmt: skip
         started.append((name, cursor.identity))
     if not cmds and not code:
         raise ConfigError(

@@ -162,3 +162,19 @@ def test_the_printed_replay_command_runs_as_printed(tmp_path: Path) -> None:
     assert _steps(job_dir / "o.jsonl") == list(range(6))
     res = cli("ship", str(spool), "--once", "--quiet", cwd=user)
     assert res.returncode == 0, res.stderr
+
+
+def test_a_targets_presentation_options_are_kept_checked(tmp_path: Path) -> None:
+    """Recorded target options the kind declares (``--gpu-names nemo``) are kept, checked
+    as the command line checks them; a bad value, a place option and an unknown flag in
+    the record are dropped; the epilogue's own option wins."""
+    from ranklog.shippers._reopen import kept_options
+
+    recorded = ["--to", "mlflow:x", "--gpu-names", "nemo", "--histogram-stats=mean,max",
+                "--image-layout", "sideways", "--experiment", "other", "--exit-with", "1",
+                "--per-rank", "--leave-out", "texts"]  # fmt: skip
+    got = kept_options("mlflow", recorded)
+    assert "--gpu-names=nemo" in got and "--leave-out=texts" in got
+    assert not any(g.startswith(("--image-layout", "--experiment", "--exit-with", "--to"))
+                   for g in got)  # fmt: skip
+    assert kept_options("nosuchkind", recorded) == []

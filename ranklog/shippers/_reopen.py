@@ -10,6 +10,13 @@ then checks that the target it built has that very identity (the cursor's owner 
 so a forged identity can at most be refused. Each flag is written ``--flag=VALUE``: a
 value that starts with ``-`` stays a value.
 
+A target's presentation options (``--gpu-names``, ``--histogram-stats``,
+``--image-layout``, ``--leave-out``, ...: how its values are named and drawn, which must
+not change in the middle of a run) are taken from the cursor's record of the command
+that started it (:func:`kept_options`), and only those: each one the target's kind
+declares, checked as the command line checks it; never one that names a place (those
+come from the identity), never a shipper option.
+
 Cursor and lease names are plain file names inside ``SPOOL/cursors``
 (:func:`check_name`).
 """
@@ -21,7 +28,11 @@ from typing import Final
 
 from ranklog.errors import ConfigError
 
-__all__ = ["check_name", "reopen_flags"]
+__all__ = ["check_name", "kept_options", "reopen_flags"]
+
+#: options that name where a target writes: the identity's alone say that
+_PLACE_OPTIONS: Final = frozenset({"dir", "run_id", "entity", "mode", "experiment",
+                                   "artifact_location"})  # fmt: skip
 
 #: an absolute path as an identity holds it (no NUL, no line break, no ``#``)
 _ABS: Final = r"/[^\x00\n\r#]*"
@@ -65,6 +76,41 @@ def reopen_flags(identity: str) -> list[str]:
     if pattern is None and sep and re.fullmatch(_ABS, rest):  # jsonl, tensorboard, plug-ins
         return [f"--to={identity}"]
     raise ConfigError(f"{identity!r} is no {kind} target this ranklog can re-create")
+
+
+def kept_options(kind: str, recorded: list[str]) -> list[str]:
+    """The presentation options of a ``kind`` target in ``recorded`` (a cursor's record of
+    the arguments that started its shipper), validated, as ``--flag=VALUE``; anything else
+    in it (a shipper option, a place, a path, an unknown flag, a bad value) is dropped."""
+    from ranklog.shippers._registry import LEAVE_OUT, target_kinds
+
+    declared = target_kinds().get(kind)
+    if declared is None:
+        return []
+    options = {o.flag: o for o in (*declared.options, LEAVE_OUT) if o.name not in _PLACE_OPTIONS}
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(recorded):
+        token = str(recorded[i])
+        flag, eq, text = token.partition("=")
+        opt = options.get(flag)
+        i += 1
+        if opt is None:
+            continue
+        if opt.type is bool:
+            out[opt.flag] = opt.flag
+            continue
+        if not eq:
+            if i >= len(recorded):
+                break
+            text, i = str(recorded[i]), i + 1
+        try:
+            opt.parse(text)
+        except ConfigError:
+            continue
+        if "\x00" not in text and "\n" not in text:
+            out[opt.flag] = f"{opt.flag}={text}"
+    return list(out.values())
 
 
 def check_name(name: str) -> str:
