@@ -17,7 +17,8 @@ catches ``TypeError`` or ``ValueError`` keeps working::
     │   │                                          (the bytes are kept and retried)
     │   ├── RunMismatchError                       a segment, cursor or dataset of another run
     │   ├── CursorError                            a shipper's cursor that cannot be used
-    │   └── LeaseHeldError                         another shipper holds this (spool, target)
+    │   └── LeaseHeldError                         another shipper holds this (spool, target),
+    │                                              or another compaction this dataset
     ├── ArchiveError                      exit 4   a Parquet dataset that is missing, damaged
     │                                              or not ranklog's
     ├── TargetError                       exit 5   a backend that refuses what it is sent
@@ -116,7 +117,8 @@ class CursorError(SpoolError):
 
 
 class LeaseHeldError(SpoolError):
-    """Another live shipper holds the lease of this (spool, target)."""
+    """Another live shipper holds the lease of this (spool, target), or another compaction
+    the lock of this dataset."""
 
 
 class ArchiveError(RanklogError):
