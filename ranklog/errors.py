@@ -18,7 +18,7 @@ catches ``TypeError`` or ``ValueError`` keeps working::
     │   ├── RunMismatchError                       a segment, cursor or dataset of another run
     │   ├── CursorError                            a shipper's cursor that cannot be used
     │   └── LeaseHeldError                         another shipper holds this (spool, target),
-    │                                              or another compaction this dataset
+    │                                              or another compaction holds this dataset
     ├── ArchiveError                      exit 4   a Parquet dataset that is missing, damaged
     │                                              or not ranklog's
     ├── TargetError                       exit 5   a backend that refuses what it is sent
