@@ -7,7 +7,10 @@ each — a copy left beside (the old name still committed to) would give two cur
 target, an epilogue that exits 2 and a ``compact --delete`` that keeps shipped segments
 for ever. The job is requeued with this release, shipped to the same targets, the
 epilogue run, then ``compact --delete`` and a replay: one cursor per target, every step
-once, every shipped segment deleted, replay equal to live.
+once, every shipped segment deleted, replay equal to live. A kill between writing the
+renamed cursor and removing the old file leaves both: the next start removes the old
+one (the new one is ahead of it). A hostile cursor in the spool is the epilogue's
+module's attack (tests/test_epilogue.py).
 """
 
 from __future__ import annotations
@@ -62,3 +65,26 @@ def test_an_upgrade_keeps_one_cursor_per_target(tmp_path: Path) -> None:
     again = tmp_path / "replay.jsonl"
     replay(here / "dataset", JsonlTarget(again))
     assert lines(again) == lines(here / "out" / "a.jsonl")
+
+
+def test_a_rename_killed_before_the_old_file_went_leaves_one_cursor(tmp_path: Path) -> None:
+    """The old cursor written under its new name, then a kill before the old file was
+    removed: the next start removes it (one cursor, the steps shipped once)."""
+    here = tmp_path / "job"
+    shutil.copytree(DATA, here)
+    spool = here / "spool"
+    cursors = spool / "cursors"
+    old = next(p for p in cursors.glob("*.json") if "out/a.jsonl" in p.read_text())
+    res = _cli("ship", "spool", "--once", "--quiet", "--to", "jsonl:out/a.jsonl", cwd=here)
+    assert res.returncode == 0, res.stderr
+    new = next(p for p in cursors.glob("*.json") if json.loads(p.read_text())["name"] == p.stem
+               and "a.jsonl" in json.loads(p.read_text()).get("identity", ""))  # fmt: skip
+    old.write_bytes((DATA / "spool" / "cursors" / old.name).read_bytes())  # as if killed
+    with ranklog.init(spool, rank=0, world_size=2, handle_signals=False) as run:
+        run.log_metrics({"loss": 9.0}, step=5)
+        run.step_end(5)
+    res = _cli("ship", "spool", "--once", "--quiet", "--to", "jsonl:out/a.jsonl",
+               "--dead-after", "0", cwd=here)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert not old.exists() and new.exists()
+    assert [x["step"] for x in lines(here / "out" / "a.jsonl")] == list(range(6))

@@ -192,10 +192,16 @@ def adopt_legacy_cursor(
     if cursor is None or cursor.run_id not in (None, run.run_id):
         return False
     if new.exists():
+        there = load_cursor(spool, name)
+        if there is not None and there.name == name and there.last_step >= cursor.last_step:
+            # renamed already, and killed before the old file went: it goes now
+            log.info("cursor %s removed (renamed %s before)", legacy, name)
+            old.unlink()
+            fsync_dir(old.parent)
+            return True
         # a release that renamed without renaming the cursor's own name left a frozen copy
         # here, and went on committing under the old name: the old file is the live one
-        frozen = load_cursor(spool, name)
-        if frozen is None or frozen.name != legacy or frozen.last_step > cursor.last_step:
+        if there is None or there.name != legacy or there.last_step > cursor.last_step:
             return False
     log.info("cursor %s renamed %s (named after what its target writes to)", legacy, name)
     cursor.name = name
