@@ -7,7 +7,8 @@ ever held for that rank. How this could break, and what each test tries:
   of the rank directory is empty, so the number must come from ``deleted.json``; a
   reused number is skipped by every shipper whose cursor holds it as done (steps lost,
   exit 0) — the new steps must ship, compact and replay once;
-- ``compact --delete`` running while the rank starts: it records a segment in
+- ``compact --delete`` killed between its record and the unlink, or running while the
+  rank starts: it records a segment in
   ``deleted.json`` before it removes it, and the writer reads ``deleted.json`` after
   listing, so a segment gone from the listing is in the record;
 - a ``deleted.json`` cut short or garbage (the spool is shared): the segment keys it
@@ -83,3 +84,25 @@ def test_an_older_releases_deleted_json_counts(tmp_path: Path) -> None:
     layout.deleted_json.write_text(json.dumps(body))
     _steps(spool, 1, range(2, 4))
     assert [s.incarnation for s in layout.segments(0)] == [1, 8]
+
+
+def test_delete_killed_between_its_record_and_the_unlink(tmp_path: Path) -> None:
+    """compact --delete killed after deleted.json names a segment but before the file goes:
+    the restart numbers above it, the segment is still shipped and compacted once, and a
+    later --delete removes it."""
+    from ranklog.spool import SegmentId, record_deleted
+
+    spool, live, ds = tmp_path / "spool", tmp_path / "live.jsonl", tmp_path / "ds"
+    _steps(spool, 1, range(30))
+    compact(spool, ds)
+    layout = SpoolLayout(spool)
+    first = layout.segments(0)[0]
+    record_deleted(spool, ds, [(SegmentId(0, 1, first.segment), [(0, 29)])])  # then killed
+    _steps(spool, 1, range(30, 40))
+    assert {s.incarnation for s in layout.segments(0)} == {1, 2}
+    ship(spool, live)
+    assert [x["step"] for x in lines(live)] == list(range(40))
+    compact(spool, ds, delete=True)
+    again = tmp_path / "replay.jsonl"
+    replay(ds, JsonlTarget(again))
+    assert lines(again) == lines(live)

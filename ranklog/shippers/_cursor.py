@@ -219,9 +219,12 @@ def check_not_deleted(
     the target does not hold their steps (a replay of the dataset wrote them: then the
     cursor marks them done and shipping goes on)."""
     gone = []
+    layout = SpoolLayout(spool)
     for d in deleted_segments(spool):
         if cursor.done(d.segment):
             continue
+        if layout.segment_path(*d.segment).is_file():
+            continue  # recorded, then --delete was killed before it went: read it as is
         if d.steps is not None and all(held.covers(lo, hi) for lo, hi in d.steps):
             cursor.segments[d.segment.key] = SegmentCursor(done=True)
             continue
