@@ -177,3 +177,45 @@ def test_repair_refuses_when_the_segment_is_gone(tmp_path: Path) -> None:
     assert p.returncode == 4, p.stderr
     assert str(part) in p.stderr and "no longer in the spool" in p.stderr, p.stderr
     assert part.read_bytes() == cut
+
+
+def test_compactions_racing_during_a_live_job(tmp_path: Path) -> None:
+    """Pairs of ``compact`` started at once, round after round, while ranks write: each
+    ends 0 or is refused (exit 3, one line), never a traceback; at the end the dataset
+    holds every value once."""
+    import threading
+
+    spool, ds = tmp_path / "spool", tmp_path / "ds"
+    runs = [ranklog.init(spool, rank=r, world_size=2, handle_signals=False,
+                         flush_interval=0.05) for r in range(2)]  # fmt: skip
+    stop = threading.Event()
+    logged = [0]
+
+    def train() -> None:
+        s = 0
+        while not stop.is_set():
+            for run in runs:
+                run.log_metrics({f"m{i}": float(s + i) for i in range(20)}, step=s)
+                run.step_end(s)
+            logged[0] += 40
+            s += 1
+            time.sleep(0.001)
+
+    t = threading.Thread(target=train)
+    t.start()
+    try:
+        for _ in range(6):
+            pair = [_compact(spool, ds) for _ in range(2)]
+            for p in pair:
+                _, err = p.communicate(timeout=120)
+                assert p.returncode in (0, 3), err
+                assert "Traceback" not in err, err
+                if p.returncode == 3:
+                    assert "another compaction" in err and len(err.strip().splitlines()) == 1
+    finally:
+        stop.set()
+        t.join()
+        for run in runs:
+            run.close()
+    compact(spool, ds)
+    assert _metric_rows(ds) == logged[0]
