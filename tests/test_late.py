@@ -231,10 +231,10 @@ class TestAhead:
         run.log_metrics({"x": 0.0}, step=0)
         run.step_end(0)
         with pytest.warns(Warning, match=r"'eval/y' for step 1000 ahead of step 1"):
-            run.log_metrics({"y": 9.0}, step=1000, prefix="eval")
-        for s in range(1, 10):
-            run.log_metrics({"x": float(s)}, step=s)
-            run.step_end(s)
+            run.log_metrics({"y": 9.0}, step=1000, prefix="eval")  # (known ahead at step 1)
+            for s in range(1, 10):
+                run.log_metrics({"x": float(s)}, step=s)
+                run.step_end(s)
         run.flush()
         if end:
             run.close()

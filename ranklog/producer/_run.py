@@ -155,7 +155,10 @@ class Run(RunValues):
         self._sync_step = durability != "buffered"
         self._fsync = durability == "fsync"
         self._closed_step = -1
-        self._next_step = 0  # _closed_step + 1: the step a call is usually for
+        self._next_step = 0  # the step a call is usually for (after step_end(S): S + 1)
+        #: the step this rank is in, when a call found it by skipping steps (every 10th
+        #: step logged); -1: not known; and the name its first value had (for the warning)
+        self._in_step, self._in_name = -1, ""
         self._late_warned = False
         self._ahead_warned = False
         self._closed = False
@@ -315,20 +318,32 @@ class Run(RunValues):
         return spec
 
     def _off_step(self, step: int, name: str) -> None:
-        """A value for a step other than the next this rank closes: late (it closed it),
-        ahead (past it, where this rank closes its steps with step_end), or neither."""
+        """A value for a step other than the one a call is usually for: late (this rank
+        closed it), the step it is in (steps need not be consecutive: a loop that logs and
+        closes every 10th step), or ahead of that step (found ahead when a lower step
+        comes after it, or is closed with step_end)."""
         if step <= self._closed_step:
             self._late(step)
-        elif self._closed_step >= 0 and not self._ahead_warned:
-            self._ahead_warned = True
-            warnings.warn(
-                f"ranklog: rank {self.rank} logged {name!r} for step {step} ahead of step "
-                f"{self._closed_step + 1}, the next it closes: the value waits in its step, "
-                "which ships once step_end() closes it (or the rank ends); the steps before "
-                "it ship as step_end() closes them",
-                RanklogWarning,
-                stacklevel=3,
-            )
+        elif self._in_step < 0:  # the first value since step_end: the step the rank is in
+            self._in_step, self._in_name, self._next_step = step, name, step
+        elif step > self._in_step:
+            self._ahead(name, step, self._in_step, stacklevel=4)
+        else:  # what it logged before was ahead of this step
+            self._ahead(self._in_name, self._in_step, step, stacklevel=4)
+            self._in_step, self._in_name, self._next_step = step, name, step
+
+    def _ahead(self, name: str, step: int, before: int, *, stacklevel: int) -> None:
+        if self._ahead_warned:
+            return
+        self._ahead_warned = True
+        warnings.warn(
+            f"ranklog: rank {self.rank} logged {name!r} for step {step} ahead of step "
+            f"{before}, which it closes first: the value waits in its step, which ships once "
+            "step_end() closes it (or the rank ends); the steps before it ship as step_end() "
+            "closes them",
+            RanklogWarning,
+            stacklevel=stacklevel,
+        )
 
     def _late(self, step: int) -> None:
         if not self._late_warned:
@@ -383,8 +398,11 @@ class Run(RunValues):
         if type(step) is not int or not 0 <= step <= MAX_STEP:
             step = check_step(step)
         if step > self._closed_step:
+            if self._in_step > step:  # what it logged since the last step_end was ahead
+                self._ahead(self._in_name, self._in_step, step, stacklevel=3)
             self._closed_step = step
             self._next_step = step + 1
+            self._in_step = -1
         else:
             self._late(step)
         self._sink.append_step_end(time.time(), step)
