@@ -43,11 +43,11 @@ __all__ = ["build_parser", "main"]
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from ranklog.spool import require_run
     from ranklog.spool._inspect import format_summary, summarize
 
     spool = Path(args.spool)
-    if not spool.is_dir():
-        raise ConfigError(f"{spool}: no such spool directory")
+    require_run(spool)  # (a directory that is not a spool: exit 3, as ship and compact say)
     summary = summarize(spool)
     _add_shippers(summary)
     if args.json:

@@ -23,8 +23,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
-from ranklog.archive import MANIFEST, SCHEMAS, TABLES, check_files, load_manifest, table_files
-from ranklog.errors import ConfigError, ExtraMissingError
+from ranklog.archive import (
+    MANIFEST,
+    SCHEMAS,
+    TABLES,
+    check_files,
+    load_manifest,
+    not_a_dataset,
+    table_files,
+)
+from ranklog.errors import ArchiveError, ExtraMissingError
 from ranklog.schemas import is_meta_key
 from ranklog.shippers._meta import code_line, records
 
@@ -413,8 +421,10 @@ def write_report(dataset: Path, out: Path) -> Path:
     except ImportError as exc:
         raise ExtraMissingError("matplotlib", "report") from exc
     dataset, out = Path(dataset), Path(out)
-    if not (dataset / MANIFEST).is_file() and not any((dataset / t).is_dir() for t in TABLES):
-        raise ConfigError(f"{dataset} is not a ranklog Parquet dataset (no {MANIFEST})")
+    if not (dataset / MANIFEST).is_file() and (
+        (dataset / "run.json").is_file() or not any((dataset / t).is_dir() for t in TABLES)
+    ):
+        raise ArchiveError(not_a_dataset(dataset))
     manifest = load_manifest(dataset)
     check_files(dataset, manifest)  # a damaged file: named in one line, not a traceback
     bars = timeline_bars(dataset)

@@ -236,6 +236,19 @@ class TestErrors:
             "dataset directory\n"
         )  # fmt: skip
 
+    @pytest.mark.parametrize("command", [["replay", "--to", "jsonl:x"], ["report"]])
+    def test_a_spool_where_a_dataset_goes_names_the_command(
+        self, command: list[str], spool: Path, tmp_path: Path
+    ) -> None:
+        """replay or report given a spool: exit 4, one line with the ``ranklog compact``
+        command that makes the dataset, which runs as printed."""
+        _small_spool(spool)
+        proc = cli(command[0], str(spool), *command[1:])
+        assert proc.returncode == 4 and proc.stderr.count("\n") == 1, proc.stderr
+        made = proc.stderr.split("`")[1]
+        assert made == f"ranklog compact {spool.resolve()} --out {spool.resolve()}-parquet"
+        assert cli(*made.split()[1:]).returncode == 0
+
     @pytest.mark.parametrize(
         ("argv", "code", "says"),
         [
@@ -243,6 +256,7 @@ class TestErrors:
             (["compact", "{empty}", "--out", "{tmp}/pq"], 3, "is not a spool (no run.json)"),
             (["replay", "{empty}", "--to", "jsonl:x"], 4, "is not a compacted ranklog dataset"),
             (["report", "{empty}"], 4, "is not a compacted ranklog dataset"),
+            (["inspect", "{empty}"], 3, "is not a spool (no run.json)"),
         ],
         ids=lambda a: a[0] if isinstance(a, list) else None,
     )

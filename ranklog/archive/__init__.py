@@ -33,6 +33,7 @@ from ranklog.archive._manifest import (
     MANIFEST,
     Manifest,
     load_manifest,
+    not_a_dataset,
     require_manifest,
     table_files,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "check_files",
     "compact",
     "load_manifest",
+    "not_a_dataset",
     "replay",
     "require_manifest",
     "segment_tables",

@@ -9,6 +9,7 @@ is compacted again.
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 from typing import Final
 
@@ -122,8 +123,22 @@ def require_manifest(dataset: str | os.PathLike[str]) -> Manifest:
         raise ConfigError(f"{path}: no such dataset directory")
     manifest = load_manifest(path)
     if not manifest.run_id:
-        raise ArchiveError(f"{path} is not a compacted ranklog dataset (no {MANIFEST})")
+        raise ArchiveError(not_a_dataset(path))
     return manifest
+
+
+def not_a_dataset(path: Path) -> str:
+    """Why ``path`` is no dataset, with the command that makes one where it is a spool."""
+    if (path / "run.json").is_file() and (path / "ranks").is_dir():
+        where = path.resolve()
+        return (
+            f"{path} is a spool, not a compacted ranklog dataset: make one with `ranklog "
+            f"compact {shlex.quote(str(where))} --out {shlex.quote(str(where) + '-parquet')}`"
+        )
+    return (
+        f"{path} is not a compacted ranklog dataset (no {MANIFEST}): `ranklog compact SPOOL "
+        "--out DIR` makes one"
+    )
 
 
 def save_manifest(out: Path, manifest: Manifest) -> None:
