@@ -147,16 +147,21 @@ def _steps(text: str) -> tuple[int | None, int | None]:
 
 def _replay(args: argparse.Namespace) -> int:
     from ranklog.archive import replay, require_manifest
-    from ranklog.shippers import make_target
+    from ranklog.shippers import make_target, target_identity
+    from ranklog.spool import RunInfo
 
     if not args.to:
         raise ConfigError("replay needs a target: --to TARGET")
-    require_manifest(args.dataset)
+    manifest = require_manifest(args.dataset)
     log_to_stderr()
     code = 0
+    run = RunInfo(manifest.run_id, manifest.created, manifest.name, manifest.world_size)
     for spec in args.to:
-        target = make_target(spec, args.dataset, options(args), per_rank=args.per_rank,
+        # a target's default place (an MLflow store, W&B or SwanLab files) is under the
+        # current directory, never in the dataset: said in one line
+        target = make_target(spec, Path.cwd(), options(args), per_rank=args.per_rank,
                              names=args.names, append_run=args.append_run)  # fmt: skip
+        print(f"replaying {args.dataset} into {target_identity(target, run)}", flush=True)
         log_to_stderr()
         long_running()
         code = max(code, replay(args.dataset, target, steps=args.steps, names=args.names,

@@ -349,3 +349,29 @@ class TestDemo:
         monkeypatch.setattr(demo.subprocess, "Popen", launch)
         assert demo.run_demo(tmp_path / "spool", ranks=1, steps=3) == 0
         assert seen == [True]
+
+
+class TestReplayWritesWhereTold:
+    """Replay never writes into the dataset unless told to: a target's default place (an
+    MLflow store, W&B files) is the current directory, said in one line; the hint of a
+    target with no argument names it as typed (``mlflow``, not ``mlflow:``)."""
+
+    def test_mlflow_default_store_is_the_current_directory(
+        self, spool: Path, tmp_path: Path
+    ) -> None:
+        """``replay DS --to mlflow`` from elsewhere: DS unchanged, ./mlflow.db written."""
+        _small_spool(spool)
+        ds, here = tmp_path / "ds", tmp_path / "here"
+        here.mkdir()
+        assert main(["compact", str(spool), "--out", str(ds)]) == 0
+        before = sorted(p.relative_to(ds) for p in ds.rglob("*"))
+        proc = subprocess.run(
+            [sys.executable, "-m", "ranklog.cli", "replay", str(ds), "--to", "mlflow"],
+            cwd=here, env=python_env(), capture_output=True, text=True, timeout=300,
+            check=False,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert sorted(p.relative_to(ds) for p in ds.rglob("*")) == before
+        assert (here / "mlflow.db").is_file()
+        assert f"into mlflow:sqlite:///{here / 'mlflow.db'}" in proc.stdout
+        assert "mlflow::" not in proc.stderr + proc.stdout

@@ -133,7 +133,8 @@ GROUP_HELP: Final = (
     "the group of runs (W&B, trackio, SwanLab; default: --run-name, else the run's name)"
 )
 DIR_HELP: Final = (
-    "local directory for the backend's files (W&B: default SPOOL; SwanLab: SPOOL/swanlog; "
+    "local directory for the backend's files (under replay SPOOL is the current directory; "
+    "W&B: default SPOOL; SwanLab: SPOOL/swanlog; "
     "trackio: TRACKIO_DIR, where `trackio show` looks)"
 )
 TAGS_HELP: Final = "the run's tags, comma-separated (W&B, SwanLab)"

@@ -525,7 +525,7 @@ def _build(arg: str, context: TargetContext, options: Mapping[str, Any]) -> Mlfl
         raise ExtraMissingError("mlflow", "mlflow") from None
     return MlflowTarget(
         arg or f"sqlite:///{(context.spool / 'mlflow.db').resolve()}",
-        spec=f"mlflow:{arg}",
+        spec=f"mlflow:{arg}" if arg else "mlflow",
         run_name=options.get("run_name"),
         experiment=options.get("experiment"),
         per_rank=context.per_rank,
@@ -568,7 +568,8 @@ TARGET = TargetKind(
     kind="mlflow",
     arg="URI",
     arg_optional=True,
-    help="an MLflow run at tracking URI (default: sqlite:///SPOOL/mlflow.db)",
+    help="an MLflow run at tracking URI (default: sqlite:///SPOOL/mlflow.db; under replay "
+    "./mlflow.db)",
     build=_build,
     options=(
         Option(
