@@ -12,6 +12,7 @@ and Polars are in the README.
 
 from __future__ import annotations
 
+import difflib
 import os
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
-from ranklog.errors import ArchiveError
+from ranklog.errors import ArchiveError, ConfigError
 
 __all__ = ["metric_band", "per_rank", "rank_divergence", "slowest_rank"]
 
@@ -32,9 +33,29 @@ def _table(dataset: str | os.PathLike[str], kind: str, name: str) -> pa.Table:
     files = table_files(dataset, kind)
     if not path.is_dir() or not files:
         raise ArchiveError(f"{path}: no {kind} table in this dataset")
-    return ds.dataset(files, format="parquet", schema=SCHEMAS[kind]).to_table(
-        columns=["step", "rank", "value"], filter=ds.field("name") == name
+    table = ds.dataset(files, format="parquet", schema=SCHEMAS[kind])
+    out = table.to_table(columns=["step", "rank", "value"], filter=ds.field("name") == name)
+    if out.num_rows == 0:
+        known = pc.unique(table.to_table(columns=["name"])["name"]).to_pylist()
+        raise ConfigError(_unknown(name, kind, [str(n) for n in known if n is not None]))
+    return out
+
+
+def _unknown(name: str, kind: str, known: list[str]) -> str:
+    """Why ``name`` has no rows in the ``kind`` table, with the names it has that are close
+    (a timer is ``timing/<name>`` in the backends: here it is ``<name>`` of the timers)."""
+    if kind == "metrics" and name.startswith("timing/"):
+        return (f"{name!r} is how backends show the timer {name[len('timing/'):]!r}: ask the "
+                "timers table for it (slowest_rank(dataset, timer=...), or "
+                f"per_rank(dataset, {name[len('timing/'):]!r}, kind='timers'))")  # fmt: skip
+    close = difflib.get_close_matches(name, known, n=5, cutoff=0.5)
+    close += [n for n in sorted(known) if name in n and n not in close][: 5 - len(close)]
+    hint = (
+        f"close: {', '.join(map(repr, close))}"
+        if close
+        else f"{len(known)} names, e.g. " + (", ".join(map(repr, sorted(known)[:5])))
     )
+    return f"no {kind} named {name!r} in this dataset ({hint})"
 
 
 def per_rank(dataset: str | os.PathLike[str], name: str, *, kind: str = "metrics") -> pa.Table:

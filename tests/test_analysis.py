@@ -106,3 +106,22 @@ class TestAnalysisModule:
         """A dataset without the table says which one is missing."""
         with pytest.raises(ArchiveError, match="timers"):
             slowest_rank(tmp_path)
+
+
+class TestUnknownNames:
+    """A name the dataset does not hold is an error naming what it holds, never an empty
+    table that reads as "no data"."""
+
+    def test_a_typo_names_close_matches(self, dataset: Path) -> None:
+        """``train/los``: ConfigError naming ``train/loss``."""
+        from ranklog.errors import ConfigError
+
+        with pytest.raises(ConfigError, match=r"no metrics named 'train/los'.*'train/loss'"):
+            metric_band(dataset, "train/los")
+
+    def test_a_timer_as_backends_show_it_says_where_it_is(self, dataset: Path) -> None:
+        """``timing/step_time`` (TensorBoard's and MLflow's name): says to ask the timers."""
+        from ranklog.errors import ConfigError
+
+        with pytest.raises(ConfigError, match=r"timer 'step_time'.*timers"):
+            metric_band(dataset, "timing/step_time")
