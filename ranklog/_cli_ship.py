@@ -183,6 +183,23 @@ def _ship_each(args: argparse.Namespace, targets: list[str]) -> int:
     return max(_children(cmds), default=0)
 
 
+def _kept_switches(args: argparse.Namespace, recorded: list[str]) -> list[str]:
+    """What a target's shipper was started with that says how its target holds this run,
+    from the cursor's record, checked: ``--append-run`` (the file holds another run
+    before this one) and ``--below-last skip`` (steps W&B cannot take left out): without
+    them the epilogue would refuse what the shipper took."""
+    out = ["--append-run"] if "--append-run" in recorded and not args.append_run else []
+    for i, token in enumerate(recorded):
+        value = (
+            token.partition("=")[2]
+            if token.startswith("--below-last=")
+            else (recorded[i + 1] if token == "--below-last" and i + 1 < len(recorded) else None)
+        )
+        if value == "skip" and args.below_last == "refuse" and "--below-last=skip" not in out:
+            out.append("--below-last=skip")
+    return out
+
+
 def _shipper_flags(args: argparse.Namespace, kind: str, given: list[str]) -> list[str]:
     """This command's shipper options, and the target options it was given that ``kind``
     takes (those of the identity, ``given``, win), as ``--flag=VALUE``."""
@@ -247,7 +264,8 @@ def _ship_known(args: argparse.Namespace) -> int:
         given = _shipper_flags(args, kind, flags)
         kept = [k for k in kept_options(kind, cursor.argv)
                 if not any(g.split("=")[0] == k.split("=")[0] for g in given)]  # fmt: skip
-        cmds.append([*base, *flags, *per_rank, *given, *kept, f"--name={name}",
+        switches = _kept_switches(args, cursor.argv)  # (after given: they win over defaults)
+        cmds.append([*base, *flags, *per_rank, *given, *switches, *kept, f"--name={name}",
                      *_invocation(args)])  # fmt: skip
         started.append((name, cursor.identity))
     if not cmds and not code:

@@ -219,3 +219,47 @@ def test_compactions_racing_during_a_live_job(tmp_path: Path) -> None:
             run.close()
     compact(spool, ds)
     assert _metric_rows(ds) == logged[0]
+
+
+def test_repair_of_a_merged_part_writes_each_row_once(tmp_path: Path) -> None:
+    """One segment compacted ten times while it grows, its parts merged into one holding
+    several of its pieces side by side; that part cut short: the repair writes its rows
+    once (adjacent damaged pieces are one run), replay ships each step once."""
+    from ranklog.archive import replay
+    from ranklog.shippers.targets.jsonl import JsonlTarget
+
+    from .shiphelp import lines
+
+    spool, ds = tmp_path / "spool", tmp_path / "ds"
+    run = ranklog.init(spool, rank=0, world_size=1, handle_signals=False, flush_interval=3600)
+    step = 0
+    for _ in range(10):
+        for _ in range(5):
+            run.log_metrics({"m": float(step)}, step=step)
+            run.step_end(step)
+            step += 1
+        run.flush()
+        compact(spool, ds)
+    run.close()
+    compact(spool, ds)
+    victim = max((ds / "metrics").glob("*.parquet"), key=lambda f: f.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    assert compact(spool, ds, repair=True).repaired == [f"metrics/{victim.name}"]
+    assert _metric_rows(ds) == step
+    out = tmp_path / "r.jsonl"
+    replay(ds, JsonlTarget(out))
+    assert [x["step"] for x in lines(out)] == list(range(step))
+
+
+def test_repair_of_a_missing_file_and_after_a_killed_repair(tmp_path: Path) -> None:
+    """A part file removed (what the refusal's message sends the user to repair, and what
+    a repair killed after moving it aside leaves): --repair rewrites it."""
+    spool, ds = tmp_path / "spool", tmp_path / "ds"
+    values = _job(spool, ranks=2, steps=30, metrics=3)
+    compact(spool, ds)
+    part = sorted((ds / "metrics").glob("part-*.parquet"))[0]
+    part.unlink()
+    with pytest.raises(Exception, match="missing"):
+        compact(spool, ds)
+    assert compact(spool, ds, repair=True).repaired == [f"metrics/{part.name}"]
+    assert _metric_rows(ds) == values

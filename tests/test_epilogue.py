@@ -178,3 +178,34 @@ def test_a_targets_presentation_options_are_kept_checked(tmp_path: Path) -> None
     assert not any(g.startswith(("--image-layout", "--experiment", "--exit-with", "--to"))
                    for g in got)  # fmt: skip
     assert kept_options("nosuchkind", recorded) == []
+
+
+def test_append_run_and_below_last_are_kept(tmp_path: Path) -> None:
+    """Run B shipped after run A into one file with --append-run, killed: the epilogue
+    carries on with --append-run (not refused), every step of both once."""
+    a, b, out = tmp_path / "a", tmp_path / "b", tmp_path / "all.jsonl"
+    _job(a, range(3))
+    assert cli("ship", str(a), "--once", "--quiet", "--to", f"jsonl:{out}").returncode == 0
+    _job(b, range(3))
+    res = cli("ship", str(b), "--once", "--quiet", "--to", f"jsonl:{out}", "--append-run")
+    assert res.returncode == 0, res.stderr
+    _job(b, range(3, 6))
+    res = cli("ship", str(b), "--once", "--quiet")
+    assert res.returncode == 0, res.stderr
+    assert _steps(out) == [0, 1, 2, 0, 1, 2, 3, 4, 5]
+
+
+def test_other_mlflow_stores_are_re_created() -> None:
+    """A Databricks workspace or a database store URI is re-created as recorded; a relative
+    sqlite or a file store forged into a cursor is not."""
+    from ranklog.errors import ConfigError
+    from ranklog.shippers._reopen import reopen_flags
+
+    assert reopen_flags("mlflow:databricks#experiment=/Users/me/e") == [
+        "--to=mlflow:databricks", "--experiment=/Users/me/e"]  # fmt: skip
+    assert reopen_flags("mlflow:postgresql://u@db/mlflow#run=abc")[0] == (
+        "--to=mlflow:postgresql://u@db/mlflow")  # fmt: skip
+    for forged in ("mlflow:sqlite:///rel.db#experiment=e", "mlflow:file:///x#experiment=e",
+                   "jsonl:relative.jsonl", "jsonl:/a\nb"):  # fmt: skip
+        with pytest.raises(ConfigError):
+            reopen_flags(forged)

@@ -8,12 +8,14 @@ each segment from the segment itself, while the spool still has it:
 - layout 2: a part holds pieces of many segments. For each segment with a piece in the
   damaged file, its rows of that table are rebuilt from the segment's frames the
   manifest marks compacted, less the rows its other (sound) pieces hold (a frame's rows
-  are in one piece: kept pieces are told apart by ``seq``). Each damaged piece becomes a
-  block of a new part, in its place in the segment's write order.
+  are in one piece: kept pieces are told apart by ``seq``). Each run of adjacent damaged
+  pieces (a merged part holds several pieces of one segment side by side) becomes one
+  block of a new part, in its place in the segment's write order: each row once.
 - layout 1: the file held one segment's frames ``[start, end)``: those frames again.
 
 The new files are written (tmp, fsync, rename) before the manifest names them; the
-damaged ones are then moved to ``DIR/.damaged/`` (kept, never deleted). When a segment
+damaged ones are then moved to ``DIR/.damaged/`` (kept, never deleted; a missing one, or
+one a repair killed midway moved already, is rewritten the same way). When a segment
 with rows in a damaged file is gone from the spool (``compact --delete``), nothing is
 changed: :class:`ArchiveError` names the file and the segments whose rows it alone held.
 """
@@ -84,6 +86,8 @@ def repair(layout: SpoolLayout, run_id: str, out: Path, manifest: Manifest) -> l
         manifest.parts += 1
     aside = out / ".damaged"
     for rel in damaged:
+        if not (out / rel).exists():  # missing (or moved aside by a repair killed after)
+            continue
         (aside / rel).parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         os.replace(out / rel, aside / rel)  # (kept: a file is never deleted by a repair)
     for rel, data in layout1:
@@ -108,9 +112,9 @@ def _rebuilt(
     damaged: dict[str, str],
     writer: _NewPart,
 ) -> list[list[int]]:
-    """``held`` with each damaged piece replaced by a block of the new part holding the
-    rows it held: the rows of ``want`` (the segment's rows of ``table``) between the
-    ``seq`` of the sound pieces before it and after it."""
+    """``held`` with each run of adjacent damaged pieces replaced by one block of the new
+    part holding the rows they held: the rows of ``want`` (the segment's rows of
+    ``table``) between the ``seq`` of the sound pieces before the run and after it."""
     spans: list[tuple[int, int] | None] = []  # per piece: its (first, last) seq; None: damaged
     for p, g, a, b in held:
         if part_file(table, p, g) in damaged:
@@ -121,19 +125,26 @@ def _rebuilt(
         spans.append((pc.min(seqs).as_py(), pc.max(seqs).as_py()) if len(seqs) else None)
     result: list[list[int]] = []
     seq = want["seq"] if want is not None else None
-    for i, (p, g, a, b) in enumerate(held):
+    i = 0
+    while i < len(held):
+        p, g, a, b = held[i]
         if part_file(table, p, g) not in damaged:
             result.append([p, g, a, b])
+            i += 1
             continue
+        end = i  # the run of adjacent damaged pieces: [i, end]
+        while end + 1 < len(held) and part_file(table, *held[end + 1][:2]) in damaged:
+            end += 1
         if want is None or seq is None:
             raise ArchiveError(f"{out / part_file(table, p, g)}: segment {sid.key} holds no "
                                f"{table} rows for it any more")  # fmt: skip
         lo = max((s[1] for s in spans[:i] if s is not None), default=-1)
-        hi = min((s[0] for s in spans[i + 1 :] if s is not None), default=2**62)
+        hi = min((s[0] for s in spans[end + 1 :] if s is not None), default=2**62)
         rows = want.filter(pc.and_(pc.greater(seq, lo), pc.less(seq, hi)))
         if table in STEP_TABLES:
             rows = rows.take(pc.sort_indices(rows, [("step", "ascending")]))
         result.append(writer.add(table, rows))
+        i = end + 1
     return result
 
 

@@ -38,7 +38,10 @@ _PLACE_OPTIONS: Final = frozenset({"dir", "run_id", "entity", "mode", "experimen
 _ABS: Final = r"/[^\x00\n\r#]*"
 _VALUE: Final = r"[^\x00\n\r]+"
 _PATTERNS: Final = {
-    "mlflow": re.compile(rf"(sqlite:///{_ABS}|https?://[^\s#]+)#(experiment|run)=({_VALUE})"),
+    "mlflow": re.compile(
+        rf"(sqlite:///{_ABS}|databricks(?:-uc)?(?:://[^\s#]+)?|(?!sqlite:|file:)[a-z][a-z0-9+.\-]*://[^\s#]+)"
+        rf"#(experiment|run)=({_VALUE})"
+    ),
     "wandb": re.compile(rf"([^/\x00\n\r]*)/([^/\x00\n\r]+)/([^/@\x00\n\r]+)(?:@({_ABS}))?"),
     "swanlab": re.compile(rf"({_ABS})#project=([^&\x00\n\r]+)&run=({_VALUE})"),
     "trackio": re.compile(rf"({_ABS})/([^/\x00\n\r#]+)\.db#run=({_VALUE})"),
