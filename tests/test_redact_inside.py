@@ -59,6 +59,9 @@ def test_an_objects_text_is_redacted_by_the_same_rules() -> None:
         (f"login --key={WANDB} --quiet", "login --key=<redacted> --quiet"),
         ("sk-" + "x" * 30 + " is mine", "<redacted> is mine"),
         ("PGPASSWORD=hunter22 psql", "PGPASSWORD=<redacted> psql"),
+        ('{"password": "hunter22x"}', '{"password": "<redacted>"}'),
+        ("Basic dXNlcjpwYXNzd29yZA==", "Basic <redacted>"),
+        ("/home/u/hf_token=abcd1234/x", "/home/u/hf_token=<redacted>/x"),
     ],
 )
 def test_credentials_inside_a_string_are_hidden_where_they_stand(value: str, shown: str) -> None:
@@ -70,7 +73,10 @@ def test_credentials_inside_a_string_are_hidden_where_they_stand(value: str, sho
 @pytest.mark.parametrize(
     "value",
     ["https://github.com/org/repo.git", "max_new_tokens=512 temperature=0.7",
-     "a plain description of the run", f"checkout {WANDB[:12]}"],
+     "a plain description of the run", f"checkout {WANDB[:12]}", "Basic arithmetic questions",
+     "we use token embeddings", "Token classification with bert-base", "auth: kerberos",
+     "pad_token: <pad>, unk_token: <unk>}", "max_token=2048", "token: 5",
+     "time 12:30:00 ok"],
 )  # fmt: skip
 def test_what_only_looks_alike_stays(value: str) -> None:
     """No password in a URL, a model's tokens, plain words: shipped as logged."""

@@ -24,10 +24,12 @@ Hugging Face token (``hf_...``), an OpenAI key (``sk-...``), a GitHub token (``g
 
 Inside a longer string (a database URL, a header, a command line, an object's text) the
 same shapes are hidden where they stand and the rest of the string is kept
-(:meth:`Redactor.text`): the password of a URL (``postgresql://user:<redacted>@host``), what
-follows ``Bearer`` or ``Basic``, the value after ``password=``, ``secret=``, ``token=``,
-``api_key=`` (and ``:``), 40 hex digits after ``key=`` or ``api_key=``, and the token shapes
-above.
+(:meth:`Redactor.text`): the password of a URL (``postgresql://user:<redacted>@host``), the
+credentials after ``Bearer`` or ``Basic`` (12 or more characters with a digit or ``=``),
+the value of ``name=value`` or ``name: value`` when the name is a secret's by the key rule
+above (or ends with ``password``, ``passwd`` or ``secret``: ``PGPASSWORD=``), 40 hex digits
+after ``key=``, and the token shapes above. So ``max_token=2048``, ``pad_token: <pad>``,
+``auth: none`` and "Basic arithmetic" stay as logged.
 
 Users add their own: ``ranklog.init(redact=["*.db_url", "private_*"])`` and the
 environment variable ``RANKLOG_REDACT`` (comma-separated), shell globs matched, case
@@ -75,25 +77,38 @@ _LOOKS_SECRET: Final = re.compile(
 _HEX40: Final = re.compile(r"[0-9a-f]{40}")
 
 
-#: credential shapes inside a longer string: each keeps its group 1 (what says what the
-#: secret is) and hides the rest of the match
-_IN_TEXT: Final = re.compile(
-    r"(?i:(\b(?:bearer|basic|token)\s+))[A-Za-z0-9\-._~+/]{8,}=*"  # Authorization headers
-    r"|(?i:(\b[a-z][a-z0-9+.\-]*://[^\s/:@]+:))[^\s/@]+(?=@)"  # user:password@ in a URL
-    r"|(?i:((?<![a-z0-9])(?:[a-z0-9_]*(?:password|passwd|secret)|pwd|token|api[_\-]?key|apikey"
-    r"|access[_\-]?key|auth)\s*[=:]\s*[\"']?))[^\s\"'&;,]{4,}"  # password=..., token: ...
-    r"|(?i:((?<![a-z0-9])key\s*[=:]\s*[\"']?))[0-9a-f]{40}(?![0-9a-f])"  # key=<W&B key>
-    rf"|()(?<![\w-])(?:{_LOOKS_SECRET.pattern})"
+#: credential shapes inside a longer string, each hidden where it stands (what names it kept)
+_URL_PASSWORD: Final = re.compile(r"(?i)(\b[a-z][a-z0-9+.\-]*://[^\s/:@]+:)[^\s/@]+(?=@)")
+#: an Authorization header's credentials: 12 or more characters with a digit or ``=`` (words
+#: after "Basic" stay: "Basic arithmetic")
+_HEADER: Final = re.compile(
+    r"(?i)(\b(?:bearer|basic)\s+)(?=[A-Za-z0-9\-._~+/]*[0-9=])[A-Za-z0-9\-._~+/]{12,}=*"
 )
+#: 40 hex digits after ``key=`` (``wandb login --key=...``)
+_KEY_HEX: Final = re.compile(r"(?i)((?<![\w.])key[\"']?\s*[=:]\s*[\"']?)[0-9a-f]{40}(?![0-9a-f])")
+#: ``name=value`` and ``name: value`` (a quoted JSON key too): hidden when the name is a
+#: secret's by the key rule (:func:`secret_component`; ``PGPASSWORD``, ``client_secret``)
+_ASSIGNED: Final = re.compile(
+    r"(?<![\w.])([A-Za-z_][\w.\-]*)([\"']?\s*[=:]\s*[\"']?)([^\s\"'&;,/}\])]{4,})"
+)
+_SHAPES: Final = re.compile(rf"(?<![\w-])(?:{_LOOKS_SECRET.pattern})")
 
 
-def _hide(m: re.Match[str]) -> str:
-    return next((g for g in m.groups() if g is not None), "") + "<redacted>"
+def _assigned(m: re.Match[str]) -> str:
+    name = m.group(1).rsplit(".", 1)[-1]
+    low = name.lower()
+    if secret_component(name) or low.endswith(("password", "passwd", "secret")) or low == "pwd":
+        return m.group(1) + m.group(2) + "<redacted>"
+    return m.group(0)
 
 
 def redact_in_text(text: str) -> str:
     """``text`` with every credential shape in it hidden, the rest kept (see the module)."""
-    return _IN_TEXT.sub(_hide, text)
+    text = _URL_PASSWORD.sub(r"\1<redacted>", text)
+    text = _HEADER.sub(r"\1<redacted>", text)
+    text = _KEY_HEX.sub(r"\1<redacted>", text)
+    text = _ASSIGNED.sub(_assigned, text)
+    return _SHAPES.sub("<redacted>", text)
 
 
 def redact_text(text: str) -> tuple[str, int]:
