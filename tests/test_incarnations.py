@@ -14,7 +14,9 @@ ever held for that rank. How this could break, and what each test tries:
 - a ``deleted.json`` cut short or garbage (the spool is shared): the segment keys it
   still shows count; a number too high costs nothing, a reused one loses steps;
 - an older release's ``deleted.json`` (version 1: segment -> dataset) counts the same;
-- another rank's deletions do not move this rank's numbers.
+- another rank's deletions do not move this rank's numbers;
+- a hostile number (``4294967295``, which no segment header holds) in ``deleted.json`` or
+  a file named like a segment in the rank directory: not followed, the rank starts.
 """
 
 from __future__ import annotations
@@ -106,3 +108,16 @@ def test_delete_killed_between_its_record_and_the_unlink(tmp_path: Path) -> None
     again = tmp_path / "replay.jsonl"
     replay(ds, JsonlTarget(again))
     assert lines(again) == lines(live)
+
+
+def test_a_hostile_number_in_deleted_json_or_the_listing_is_not_followed(tmp_path: Path) -> None:
+    """deleted.json (or a file in the rank directory) naming incarnation 4294967295, which
+    no segment header can hold: the rank starts, numbered from what ranklog wrote."""
+    spool = tmp_path / "spool"
+    _steps(spool, 1, range(2))
+    layout = SpoolLayout(spool)
+    body = {"segments": {"00000/4294967295-000001": "/x", "00000/0003-000001": "/x"}}
+    layout.deleted_json.write_text(json.dumps(body))
+    (layout.rank_dir(0) / "99999999999-000001.rlog").write_bytes(b"not ours")
+    _steps(spool, 1, range(2, 4))
+    assert [s.incarnation for s in layout.segments(0)][:2] == [1, 4]

@@ -40,9 +40,10 @@ def dir_place(path: Path) -> str | None:
 
 
 def server_place(url: str) -> str | None:
-    """``<scheme>://<host>:<port><path>`` with the host resolved: every name of this machine
-    (``localhost``, a loopback address, its own name or address) is ``localhost``; another
-    host is its sorted addresses. None for a URL with no host."""
+    """``<scheme>://<host>:<port><path>``, every name of this machine (``localhost``, a
+    loopback address, its own name or address) made ``localhost``; another host is its
+    name as given (two servers behind one address, told apart by name, stay two). None
+    for a URL with no host."""
     parts = urllib.parse.urlsplit(url)
     host = (parts.hostname or "").lower()
     if not host or parts.scheme.lower() not in ("http", "https"):
@@ -56,16 +57,16 @@ def server_place(url: str) -> str | None:
 
 
 def _canonical_host(host: str, port: int) -> str:
+    if host == "localhost":
+        return host
     addresses = _addresses(host, port)
-    if host == "localhost" or not addresses:
-        return "localhost" if host == "localhost" else host
-    if all(_local(a) for a in addresses):
+    if addresses and all(_local(a) for a in addresses):
         return "localhost"
     own = {socket.gethostname().lower(), socket.getfqdn().lower()}
-    mine = set().union(*(_addresses(h, port) for h in own))
-    if host in own or addresses & mine:
+    if host in own:
         return "localhost"
-    return ",".join(sorted(addresses))
+    mine = set().union(*(_addresses(h, port) for h in own))
+    return "localhost" if addresses and addresses <= mine else host
 
 
 def _addresses(host: str, port: int) -> set[str]:

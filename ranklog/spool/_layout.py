@@ -30,6 +30,7 @@ from ranklog.errors import ConfigError, SpoolFormatError
 from ranklog.spool._segid import SegmentId
 
 __all__ = [
+    "MAX_INCARNATION",
     "DeletedSegment",
     "RunInfo",
     "SegmentName",
@@ -295,16 +296,20 @@ def deleted_incarnation(root: str | os.PathLike[str], rank: int) -> int:
     """
     path = SpoolLayout(root).deleted_json
     try:
-        return max((d.segment.incarnation for d in deleted_segments(root)
-                    if d.segment.rank == rank), default=0)  # fmt: skip
+        found = [d.segment.incarnation for d in deleted_segments(root) if d.segment.rank == rank]
     except SpoolFormatError:
-        pass
-    try:
-        raw = path.read_bytes()
-    except OSError:
-        return 0
-    found = (int(m.group(2)) for m in _DELETED_KEY.finditer(raw) if int(m.group(1)) == rank)
-    return max(found, default=0)
+        try:
+            raw = path.read_bytes()
+        except OSError:
+            return 0
+        found = [int(m.group(2)) for m in _DELETED_KEY.finditer(raw) if int(m.group(1)) == rank]
+    # a number no writer could have made (a hostile or garbled file) is not followed
+    return max((i for i in found if i < MAX_INCARNATION), default=0)
+
+
+#: incarnations a rank can be numbered (its segment header holds 32 bits): a listing or a
+#: deleted.json naming one at or past this was not written by ranklog, and is not followed
+MAX_INCARNATION: Final = 2**31
 
 
 #: a segment's key as deleted.json writes it (``"00003/0001-000001"``), for a damaged file

@@ -38,7 +38,7 @@ from ranklog.spool._format import (
     msgpack_array_header,
     pack_header,
 )
-from ranklog.spool._layout import RunInfo, SpoolLayout, deleted_incarnation
+from ranklog.spool._layout import MAX_INCARNATION, RunInfo, SpoolLayout, deleted_incarnation
 
 __all__ = ["DEFAULT_SEGMENT_BYTES", "IncarnationWriter"]
 
@@ -103,7 +103,7 @@ class IncarnationWriter:
             raise SpoolError(f"max_segment_bytes={max_segment_bytes} is too small")
         rank_dir = layout.rank_dir(rank)
         rank_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-        existing = [s.incarnation for s in layout.segments(rank)]
+        existing = [s.incarnation for s in layout.segments(rank) if s.incarnation < MAX_INCARNATION]
         # after the listing: compact --delete records a segment before removing it, so one
         # the listing missed is in deleted.json by now
         incarnation = max(max(existing, default=0), deleted_incarnation(layout.root, rank)) + 1

@@ -221,6 +221,10 @@ class MlflowTarget:
         """A server's resolved address (``localhost`` and ``127.0.0.1`` are one server), or
         the sqlite file's device and inode, with the experiment or run as in the identity."""
         where = self.identity(run).rpartition("#")[2]
+        if self._db is not None:  # (made empty first, as the store's open makes it)
+            with contextlib.suppress(OSError):
+                self._db.parent.mkdir(parents=True, exist_ok=True)
+                os.close(os.open(self._db, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
         at = file_place(self._db) if self._db is not None else server_place(self.uri)
         return None if at is None else f"mlflow:{at}#{where}"
 
