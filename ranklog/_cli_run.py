@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["OPT", "log_to_stderr", "long_running", "options"]
+__all__ = ["OPT", "check_options", "log_to_stderr", "long_running", "options"]
 
 #: where parsed target option values go in the namespace (``opt_run_name`` ...)
 OPT = "opt_"
@@ -96,3 +96,20 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
         for key, value in vars(args).items()
         if key.startswith(OPT) and value is not None and value is not False
     }
+
+
+def check_options(args: argparse.Namespace, specs: list[str]) -> None:
+    """:class:`~ranklog.errors.ConfigError` (exit 2) for a target option that none of the
+    targets ``specs`` takes (``--histogram-stats`` with a JSONL target): said, not ignored."""
+    from ranklog.errors import ConfigError
+    from ranklog.shippers import all_options
+
+    kinds = {spec.partition(":")[0] for spec in specs}
+    declared = all_options()
+    for key in options(args):
+        opt, takers = declared[key]
+        if not kinds & set(takers):
+            raise ConfigError(
+                f"{opt.flag} is an option of {', '.join(sorted(set(takers)))} targets, and no "
+                f"--to here is one ({', '.join(sorted(kinds))}): drop it, or add such a target"
+            )

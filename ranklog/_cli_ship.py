@@ -17,7 +17,7 @@ import subprocess
 import sys
 from typing import Any
 
-from ranklog._cli_run import log_to_stderr, long_running, options
+from ranklog._cli_run import check_options, log_to_stderr, long_running, options
 from ranklog.errors import ConfigError
 
 __all__ = ["ship"]
@@ -41,6 +41,8 @@ def ship(args: argparse.Namespace) -> int:
     targets: list[str] = args.to or []
     if args.name is not None:
         check_name(args.name)
+    if targets:
+        check_options(args, targets)
     require_run(args.spool)
     if not targets:
         return _ship_known(args)
@@ -145,9 +147,11 @@ def _ship_argv(args: argparse.Namespace, spec: str, name: str | None) -> list[st
     if name:  # the shipper's own name (--name names the only target's, not several)
         flags += ["--name", name]
     declared = all_options()
+    kind = spec.partition(":")[0]
     for key, value in options(args).items():
-        opt = declared[key][0]
-        flags += [opt.flag] if value is True else [opt.flag, str(value)]
+        opt, takers = declared[key]
+        if kind in takers:  # (each target's process gets the options its kind takes)
+            flags += [opt.flag] if value is True else [opt.flag, str(value)]
     return flags
 
 

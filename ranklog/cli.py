@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ranklog._cli_run import OPT, log_to_stderr, long_running, options
+from ranklog._cli_run import OPT, check_options, log_to_stderr, long_running, options
 from ranklog._version import __version__
 from ranklog.errors import ConfigError, RanklogError
 
@@ -152,6 +152,7 @@ def _replay(args: argparse.Namespace) -> int:
 
     if not args.to:
         raise ConfigError("replay needs a target: --to TARGET")
+    check_options(args, args.to)
     manifest = require_manifest(args.dataset)
     log_to_stderr()
     code = 0
@@ -270,7 +271,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     ship.add_argument(
         "--exit-with", type=int, metavar="PID",
         help="ship what is closed and exit once process PID ends (a shipper started by "
-        "the training process)",
+        "the training process; default: follow the job until every rank ended)",
     )  # fmt: skip
     ship.add_argument(
         "--poll", type=float, metavar="S", help="poll every S seconds (default: inotify, "
@@ -278,11 +279,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )  # fmt: skip
     ship.add_argument(
         "--dead-after", type=float, default=120.0, metavar="S",
-        help="a rank silent this long is declared dead; its steps ship as partial",
+        help="a rank silent this long is declared dead; its steps ship as partial (default "
+        "120)",
     )  # fmt: skip
     ship.add_argument(
         "--start-grace", type=float, default=60.0, metavar="S",
-        help="with a known world size, wait this long after the run starts for every rank",
+        help="with a known world size, wait this long after the run starts for every rank "
+        "(default 60)",
     )  # fmt: skip
     ship.add_argument("--name", help="cursor name (default: derived from the target)")
     if shipping:
@@ -313,7 +316,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     comp = sub.add_parser("compact", help="write the spool's events as a Parquet dataset")
     comp.add_argument("spool")
-    comp.add_argument("--out", required=True, help="dataset directory (created if missing)")
+    comp.add_argument("--out", required=True,
+                      help="dataset directory (created if missing; required)")  # fmt: skip
     comp.add_argument(
         "--delete", action="store_true",
         help="delete sealed segments once their rows are verified in Parquet and every "
@@ -338,12 +342,17 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     rep = sub.add_parser("replay", help="ship a compacted dataset into any target")
     rep.add_argument("dataset")
-    rep.add_argument("--steps", type=_steps, metavar="A:B", help="only steps A <= step < B")
-    rep.add_argument("--names", metavar="GLOB", help="only metrics, timers and text matching")
+    rep.add_argument("--steps", type=_steps, metavar="A:B",
+                     help="only steps A <= step < B (default: every step)")  # fmt: skip
+    rep.add_argument(
+        "--names", metavar="GLOB",
+        help="only metrics, timers and text matching (default: every name)",
+    )  # fmt: skip
     rep.add_argument(
         "--relogged", choices=["first", "last"], default="first",
         help="steps a rank logged again after a restart: keep the values shipped first (as "
-        "live backends did) or the last ones (the branch training continued from)",
+        "live backends did; the default) or the last ones (the branch training continued "
+        "from)",
     )  # fmt: skip
     if shipping:
         _target_flags(rep)
@@ -356,14 +365,16 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     rpt = sub.add_parser("report", help="an HTML report of a compacted dataset")
     rpt.add_argument("dataset")
-    rpt.add_argument("--out", default="report.html", help="the HTML file to write")
+    rpt.add_argument("--out", default="report.html",
+                     help="the HTML file to write (default: report.html)")  # fmt: skip
     rpt.set_defaults(func=_report)
 
     demo = sub.add_parser("demo", help="a short multi-process job on this machine")
     demo.add_argument("--out", help="directory for the demo's outputs (default: a temp dir)")
-    demo.add_argument("--ranks", type=int, default=4)
-    demo.add_argument("--steps", type=int, default=300)
-    demo.add_argument("--step-seconds", type=float, default=0.01)
+    demo.add_argument("--ranks", type=int, default=4, help="ranks of the job (default: 4)")
+    demo.add_argument("--steps", type=int, default=300, help="steps it logs (default: 300)")
+    demo.add_argument("--step-seconds", type=float, default=0.01,
+                      help="seconds a step takes (default: 0.01)")  # fmt: skip
     demo.set_defaults(func=_demo)
     return p
 

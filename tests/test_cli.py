@@ -375,3 +375,38 @@ class TestReplayWritesWhereTold:
         assert (here / "mlflow.db").is_file()
         assert f"into mlflow:sqlite:///{here / 'mlflow.db'}" in proc.stdout
         assert "mlflow::" not in proc.stderr + proc.stdout
+
+
+class TestOptionsThatApply:
+    """An option no given target takes is refused in one line (exit 2), never ignored;
+    every option's help gives its default."""
+
+    def test_an_option_of_another_target_is_refused(self, spool: Path, tmp_path: Path) -> None:
+        """``--histogram-stats`` (MLflow's) with a JSONL target: exit 2 naming both."""
+        _small_spool(spool)
+        proc = cli("ship", str(spool), "--once", "--to", f"jsonl:{tmp_path / 'o.jsonl'}",
+                   "--histogram-stats", "mean")  # fmt: skip
+        assert proc.returncode == 2, proc.stderr
+        assert "--histogram-stats is an option of mlflow" in proc.stderr and "jsonl" in proc.stderr
+        assert proc.stderr.count("\n") == 1 and not (tmp_path / "o.jsonl").exists()
+        ok = cli("ship", str(spool), "--once", "--quiet", "--to", f"jsonl:{tmp_path / 'o.jsonl'}",
+                 "--leave-out", "texts")  # fmt: skip
+        assert ok.returncode == 0, ok.stderr
+
+    @pytest.mark.parametrize("command", ["ship", "replay", "compact", "report", "demo"])
+    def test_every_option_says_its_default(self, command: str) -> None:
+        """Each option that takes a value names its default (or that it is required)."""
+        import argparse
+
+        from ranklog.cli import build_parser
+
+        parser = build_parser(command)
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        lacking = [
+            a.option_strings[0]
+            for a in sub.choices[command]._actions
+            if a.option_strings and a.help != argparse.SUPPRESS
+            and not isinstance(a, argparse._StoreTrueAction | argparse._HelpAction)
+            and "default" not in (a.help or "") and "required" not in (a.help or "")
+        ]  # fmt: skip
+        assert lacking == []

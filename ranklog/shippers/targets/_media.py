@@ -126,7 +126,7 @@ GPU_NAMES: Final = ("ranklog", "nemo")
 #: the option every target with GPU series declares
 GPU_NAMES_OPTION: Final = Option(
     "gpu_names", "GPU series named as ranklog names them, or as NeMo RL's Ray monitor does "
-    "(ray/node.N.gpu.M.util, ...)", choices=GPU_NAMES,
+    "(ray/node.N.gpu.M.util, ...; default: ranklog)", choices=GPU_NAMES,
 )  # fmt: skip
 #: ``--group`` and ``--dir``, shared by the targets that take them (W&B, trackio)
 GROUP_HELP: Final = (
@@ -137,8 +137,12 @@ DIR_HELP: Final = (
     "W&B: default SPOOL; SwanLab: SPOOL/swanlog; "
     "trackio: TRACKIO_DIR, where `trackio show` looks)"
 )
-TAGS_HELP: Final = "the run's tags, comma-separated (W&B, SwanLab)"
-NOTES_HELP: Final = "the run's notes (W&B; SwanLab's description)"
+RUN_ID_HELP: Final = (
+    "the backend's run id to write into (W&B id, MLflow run id; default: derived from the "
+    "ranklog run id, MLflow: the run found by its tag, else a new one)"
+)
+TAGS_HELP: Final = "the run's tags, comma-separated (W&B, SwanLab; default: none)"
+NOTES_HELP: Final = "the run's notes (W&B; SwanLab's description; default: none)"
 _GIB: Final = 1024.0**3
 
 

@@ -84,7 +84,7 @@ from ranklog.shippers._held import ALL_NAMES, Holding, StepSet, refuse_other
 from ranklog.shippers._place import file_place, server_place
 from ranklog.shippers._registry import Option, TargetContext, TargetKind
 from ranklog.shippers._target import ShippedStep
-from ranklog.shippers.targets._media import GPU_NAMES_OPTION
+from ranklog.shippers.targets._media import GPU_NAMES_OPTION, RUN_ID_HELP
 from ranklog.shippers.targets._mlflow_rows import (
     HISTOGRAM_STATS,
     MARKER,
@@ -581,16 +581,20 @@ TARGET = TargetKind(
         ),
         Option("experiment", "MLflow experiment (default: the run name)", nemo="experiment_name"),
         Option(
-            "run_id", "the backend's run id to write into (W&B id, MLflow run id)", nemo="run_id"
+            "run_id",
+            RUN_ID_HELP,
+            nemo="run_id",
         ),
         Option(
             "artifact_location",
-            "artifact location of an MLflow experiment it creates",
+            "artifact location of an MLflow experiment it creates (default: mlflow-artifacts/ "
+            "beside a sqlite store, else the server's)",
             metavar="URI",
         ),
         Option(
             "image_layout",
-            "MLflow images: images/step_N/NAME per step, or plots/NAME (the latest, as NeMo RL)",
+            "MLflow images: images/step_N/NAME per step (the default), or plots/NAME (the "
+            "latest, as NeMo RL)",
             choices=("steps", "latest"),
         ),
         GPU_NAMES_OPTION,

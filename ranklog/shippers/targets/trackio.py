@@ -68,6 +68,7 @@ from ranklog.shippers.targets._media import (
     DIR_HELP,
     GPU_NAMES_OPTION,
     GROUP_HELP,
+    RUN_ID_HELP,
     gpu_metrics,
     rank_tags,
 )
@@ -393,7 +394,10 @@ TARGET = TargetKind(
         Option("run_name", "the backend run's name (default: the spool's run name)"),
         Option("group", GROUP_HELP),
         Option("dir", DIR_HELP, metavar="DIR"),
-        Option("run_id", "the backend's run id to write into (W&B id, MLflow run id)"),
+        Option(
+            "run_id",
+            RUN_ID_HELP,
+        ),
         GPU_NAMES_OPTION,
     ),
     extra="trackio",

@@ -81,6 +81,7 @@ from ranklog.shippers.targets._media import (
     GPU_NAMES_OPTION,
     GROUP_HELP,
     NOTES_HELP,
+    RUN_ID_HELP,
     TAGS_HELP,
 )
 from ranklog.shippers.targets._wandb_config import (
@@ -147,13 +148,25 @@ TARGET = TargetKind(
     build=_build,
     options=(
         Option("run_name", "the backend run's name (default: the spool's run name)", nemo="name"),
-        Option("entity", "W&B entity", nemo="entity"),
+        Option("entity", "W&B entity (default: W&B's, from its settings)", nemo="entity"),
         Option("group", GROUP_HELP, nemo="group"),
-        Option("mode", "W&B mode", choices=("online", "offline"), nemo="mode"),
-        Option("dir", DIR_HELP, metavar="DIR"),
-        Option("run_id", "the backend's run id to write into (W&B id, MLflow run id)", nemo="id"),
         Option(
-            "resume", "W&B resume mode", choices=("allow", "must", "never", "auto"), nemo="resume"
+            "mode",
+            "W&B mode (default: WANDB_MODE, else online with an API key configured, else offline)",
+            choices=("online", "offline"),
+            nemo="mode",
+        ),
+        Option("dir", DIR_HELP, metavar="DIR"),
+        Option(
+            "run_id",
+            RUN_ID_HELP,
+            nemo="id",
+        ),
+        Option(
+            "resume",
+            "W&B resume mode (default: W&B's)",
+            choices=("allow", "must", "never", "auto"),
+            nemo="resume",
         ),
         Option("tags", TAGS_HELP, nemo="tags"),
         Option("notes", NOTES_HELP, nemo="notes"),
