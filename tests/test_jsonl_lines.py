@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 import struct
+from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ranklog.shippers import ShippedStep
-from ranklog.shippers.targets.jsonl import _line, step_bytes, step_line
+from ranklog.shippers.targets.jsonl import _line, read_jsonl, step_bytes, step_line
 
 FLOATS = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
@@ -49,3 +50,42 @@ class TestUsualLine:
         assert back["metrics"] == {"a": 0.25, "b": -0.0, "c": 123456.789}
         assert math.copysign(1.0, back["metrics"]["b"]) < 0
         assert line == _line(step_line(s))
+
+
+def test_append_run_is_given_once(tmp_path: Path) -> None:
+    """Run B appended after run A with --append-run once: B's later ships of the same
+    file go on without repeating it (a third run is still refused)."""
+    import subprocess
+    import sys
+
+    import ranklog
+
+    from .conftest import python_env
+
+    def job(spool: Path, steps: range) -> None:
+        with ranklog.init(spool, rank=0, world_size=1, handle_signals=False) as run:
+            for s in steps:
+                run.log_metrics({"loss": s / 10}, step=s)
+                run.step_end(s)
+
+    def ship(spool: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "ranklog.cli", "ship", str(spool), "--once", "--quiet",
+             "--to", f"jsonl:{out}", *extra],
+            env=python_env(), capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+
+    out = tmp_path / "all.jsonl"
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    job(a, range(2))
+    assert ship(a).returncode == 0
+    job(b, range(2))
+    assert ship(b).returncode == 5
+    assert ship(b, "--append-run").returncode == 0
+    job(b, range(2, 4))
+    res = ship(b)
+    assert res.returncode == 0, res.stderr
+    job(c, range(1))
+    assert ship(c).returncode == 5
+    steps = [x["step"] for x in read_jsonl(out) if "step" in x]
+    assert steps == [0, 1, 0, 1, 2, 3]

@@ -34,7 +34,8 @@ replay followed by a wider one writes only the missing steps, appended after the
 already there) and the params it holds (a params line carries only new or changed
 values). A torn last line (a crash mid-write) is cut off, so the file stays valid JSONL.
 Another run's lines refuse the file (:class:`~ranklog.errors.TargetHeldError`) unless
-``--append-run``; this run's lines written with another ``--names`` refuse it too.
+``--append-run``, given once: a run whose lines the file already holds beside another's
+goes on without it; this run's lines written with another ``--names`` refuse it too.
 A new file is created holding its run line (``link``: atomic, also on NFS), so two runs
 starting on one new file never both write into it; a run that finds another one's lines
 appended after its own (``--append-run``) writes its run line again before its next lines.
@@ -209,9 +210,12 @@ class JsonlTarget:
         try:
             _repair(fd)
             scan = scan_jsonl(fd)
+            # this run's lines already beside another run's: --append-run was given once
+            # (or the other run followed this one with it): the run goes on without it
+            shared = self.append_run or _key(mine) in scan.named
             for other, theirs in scan.others(mine):
                 refuse_other(
-                    str(self.path), other, mine, theirs, append=self.append_run,
+                    str(self.path), other, mine, theirs, append=shared,
                     remedy="ship into another file, or add --append-run to write this run "
                     "after it",
                 )  # fmt: skip
