@@ -169,11 +169,12 @@ class RanklogCallback(TrainerCallback):
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """Close the last step and flush."""
+        """Close the last step and flush; the process's rank then ends ``ok`` at exit."""
         self._training = False
         self._steps.close()
         if self._run is not None:
             self._run.flush()
+            self._run._ended_well()
 
     def close(self) -> None:
         """Close the open step and this process's run (also done at exit)."""

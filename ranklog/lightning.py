@@ -140,10 +140,13 @@ class RanklogLogger(Logger):
         """Nothing to do: closed steps are in the OS already (``step_end``), the rest follows."""
 
     def finalize(self, status: str) -> None:
-        """Close the step this rank is in and flush (end of fit, validate or test)."""
+        """Close the step this rank is in and flush (end of fit, validate or test); after
+        a success, the rank ends ``ok`` at exit."""
         if self._run is not None:
             self._steps.close()
             self._run.flush()
+            if status == "success":
+                self._run._ended_well()
 
     def after_save_checkpoint(self, checkpoint_callback: Checkpoint) -> None:
         """Flush, so that what was logged before the checkpoint is in the OS (rank 0 only)."""

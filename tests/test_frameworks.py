@@ -211,6 +211,8 @@ class TestRanklogLogger:
             assert all(m.values["epoch"] == m.step // 10 for m in metrics)
             assert [e.step for e in events if isinstance(e, StepEnd)] == list(range(STEPS))
             assert ended(events)
+            # fit ended well: the rank ends ok at exit, as a script's close() does
+            assert [e.status for e in events if isinstance(e, RankEnd)] == ["ok"]
         assert read_run(lit["spool"]).name == "lit"
 
     def test_tensorboard_shows_the_cross_rank_reduction(self, lit: dict[str, Any]) -> None:
@@ -331,6 +333,8 @@ class TestRanklogCallback:
             assert [m.step for m in metrics if "train/train_runtime" in m.values] == [20]
             assert [e.step for e in events if isinstance(e, Timer)] == steps
             assert [e.step for e in events if isinstance(e, StepEnd)] == steps
+            # training ended well: the process's rank ends ok at exit
+            assert [e.status for e in events if isinstance(e, RankEnd)] == ["ok"]
         assert read_run(hf["spool"]).name == "hf"
 
     def test_tensorboard_shows_the_cross_rank_reduction(self, hf: dict[str, Any]) -> None:

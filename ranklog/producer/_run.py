@@ -162,6 +162,7 @@ class Run(RunValues):
         self._late_warned = False
         self._ahead_warned = False
         self._closed = False
+        self._well = False  # a framework saw training end normally (_ended_well)
         self._names: dict[str | None, dict[str, str]] = {}
         self._timer_names: set[str] = set()
         self._book = NameBook(rank)
@@ -459,10 +460,19 @@ class Run(RunValues):
         else:
             self.close("error", 1)
 
+    def _ended_well(self) -> None:
+        """A framework saw training end normally (Lightning's ``finalize("success")``, the
+        Trainer's ``on_train_end``): a rank closed at exit then ends ``ok``, as a script's
+        ``close()`` does, not ``exit`` (a script that just stopped)."""
+        self._well = True
+
     def _atexit(self) -> None:
         died = _died_of()
         if died is None:
-            self.close("exit", None)
+            if self._well:
+                self.close()
+            else:
+                self.close("exit", None)
         elif issubclass(died, KeyboardInterrupt):
             self.close("interrupted", 130)
         else:
