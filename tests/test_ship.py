@@ -341,6 +341,25 @@ class TestConsole:
         assert text.count("┌") == 2 and "2 more samples not shown" in text
         assert "timing/step_time" in text and "(rank 0)" in text
 
+    def test_params_are_a_readable_block(self, spool: Path) -> None:
+        """Hyperparameters print one per line, aligned, sorted; a long value is cut with a
+        count of what was left out (not one line of kilobytes)."""
+        run = rank(spool, 0, 1)
+        run.log_hyperparams({"optim": {"lr": 0.001, "betas": [0.9, 0.95]}, "prompt": "x" * 500})
+        run.log_metrics({"loss": 0.5}, step=0)
+        run.step_end(0)
+        run.close()
+        buf = io.StringIO()
+        Shipper(str(spool), ConsoleTarget(stream=buf), name="c").run_forever(once=True)
+        text = buf.getvalue()
+        block = text[text.index("params  ") :].split("step ")[0].splitlines()
+        assert block[0] == "params  (3)"
+        assert block[1:] == [
+            "  optim.betas  [0.9, 0.95]",
+            "  optim.lr     0.001",
+            "  prompt       " + "x" * 100 + "... (400 more characters)",
+        ]
+
 
 def test_spool_read_back_matches(spool: Path) -> None:
     """Sanity: the helper writes what the tests assume."""

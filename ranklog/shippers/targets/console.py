@@ -44,6 +44,10 @@ def _fmt(v: float) -> str:
     return f"{v:.4f}".rstrip("0").rstrip(".") if v != int(v) else str(int(v))
 
 
+#: characters of a hyperparameter's value printed (the rest counted, not shown)
+PARAM_CHARS: Final = 100
+
+
 class ConsoleTarget:
     """Prints each shipped step; never durable."""
 
@@ -69,8 +73,18 @@ class ConsoleTarget:
         return None
 
     def write_params(self, params: dict[str, ParamValue]) -> None:
-        items = ", ".join(f"{k}={v}" for k, v in sorted(params.items()))
-        print(f"params  {_safe(items)}", file=self.out)
+        """A block: ``params`` and the count, then a line a key (sorted, aligned), values
+        past :data:`PARAM_CHARS` cut with how many characters were left out."""
+        if not params:
+            return
+        width = min(max(len(k) for k in params), 40)
+        lines = [f"params  ({len(params)})"]
+        for key, value in sorted(params.items()):
+            text = _safe(str(value))
+            if len(text) > PARAM_CHARS:
+                text = f"{text[:PARAM_CHARS]}... ({len(text) - PARAM_CHARS} more characters)"
+            lines.append(f"  {_safe(key):<{width}}  {text}")
+        print("\n".join(lines), file=self.out)
 
     def write_meta(self, meta: dict[str, ParamScalar]) -> list[str]:
         """Run records, a line each: the code (commit, branch, whether the tree was dirty)
