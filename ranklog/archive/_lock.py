@@ -102,7 +102,10 @@ class DatasetLock:
         """Let the next run in (the file stays: removing it would race a new holder)."""
         if self._fd is not None:
             fd, self._fd = self._fd, None
-            os.close(fd)
+            try:
+                os.ftruncate(fd, 0)  # (still held: no holder named once it ended)
+            finally:
+                os.close(fd)
         if self._lease is not None:
             lease, self._lease = self._lease, None
             lease.release()

@@ -184,21 +184,21 @@ class Shipper:
             self.spool, default_name(self.identity), target=self.identity, ttl=self._lease_ttl
         )
 
-    def _hold_place(self, lease: Lease, clock: RetryClock) -> None:
-        """Hold the lease of the target's place too (a hard link, a bind mount, another
-        name of the same server meet the same lease): refused like a second spelling."""
+    def _hold(self, lease: Lease, clock: RetryClock) -> None:
+        """Hold the lease of the target's identity, and of its place where it has one (a
+        hard link, a bind mount, another name of the same server meet the same lease):
+        a second shipper is refused as for a second spelling. The place is looked at
+        first (it may create the file the target's open creates, with the same run line)."""
         assert self.run is not None
-        try:
-            place = target_place(self.target, self.run)
-            if place is None:
-                return
-            where = SpoolLayout(self.spool).cursors_dir / f"{default_name(place)}.place"
-            second = Lease(self.spool, "", target=self.identity, ttl=self._lease_ttl, path=where)
-            second.acquire_waiting(clock)
-        except BaseException:
-            lease.release()
-            raise
-        self.lease = LeasePair(lease, second)
+        place = target_place(self.target, self.run)
+        if place is None:
+            lease.acquire_waiting(clock)
+            return
+        where = SpoolLayout(self.spool).cursors_dir / f"{default_name(place)}.place"
+        second = Lease(self.spool, "", target=self.identity, ttl=self._lease_ttl, path=where)
+        pair = LeasePair(lease, second)
+        pair.acquire_waiting(clock)
+        self.lease = pair
 
     def _open(self) -> None:
         if self.run is None:
@@ -538,8 +538,7 @@ class Shipper:
         try:
             self._identify()
             assert self.lease is not None and isinstance(self.lease, Lease)
-            self.lease.acquire_waiting(clock)
-            self._hold_place(self.lease, clock)
+            self._hold(self.lease, clock)
         except BaseException:
             self.tails.close()
             raise

@@ -52,10 +52,45 @@ DEFAULT_TTL: Final = 30.0
 class LeasePair:
     """The lease of a target's identity and the lease of its place (what the operating
     system says is the same file or server: a hard link, a bind mount, ``localhost`` for
-    ``127.0.0.1``), held together: lost when either is."""
+    ``127.0.0.1``), held together: lost when either is. Taken together too: a killed
+    shipper leaves both, and the next takes both over with one pause, not two."""
 
     def __init__(self, first: Lease, second: Lease) -> None:
         self.first, self.second = first, second
+
+    def acquire_waiting(self, clock: RetryClock) -> None:
+        """Hold both (one :attr:`Lease.settle_time` for any takeovers); ``LeaseHeldError``
+        naming the holder if either is held, with neither kept; a spool that cannot be
+        written waits as :meth:`Lease.acquire_waiting` does."""
+        backoff = 0.5
+        while True:
+            held: list[Lease] = []
+            try:
+                taken = False
+                for lease in (self.first, self.second):
+                    taken = lease._begin() or taken
+                    held.append(lease)
+                if taken:
+                    time.sleep(self.first.settle_time)
+                    for lease in held:
+                        lease._settle()
+                for lease in held:
+                    lease._start()
+                return
+            except OSError as exc:
+                for lease in held:
+                    lease.release()
+                if is_permanent(exc) or (clock.failed() and clock.expired()):
+                    raise SpoolError(f"cannot write the lease {self.first.path}: "
+                                     f"{describe(exc)}") from exc  # fmt: skip
+                log.warning("cannot write the leases of %s (%s); retrying in %.1fs",
+                            self.first.target, describe(exc), backoff)  # fmt: skip
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 30.0)
+            except BaseException:
+                for lease in held:
+                    lease.release()
+                raise
 
     def check(self) -> None:
         self.first.check()
@@ -97,6 +132,19 @@ class Lease:
 
     def acquire(self) -> None:
         """Hold the lease, taking over a dead holder's; ``LeaseHeldError`` if one is alive."""
+        if self._begin():
+            time.sleep(self.settle_time)  # let a concurrent taker's rename land
+            self._settle()
+        self._start()
+
+    @property
+    def settle_time(self) -> float:
+        """How long a takeover waits before it reads the lease back."""
+        return min(1.0, self.ttl / 10)
+
+    def _begin(self) -> bool:
+        """Create the lease, or take over a dead holder's; whether it was taken over (then
+        :meth:`_settle` after :attr:`settle_time`). ``LeaseHeldError`` if one is alive."""
         self.path.parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         while not self._create():
             current = self._read()
@@ -111,11 +159,15 @@ class Lease:
             log.warning("taking over the lease of a dead shipper (host %s, pid %s)",
                         current.get("host"), current.get("pid"))  # fmt: skip
             self._write(replace=True)
-            time.sleep(min(1.0, self.ttl / 10))  # let a concurrent taker's rename land
-            after = self._read()
-            if after is None or after.get("holder") != self.holder:
-                raise LeaseHeldError(f"another shipper took over {self.path} at the same time")
-            break
+            return True
+        return False
+
+    def _settle(self) -> None:
+        after = self._read()
+        if after is None or after.get("holder") != self.holder:
+            raise LeaseHeldError(f"another shipper took over {self.path} at the same time")
+
+    def _start(self) -> None:
         self._renewed = time.monotonic()
         self._thread = threading.Thread(target=self._renew_loop, name="ranklog-lease", daemon=True)
         self._thread.start()
