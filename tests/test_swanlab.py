@@ -197,6 +197,7 @@ class TestRefusals:
         assert res.returncode == 0, res.stderr
         run_id = read_run(made).run_id
         assert f"`swanlab sync {made / 'swanlog'}/run-*-{run_id}`" in res.stderr
+        assert "`swanlab watch`" in res.stderr and "not offline runs" in res.stderr
         assert sorted(s for s, _ in _back(made / "swanlog")) == list(range(60))
 
 

@@ -367,7 +367,9 @@ class SwanlabTarget:
             return
         _SAID.add(self.run_id)
         log.info("%s: SwanLab run %s is offline, in %s (one folder per session, one run): "
-                 "upload it with `swanlab sync %s/run-*-%s`", self.spec, self.run_id, folder,
+                 "upload it with `swanlab sync %s/run-*-%s` to see it (SwanLab's cloud or your "
+                 "own server; `swanlab watch`, its deprecated local dashboard, reads only its "
+                 "'local' mode's database, not offline runs)", self.spec, self.run_id, folder,
                  self.dir, self.run_id)  # fmt: skip
 
 
