@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import shlex
 import subprocess
 import sys
 import time
@@ -141,19 +142,27 @@ def _backends(out: Path) -> list[str]:
     return [t for mod, t in specs.items() if _installed(mod)]
 
 
+def command(name: str) -> str:
+    """``name`` as the user types it to run this Python's own copy: its full path where it
+    lies beside this interpreter (``.venv/bin/tensorboard``, not on the user's PATH
+    unless the venv is activated), else the bare name."""
+    here = Path(sys.executable).parent / name
+    return shlex.quote(str(here)) if here.is_file() else name
+
+
 def _how_to_open(out: Path) -> list[str]:
+    tb, mlflow, wandb = command("tensorboard"), command("mlflow"), command("wandb")
     lines = [f"Parquet dataset    {out / 'parquet'}   (DuckDB, Polars, pyarrow)"]
     if (out / "report.html").is_file():
         lines.append(f"report             {out / 'report.html'}")
     if (out / "replayed-tensorboard").is_dir():
-        lines.append(f"replayed           tensorboard --logdir {out / 'replayed-tensorboard'}")
+        lines.append(f"replayed           {tb} --logdir {out / 'replayed-tensorboard'}")
     if (out / "tensorboard").is_dir():
-        lines.append(f"TensorBoard        tensorboard --logdir {out / 'tensorboard'}")
+        lines.append(f"TensorBoard        {tb} --logdir {out / 'tensorboard'}")
     if (out / "mlflow.db").is_file():
-        lines.append(
-            f"MLflow             mlflow ui --backend-store-uri sqlite:///{out / 'mlflow.db'}"
-        )
+        store = f"sqlite:///{out / 'mlflow.db'}"
+        lines.append(f"MLflow             {mlflow} ui --backend-store-uri {store}")
     runs = sorted((out / "wandb").glob("offline-run-*"))
     if runs:
-        lines.append(f"W&B (offline)      wandb sync {runs[-1]}   (uploads it; needs an API key)")
+        lines.append(f"W&B (offline)      {wandb} sync {runs[-1]}   (uploads it; needs an API key)")
     return lines

@@ -188,7 +188,9 @@ def _demo(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="ranklog-demo-"))
     spool = out / "spool"
     code = run_demo(spool, ranks=args.ranks, steps=args.steps, step_seconds=args.step_seconds)
-    print(f"\nlook at: {spool}  (ranklog inspect {spool})")
+    from ranklog._demo import command
+
+    print(f"\nlook at: {spool}  ({command('ranklog')} inspect {spool.resolve()})")
     return code
 
 

@@ -330,6 +330,12 @@ class TestDemo:
         assert any((tmp_path / "replayed-tensorboard").glob("events.out.tfevents.*"))
         for opener in ("tensorboard --logdir", "mlflow ui --backend-store-uri", "wandb sync"):
             assert opener in out
+        # each printed command runs as printed, from any shell: the venv's own executables
+        bin_dir = str(Path(sys.executable).parent)
+        for tool in ("tensorboard", "mlflow", "ranklog"):
+            assert f"{bin_dir}/{tool} " in out, tool
+        inspect = next(x for x in out.splitlines() if "inspect" in x).split("(")[1].rstrip(")")
+        assert subprocess.run(inspect.split(), capture_output=True, timeout=120).returncode == 0
 
     def test_the_run_exists_before_the_shipper_starts(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
