@@ -48,7 +48,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
     spool = Path(args.spool)
     require_run(spool)  # (a directory that is not a spool: exit 3, as ship and compact say)
-    summary = summarize(spool)
+    summary = summarize(spool, dead_after=args.dead_after)
     _add_shippers(summary)
     if args.json:
         json.dump(summary.to_dict(), sys.stdout, indent=1, default=str)
@@ -363,6 +363,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     ins = sub.add_parser("inspect", help="ranks, incarnations, steps, ends and damage of a spool")
     ins.add_argument("spool")
     ins.add_argument("--json", action="store_true", help="machine-readable output")
+    ins.add_argument(
+        "--dead-after", type=float, default=120.0, metavar="S",
+        help="a rank silent this long is dead, as `ranklog ship --dead-after` judges it: "
+        "say it as the shipper does (default 120)",
+    )  # fmt: skip
     ins.set_defaults(func=_inspect)
 
     rpt = sub.add_parser("report", help="an HTML report of a compacted dataset")

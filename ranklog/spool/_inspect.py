@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import socket
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Final
 
+from ranklog._proc import process_running
 from ranklog.schemas import STEP_KINDS, Heartbeat, RankEnd, RankStart, StepEnd
 from ranklog.spool._layout import SegmentName, SpoolLayout, read_run
 from ranklog.spool._reader import BadRange, SegmentReader
 
+#: the silence after which a shipper declares a rank dead (``ranklog ship --dead-after``)
+DEAD_AFTER: Final = 120.0
+
 __all__ = [
+    "DEAD_AFTER",
     "IncarnationSummary",
     "ShipperSummary",
     "SpoolSummary",
@@ -53,12 +60,22 @@ class IncarnationSummary:
     superseded_by: int | None = None
     #: it went on writing after that incarnation started: two processes had one rank id
     conflict: bool = False
+    #: its process is gone: its pid is not running on this host (None: not of this host)
+    process_gone: bool | None = None
+    #: seconds since it last wrote (an event, a heartbeat, a byte), when inspected
+    silent: float | None = None
+    #: silence after which a shipper declares a rank dead and releases it (``--dead-after``)
+    dead_after: float = DEAD_AFTER
 
     @property
     def state(self) -> str:
-        """``ended (status)`` once rank_end was read; ``crashed`` when a relaunch started
-        without one; else ``open`` (running, or killed with no relaunch yet)."""
+        """What a shipper makes of this incarnation: ``ended (status)`` once rank_end was
+        read; ``crashed`` when a relaunch started without one, or once it was silent for
+        ``dead_after`` (a shipper released it: its steps ship as partial); ``dead`` when its
+        process is gone from this host but a shipper still waits out ``dead_after``; else
+        ``open`` (it runs, or a process elsewhere may still write)."""
         later = "" if self.superseded_by is None else f", superseded by {self.superseded_by}"
+        closed = "nothing closed" if self.closed_step is None else f"closed {self.closed_step}"
         if self.conflict:
             return (f"conflict: still written after incarnation {self.superseded_by} started "
                     "(two processes with one rank id?)")  # fmt: skip
@@ -66,6 +83,11 @@ class IncarnationSummary:
             return f"ended ({self.end_status}){later}"
         if self.superseded_by is not None:
             return f"crashed{later}"
+        gone = "process gone, " if self.process_gone else ""
+        if self.silent is not None and self.silent > self.dead_after:
+            return f"crashed ({gone}silent {self.silent:.0f}s, released; {closed})"
+        if self.process_gone:
+            return f"dead (process gone, released after {self.dead_after:g}s silence; {closed})"
         return "open"
 
 
@@ -118,8 +140,13 @@ class SpoolSummary:
         return out
 
 
-def summarize(root: str | os.PathLike[str]) -> SpoolSummary:
-    """Read every segment of a spool (never raises on corrupt bytes)."""
+def summarize(
+    root: str | os.PathLike[str], *, now: float | None = None, dead_after: float = DEAD_AFTER
+) -> SpoolSummary:
+    """Read every segment of a spool (never raises on corrupt bytes); each incarnation's
+    state as a shipper with ``dead_after`` judges it at ``now``."""
+    now = time.time() if now is None else now
+    here = socket.gethostname()
     layout = SpoolLayout(root)
     try:
         info = read_run(root)
@@ -140,6 +167,8 @@ def summarize(root: str | os.PathLike[str]) -> SpoolSummary:
             _one(rank, inc, by_inc[inc], n + 1 < len(incs), summary.bad)
             for n, inc in enumerate(incs)
         ]
+        for one, segs_of in zip(ones, (by_inc[i] for i in incs), strict=True):
+            _liveness(one, segs_of, now, here, dead_after)
         for one, after in itertools.pairwise(ones):
             one.superseded_by = after.incarnation
             # events after the next incarnation's start: both processes were writing
@@ -150,6 +179,20 @@ def summarize(root: str | os.PathLike[str]) -> SpoolSummary:
             )
         summary.incarnations += ones
     return summary
+
+
+def _liveness(
+    one: IncarnationSummary, segs: list[SegmentName], now: float, here: str, dead_after: float
+) -> None:
+    """Whether ``one``'s process is gone from this host, and how long it has been silent."""
+    one.dead_after = dead_after
+    if one.host == here and one.pid is not None:
+        one.process_gone = not process_running(one.pid)
+    last = [t for t in (one.last_event, one.last_heartbeat) if t is not None]
+    for seg in segs:
+        with contextlib.suppress(OSError):
+            last.append(seg.path.stat(follow_symlinks=False).st_mtime)
+    one.silent = max(0.0, now - max(last)) if last else None
 
 
 def _one(
