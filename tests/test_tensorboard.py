@@ -749,3 +749,30 @@ class TestWiring:
         with pytest.raises(TargetError, match="not open"):
             TensorBoardTarget(tmp_path).write([_step(0)])
         assert os.listdir(tmp_path) == []
+
+
+def test_a_refusal_names_the_run_and_every_step_it_holds(tmp_path: Path) -> None:
+    """Run "live" shipped into a directory in two sessions (two files: before and after a
+    stop), then another run into it: the refusal names "live" and steps 0-299, not one
+    file's unnamed part."""
+    import ranklog
+    from ranklog.errors import TargetHeldError
+
+    tb = tmp_path / "tb"
+    live = tmp_path / "live"
+    run = ranklog.init(live, rank=0, world_size=1, name="live", handle_signals=False)
+    for s in range(300):
+        run.log_metrics({"loss": s / 300}, step=s)
+        run.step_end(s)
+        if s in (92, 299):
+            run.flush()
+            Shipper(str(live), TensorBoardTarget(tb), name="t", start_grace=0,
+                    dead_after=3600).run_forever(once=True)  # fmt: skip
+    run.close()
+    assert len(list(tb.glob("events.out.tfevents.*"))) >= 2
+    other = tmp_path / "other"
+    with ranklog.init(other, rank=0, world_size=1, name="other", handle_signals=False) as o:
+        o.log_metrics({"loss": 1.0}, step=0)
+        o.step_end(0)
+    with pytest.raises(TargetHeldError, match=r"holds run [0-9a-f]{32} \(live, steps 0-299\)"):
+        Shipper(str(other), TensorBoardTarget(tb), name="t", start_grace=0).run_forever(once=True)

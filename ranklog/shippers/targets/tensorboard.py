@@ -120,15 +120,19 @@ class _File(NamedTuple):
 
 
 def _owner(msg: str) -> Holding | None:
-    """The run a session's ``SessionLog`` message names (``ranklog run ID[\nnames=GLOB]``)."""
+    """The run a session's ``SessionLog`` message names: ``ranklog run ID``, then lines
+    ``name=NAME`` (the run's name; absent in an older release's files) and
+    ``names=GLOB`` (a replay's selection; absent: every name)."""
     if not msg.startswith(_RUN_TAG):
         return None
-    run_id, _, rest = msg[len(_RUN_TAG) :].partition("\n")
-    return Holding(run_id, names=rest.removeprefix("names=") or ALL_NAMES)
+    run_id, *lines = msg[len(_RUN_TAG) :].split("\n")
+    fields = dict(line.partition("=")[::2] for line in lines)
+    return Holding(run_id, name=fields.get("name", ""), names=fields.get("names") or ALL_NAMES)
 
 
 def _start_message(h: Holding) -> str:
-    return _RUN_TAG + h.run_id + ("" if h.names == ALL_NAMES else f"\nnames={h.names}")
+    name = f"\nname={h.name}" if h.name and "\n" not in h.name else ""
+    return _RUN_TAG + h.run_id + name + ("" if h.names == ALL_NAMES else f"\nnames={h.names}")
 
 
 def _scan(path: Path) -> _File:
@@ -219,9 +223,19 @@ class _Run:
         #: digests of the run records this run's files hold (written once)
         self.metas = {d for f in files if f.holding is not None
                       and f.holding.run_id == mine.run_id for d in f.metas}  # fmt: skip
-        for f in self.files:  # another ranklog run, or this one with another --names
+        # another ranklog run, or this one with another --names: named with every step it
+        # holds across its files (a run written before and after a Ctrl-C is two files)
+        held_by: dict[tuple[str, str], tuple[Holding, StepSet]] = {}
+        for f in self.files:
+            assert f.holding is not None
+            key = (f.holding.run_id, f.holding.names)
+            holding, steps = held_by.get(key, (f.holding, StepSet()))
+            if not holding.name and f.holding.name:
+                holding = f.holding
+            held_by[key] = (holding, steps.union(f.steps))
+        for holding, steps in held_by.values():
             refuse_other(
-                where, f.holding, mine, f.steps,
+                where, holding, mine, steps,
                 remedy="use another directory (TensorBoard shows each directory under "
                 "--logdir as a run of its own)",
             )  # fmt: skip
