@@ -46,9 +46,9 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["Bar", "Curve", "GpuSeries", "Sample", "gpu_series", "metric_curves", "metric_names",
-           "step_time_matrix", "step_timer", "text_samples", "timeline_bars",
-           "write_report"]  # fmt: skip
+__all__ = ["STRAGGLER", "Bar", "Curve", "GpuSeries", "Sample", "gpu_series", "median_of_others",
+           "metric_curves", "metric_names", "step_time_matrix", "step_timer", "stragglers",
+           "text_samples", "timeline_bars", "write_report"]  # fmt: skip
 
 F64 = npt.NDArray[np.float64]
 MAX_COLUMNS: Final = 600  # heatmap columns: more steps than this are binned
@@ -205,12 +205,15 @@ def timeline_bars(dataset: Path) -> list[Bar]:
 
 
 class Sample(NamedTuple):
-    """A text logged for one step: by every rank alike (``rank`` None), or by ``rank``."""
+    """A text logged for one step: by ``rank``, or alike by the ranks ``ranks`` (``rank``
+    None)."""
 
     name: str
     step: int
     rank: int | None
     text: str
+    #: the ranks that logged it (one: ``rank``'s)
+    ranks: tuple[int, ...] = ()
 
 
 def text_samples(dataset: Path, latest: int = 3) -> list[Sample]:
@@ -233,20 +236,32 @@ def text_samples(dataset: Path, latest: int = 3) -> list[Sample]:
                                  strict=True):  # fmt: skip
             by_step.setdefault(step, []).append((r, text))
         for step, texts in by_step.items():
-            if len({t for _, t in texts}) == 1:
-                out.append(Sample(name, step, None, texts[0][1]))
+            ranks = tuple(r for r, _ in texts)
+            if len({t for _, t in texts}) == 1 and len(ranks) > 1:
+                out.append(Sample(name, step, None, texts[0][1], ranks))
             else:
-                out.extend(Sample(name, step, r, t) for r, t in texts)
+                out.extend(Sample(name, step, r, t, (r,)) for r, t in texts)
     return out
 
 
-def _samples_html(samples: list[Sample]) -> str:
+def _who(s: Sample, world: int | None) -> str:
+    """Which ranks logged a sample: ``rank 0 of 2``, ``ranks 0, 2 of 4``, ``all 8 ranks``."""
+    of = f" of {world}" if world else ""
+    if s.rank is not None:
+        return f"rank {s.rank}{of}"
+    if world and len(s.ranks) == world:
+        return f"all {world} ranks alike"
+    shown = ", ".join(map(str, s.ranks[:8])) + (", ..." if len(s.ranks) > 8 else "")
+    return f"ranks {shown}{of} alike"
+
+
+def _samples_html(samples: list[Sample], world: int | None = None) -> str:
     parts, name = [], None
     for s in samples:
         if s.name != name:
             name = s.name
             parts.append(f"<h3>{html.escape(s.name)}</h3>")
-        who = "every rank" if s.rank is None else f"rank {s.rank}"
+        who = _who(s, world)
         text = s.text if len(s.text) <= MAX_SAMPLE_CHARS else s.text[:MAX_SAMPLE_CHARS] + " [...]"
         parts.append(f"<p class=who>step {s.step}, {who}</p><pre>{html.escape(text)}</pre>")
     return "<div class=samples>" + "".join(parts) + "</div>"
@@ -308,19 +323,59 @@ def _heatmap_html(timer: str | None, ranks: list[int], steps: F64, m: F64) -> st
     lim = np.percentile(m[np.isfinite(m)], [0.5, 99.5])
     im = _heat(ax, m, (steps[0] - width / 2, steps[-1] + width / 2), "magma", lim, ranks)
     fig.colorbar(im, ax=side, label=f"{timer} (s)", extend="both", fraction=0.5, aspect=30)
-    median = np.array([np.median(r[np.isfinite(r)]) for r in m])
-    overall, worst = float(np.median(median)), int(np.argmax(median))
-    side.barh(range(n), median, height=0.8 if n <= 64 else 1.0,
-              color=np.where(median > 1.2 * overall, _RED, _GREY))  # fmt: skip
+    median = np.array([np.median(r[np.isfinite(r)]) if np.isfinite(r).any() else np.nan
+                       for r in m])  # fmt: skip
+    slow = stragglers(median)
+    overall, worst = float(np.nanmedian(median)), int(np.nanargmax(median))
+    side.barh(range(n), np.nan_to_num(median), height=0.8 if n <= 64 else 1.0,
+              color=np.where(slow, _RED, _GREY))  # fmt: skip
     side.axvline(overall, color="black", lw=0.8, ls="--")
     side.set_xlabel("median (s)")
     ax.set_xlabel("step")
     ax.locator_params(axis="x", integer=True)
     binned = f", {int(width)} steps per column" if width > 1 else ""
+    others = median_of_others(median)[worst]
+    flagged = [ranks[i] for i in np.flatnonzero(slow)]
+    red = ", ".join(map(str, flagged[:16])) + (", ..." if len(flagged) > 16 else "")
+    red = ("rank " if len(flagged) == 1 else "ranks ") + red if flagged else "none"
     caption = (f"{timer} per rank and step (mean per cell{binned}; grey: none logged). Slowest "
                f"rank {ranks[worst]}: median {median[worst]:.3g} s, "
-               f"{median[worst] / overall:.2f}{_X} the median rank; red: >1.2{_X}.")  # fmt: skip
+               f"{median[worst] / others:.2f}{_X} the median of the other ranks. Red, slower "
+               f"than {STRAGGLER}{_X} the other ranks' median: {red}.")  # fmt: skip
     return _figure_html("step_time", fig, caption)
+
+
+#: a rank is a straggler when its median step time passes this many times the median
+#: of the other ranks' (against the others, a 2-rank job's slow rank shows)
+STRAGGLER: Final = 1.2
+
+
+def median_of_others(median: F64) -> F64:
+    """For each rank, the median of the other ranks' values (NaN: no other finite one);
+    exact, in O(n log n): the sorted values, less the rank's own place."""
+    out = np.full(len(median), np.nan)
+    ok = np.flatnonzero(np.isfinite(median))
+    n = len(ok)
+    if n < 2:
+        return out
+    x = median[ok]
+    order = np.argsort(x, kind="stable")
+    s, pos = x[order], np.empty(n, dtype=np.int64)
+    pos[order] = np.arange(n)
+
+    def nth(j: int) -> F64:  # the j-th smallest of the others, for each rank
+        picked: F64 = np.where(j < pos, s[j], s[min(j + 1, n - 1)])
+        return picked
+
+    out[ok] = (nth((n - 2) // 2) + nth((n - 1) // 2)) / 2
+    return out
+
+
+def stragglers(median: F64) -> Any:
+    """Which ranks are stragglers: their median above :data:`STRAGGLER` times the others'."""
+    others = median_of_others(median)
+    with np.errstate(invalid="ignore"):
+        return np.isfinite(others) & (median > STRAGGLER * others)
 
 
 def _gpu_html(series: list[GpuSeries], t0: float, t1: float, div: float, unit: str) -> str:
@@ -459,7 +514,9 @@ def write_report(dataset: Path, out: Path) -> Path:
             "Step time": _heatmap_html(timer, ranks, firsts, m) if ranks else none("timers"),
             "GPUs": _gpu_html(gpus, t0, t1, div, unit) if gpus else none("GPU samples"),
             "Timeline": _timeline_html(bars, t0, t1, div, unit) if bars else none("rank events"),
-            "Samples": _samples_html(samples) if samples else none("text samples"),
+            "Samples": _samples_html(samples, manifest.world_size or nranks)
+            if samples
+            else none("text samples"),
             "Params": _params_html(pairs) if pairs else none("params"),
         }
     title, run_id = (html.escape(x or "unknown") for x in (manifest.name, manifest.run_id))

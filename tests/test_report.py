@@ -229,21 +229,24 @@ class TestPage:
             run.close()
         compact(spool, tmp_path / "pq")
         got = [(x.name, x.step, x.rank, x.text) for x in text_samples(tmp_path / "pq")]
-        assert got == [
-            ("val/prompt", 5, None, "prompt 5"), ("val/prompt", 4, None, "prompt 4"),
-            ("val/prompt", 3, None, "prompt 3"),
+        assert got == [  # (val/prompt: rank 0's alone, said as rank 0's)
+            ("val/prompt", 5, 0, "prompt 5"), ("val/prompt", 4, 0, "prompt 4"),
+            ("val/prompt", 3, 0, "prompt 3"),
             ("val/sample", 5, 0, "r0 5"), ("val/sample", 5, 1, "r1 5"),
             ("val/sample", 4, None, "<b>4</b>"),
             ("val/sample", 3, 0, "r0 3"), ("val/sample", 3, 1, "r1 3"),
         ]  # fmt: skip
         page = write_report(tmp_path / "pq", tmp_path / "r.html").read_text()
         assert "<h2>Samples</h2>" in page and "<title>exp - ranklog</title>" in page
-        assert "step 5, rank 1" in page and "step 4, every rank" in page and "step 2," not in page
+        assert "step 5, rank 0 of 2</p><pre>prompt 5" in page
+        assert "step 4, all 2 ranks alike</p>" in page and "step 5, rank 1 of 2</p>" in page
+        assert "step 2," not in page
         assert "&lt;b&gt;4&lt;/b&gt;" in page and "<b>4</b>" not in page
 
     def test_not_a_dataset(self, tmp_path: Path) -> None:
-        """A directory that is not a compacted dataset is refused with a ConfigError."""
-        with pytest.raises(ranklog.ConfigError):
+        """A directory that is not a compacted dataset is refused with an ArchiveError (exit 4,
+        as the CLI says it), naming the command that makes one."""
+        with pytest.raises(ranklog.errors.ArchiveError, match="ranklog compact SPOOL --out DIR"):
             write_report(tmp_path, tmp_path / "r.html")
 
     def test_matplotlib_missing(
@@ -344,3 +347,50 @@ class TestScreenshot:
         assert min(pixels.shape[:2]) >= 1000
         assert pixels.std(axis=(0, 1)).max() > 0.05  # not one flat color
         assert len(np.unique(pixels.reshape(-1, 3)[::97], axis=0)) > 50
+
+
+class TestStragglers:
+    """A rank is flagged against the other ranks' median, so a 2-rank job shows its slow
+    rank (against the median of all, which includes it, it never could)."""
+
+    @staticmethod
+    def _job(spool: Path, ranks: int, slow: int | None) -> Path:
+        import ranklog
+
+        for r in range(ranks):
+            with ranklog.init(spool, rank=r, world_size=ranks, handle_signals=False,
+                              flush_interval=3600) as run:  # fmt: skip
+                for s in range(4):
+                    run.log_timing("step_time", 1.5 if r == slow else 1.0 + 0.01 * (r % 3), step=s)
+                    run.step_end(s)
+        compact(spool, spool.parent / "pq")
+        return spool.parent / "pq"
+
+    @pytest.mark.parametrize("ranks", [2, 4, 64])
+    def test_one_slow_rank_is_flagged(self, tmp_path: Path, ranks: int) -> None:
+        """One rank 1.5x slower: the report's step-time caption names it, and only it."""
+        ds = self._job(tmp_path / "spool", ranks, slow=ranks - 1)
+        page = write_report(ds, tmp_path / "r.html").read_text()
+        assert f"the other ranks&#x27; median: rank {ranks - 1}." in page
+
+    @pytest.mark.parametrize("ranks", [2, 4, 64])
+    def test_equal_ranks_flag_none(self, tmp_path: Path, ranks: int) -> None:
+        """All ranks alike (within 2 %): no rank flagged."""
+        ds = self._job(tmp_path / "spool", ranks, slow=None)
+        page = write_report(ds, tmp_path / "r.html").read_text()
+        assert "the other ranks&#x27; median: none." in page
+
+    def test_median_of_others_is_exact(self) -> None:
+        """The closed form equals the median of the others taken one rank at a time."""
+        import numpy as np
+
+        from ranklog.report import median_of_others
+
+        rng = np.random.default_rng(3)
+        for n in (1, 2, 3, 4, 7, 64):
+            x = rng.random(n)
+            x[rng.integers(n)] = np.nan if n > 3 else x[0]
+            want = [np.median([v for j, v in enumerate(x) if j != i and np.isfinite(v)])
+                    if np.isfinite(x[i]) and np.isfinite(np.delete(x, i)).any() else np.nan
+                    for i in range(n)]  # fmt: skip
+            np.testing.assert_allclose(median_of_others(x), want)
