@@ -116,11 +116,13 @@ def streams(batch: list[Walk]) -> None:
     is_end, is_step = code == END, code == STEP
     marked = np.where(is_end | is_step, step, NO_STEP)
     span = int(marked.max()) - NO_STEP + 1  # a rank's running maxima stay below the next's
-    if span * len(batch) >= 2**62:  # (steps too far apart to offset: one rank at a time)
+    if len(batch) > 1 and span * len(batch) >= 2**62:  # (steps too far apart to offset:
+        # one rank at a time; a rank alone has no offset, so it never comes here again)
         for w in batch:
             streams([w])
         return
-    offset = who.astype(np.int64) * span
+    # one rank alone needs no offset (its steps may reach 2**63-1: no room for one)
+    offset = who.astype(np.int64) * span if len(batch) > 1 else 0
 
     def running(values: Any) -> Any:  # the running maximum within each rank
         return np.maximum.accumulate(values + offset) - offset
@@ -147,7 +149,7 @@ def streams(batch: list[Walk]) -> None:
     checked = is_end & (counted >= 0)
     if np.any(checked):
         # each (rank, step)'s step events against what its step_end counts
-        key = who.astype(np.int64) * span + (step - NO_STEP)
+        key = step + (who.astype(np.int64) * span - NO_STEP if len(batch) > 1 else 0)
         keys, counts = np.unique(key[is_step], return_counts=True)
         want_key, want = key[checked], counted[checked]
         got = np.zeros(len(want_key), np.int64)
