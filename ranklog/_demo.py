@@ -1,8 +1,11 @@
 """``ranklog demo``: a short multi-process job on this machine, then a look at its spool.
 
 Each rank is a separate process launched the way torchrun launches workers
-(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` in its environment), logging
-synthetic training metrics, timers, hyperparameters and validation samples.
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` in its environment), logging every kind
+ranklog ships: synthetic training metrics, timers, hyperparameters, validation samples
+(text), a distribution of gradient values, an image of the loss so far, a table of
+evaluation results, and GPU samples where a GPU is (``gpu="auto"``). The run has one
+name everywhere, :data:`NAME`: the spool, every backend, the report.
 """
 
 from __future__ import annotations
@@ -16,15 +19,42 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["rank_main", "run_demo"]
+__all__ = ["NAME", "rank_main", "run_demo"]
+
+#: the demo run's name, in every backend and the report
+NAME = "ranklog-demo"
+
+
+def _png(values: list[float], width: int = 120, height: int = 48) -> bytes:
+    """A small grey-scale PNG of ``values`` as a line (no imaging library needed)."""
+    import struct
+    import zlib
+
+    lo, hi = min(values), max(values)
+    rows = [bytearray([255] * width) for _ in range(height)]
+    for x in range(width):
+        v = values[min(len(values) - 1, x * len(values) // width)]
+        y = int((hi - v) / ((hi - lo) or 1.0) * (height - 1))
+        for dy in (0, 1):
+            rows[min(height - 1, y + dy)][x] = 30
+    raw = b"".join(b"\x00" + bytes(r) for r in rows)
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw))
+            + chunk(b"IEND", b""))  # fmt: skip
 
 
 def rank_main(spool: str, steps: int, step_seconds: float) -> None:
     """Body of one demo rank (run in its own process)."""
     import ranklog
 
-    run = ranklog.init(spool)
+    run = ranklog.init(spool, gpu="auto")
     rng = random.Random(run.rank)
+    losses: list[float] = []
     run.log_hyperparams(
         {
             "model": {"name": "tiny-gpt", "layers": 4, "hidden": 256},
@@ -52,12 +82,20 @@ def rank_main(spool: str, steps: int, step_seconds: float) -> None:
             prefix="train",
             reduce=("sum", "max"),
         )
+        losses.append(loss)
+        if step % 10 == 9:  # a distribution of this rank's gradient values
+            grads = [rng.gauss(0.0, 0.1 * math.exp(-step / steps)) for _ in range(256)]
+            run.log_histogram("train/grad_values", grads, step=step)
         if step % 50 == 49:
             run.log_text(
                 "val/sample_0",
                 f"**prompt**: what is {step} + {run.rank}?\n\n**answer**: {step + run.rank}",
                 step=step,
             )
+            if run.rank == 0:  # one image and one table a validation, from the first rank
+                run.log_image("val/loss_so_far", _png(losses), step=step)
+                rows = [[f"q{i}", round(1 - loss / 3 + 0.01 * i, 4)] for i in range(3)]
+                run.log_table("val/results", ["question", "score"], rows, step=step)
         run.step_end(step)
     run.close()
 
@@ -72,12 +110,12 @@ def run_demo(spool: Path, *, ranks: int = 4, steps: int = 300, step_seconds: flo
     out = spool.parent
     # the run exists before the shipper starts (`ranklog ship` refuses a directory that is
     # not a spool yet); the ranks find it, as ranks find the one their first rank created
-    ensure_run(spool, world_size=ranks)
+    ensure_run(spool, name=NAME, world_size=ranks)
     print(f"demo: {ranks} ranks x {steps} steps into {spool}", flush=True)
     every = max(1, steps // 6)
     targets = [f"jsonl:{out / 'metrics.jsonl'}", f"console:{every}", *_backends(out)]
     cmd = [sys.executable, "-m", "ranklog.cli", "ship", str(spool), "--quiet", "--samples", "1"]
-    cmd += ["--mode", "offline", "--dir", str(out), "--run-name", "ranklog-demo"]
+    cmd += ["--mode", "offline", "--dir", str(out)]  # (the run's name: NAME, in every one)
     cmd += ["--exit-with", str(os.getpid())]  # this process dies: they ship what is closed
     shipper = subprocess.Popen([*cmd, *(a for t in targets for a in ("--to", t))])
     procs = []
@@ -137,7 +175,7 @@ def _backends(out: Path) -> list[str]:
     specs = {
         "tensorboard": f"tensorboard:{out / 'tensorboard'}",
         "mlflow": f"mlflow:sqlite:///{out / 'mlflow.db'}",
-        "wandb": "wandb:ranklog-demo",
+        "wandb": f"wandb:{NAME}",
     }
     return [t for mod, t in specs.items() if _installed(mod)]
 

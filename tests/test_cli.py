@@ -313,13 +313,23 @@ class TestErrors:
 class TestDemo:
     def test_small_demo(self, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
         """The demo runs its ranks to completion, ships, compacts, replays, reports."""
-        assert main(["demo", "--out", str(tmp_path), "--ranks", "2", "--steps", "20"]) == 0
+        assert main(["demo", "--out", str(tmp_path), "--ranks", "2", "--steps", "50"]) == 0
         out = capfd.readouterr().out
         lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-        assert lines.pop(0)["ranklog"]["name"] == tmp_path.name  # the run line: whose lines follow
+        assert lines.pop(0)["ranklog"]["name"] == "ranklog-demo"  # one name, every backend
         assert "params" in lines[0] and lines[0]["params"]["wandb.api_key"] == "<redacted>"
-        steps = lines[1:]
-        assert [s["step"] for s in steps] == list(range(20))
+        steps = [x for x in lines[1:] if "step" in x]
+        assert [s["step"] for s in steps] == list(range(50))
+        # every kind ranklog ships: a distribution, an image, a table, a text sample
+        assert "train/grad_values" in steps[9]["histograms"]
+        assert steps[49]["images"][0]["name"] == "val/loss_so_far"
+        assert steps[49]["tables"][0]["name"] == "val/results" and steps[49]["texts"]
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+        (run,) = client.search_runs([client.get_experiment_by_name("ranklog-demo").experiment_id])
+        assert run.info.run_name == "ranklog-demo"
+        assert "<title>ranklog-demo - ranklog</title>" in (tmp_path / "report.html").read_text()
         assert all(s["complete"] and s["ranks"] == 2 for s in steps)
         assert {"train/loss", "train/tokens/sum", "timing/step_time"} <= set(steps[-1]["metrics"])
         assert steps[-1]["metrics"]["train/tokens/sum"] == 2 * 4096.0
