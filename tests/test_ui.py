@@ -90,7 +90,9 @@ def make_spool(spool: Path) -> None:
 def ship(spool: Path, *targets: str, timeout: float = 120) -> None:
     """``ranklog ship SPOOL --to ... --per-rank --once``: every step, plus one run per rank."""
     cmd = [sys.executable, "-m", "ranklog.cli", "ship", str(spool), "--per-rank", "--once",
-           "--quiet", "--experiment", EXPERIMENT]  # fmt: skip
+           "--quiet"]  # fmt: skip
+    if any(t.startswith("mlflow") for t in targets):  # (an option no target takes: refused)
+        cmd += ["--experiment", EXPERIMENT]
     for target in targets:
         cmd += ["--to", target]
     env = {k: v for k, v in python_env().items() if not k.startswith("MLFLOW_")}
