@@ -115,7 +115,8 @@ def run_demo(spool: Path, *, ranks: int = 4, steps: int = 300, step_seconds: flo
     every = max(1, steps // 6)
     targets = [f"jsonl:{out / 'metrics.jsonl'}", f"console:{every}", *_backends(out)]
     cmd = [sys.executable, "-m", "ranklog.cli", "ship", str(spool), "--quiet", "--samples", "1"]
-    cmd += ["--mode", "offline", "--dir", str(out)]  # (the run's name: NAME, in every one)
+    if any(t.startswith("wandb:") for t in targets):  # (the run's name: NAME, in every one)
+        cmd += ["--mode", "offline", "--dir", str(out)]
     cmd += ["--exit-with", str(os.getpid())]  # this process dies: they ship what is closed
     shipper = subprocess.Popen([*cmd, *(a for t in targets for a in ("--to", t))])
     procs = []

@@ -320,7 +320,7 @@ class MlflowTarget:
                      f"http://127.0.0.1:5000/{page}")  # fmt: skip
         else:
             where = f"{self.uri.rstrip('/')}/{page}"
-        log.info("%s: MLflow run %r (id %s): see it with %s", self.spec, self._name,
+        log.info("%s: MLflow run %r (id %s): see it with %s", self.spec.rstrip(":"), self._name,
                  self.run_id, where)  # fmt: skip
 
     def _running(self) -> None:
@@ -529,7 +529,7 @@ def _build(arg: str, context: TargetContext, options: Mapping[str, Any]) -> Mlfl
         raise ExtraMissingError("mlflow", "mlflow") from None
     return MlflowTarget(
         arg or f"sqlite:///{(context.spool / 'mlflow.db').resolve()}",
-        spec=f"mlflow:{arg}" if arg else "mlflow",
+        spec=f"mlflow:{arg}",  # (as typed before: older cursors are named after it)
         run_name=options.get("run_name"),
         experiment=options.get("experiment"),
         per_rank=context.per_rank,
