@@ -45,7 +45,7 @@ from ranklog.shippers._cursor import (
     load_cursor,
     save_cursor,
 )
-from ranklog.shippers._lease import DEFAULT_TTL, Lease, LeasePair
+from ranklog.shippers._lease import DEFAULT_TTL, Lease, LeasePair, hold
 from ranklog.shippers._meta import write_params
 from ranklog.shippers._params import ParamsQueue
 from ranklog.shippers._progress import Progress, Status
@@ -63,7 +63,7 @@ from ranklog.shippers._target import (
 )
 from ranklog.shippers._waited import Waited, waited
 from ranklog.shippers._written import BELOW_LAST, TargetHeld
-from ranklog.spool import BadRange, RunInfo, SpoolLayout, read_run
+from ranklog.spool import BadRange, RunInfo, read_run
 
 __all__ = ["BELOW_LAST", "EngineStats", "LocalTails", "Shipper", "Tails"]
 
@@ -183,22 +183,6 @@ class Shipper:
         self.lease = Lease(
             self.spool, default_name(self.identity), target=self.identity, ttl=self._lease_ttl
         )
-
-    def _hold(self, lease: Lease, clock: RetryClock) -> None:
-        """Hold the lease of the target's identity, and of its place where it has one (a
-        hard link, a bind mount, another name of the same server meet the same lease):
-        a second shipper is refused as for a second spelling. The place is looked at
-        first (it may create the file the target's open creates, with the same run line)."""
-        assert self.run is not None
-        place = target_place(self.target, self.run)
-        if place is None:
-            lease.acquire_waiting(clock)
-            return
-        where = SpoolLayout(self.spool).cursors_dir / f"{default_name(place)}.place"
-        second = Lease(self.spool, "", target=self.identity, ttl=self._lease_ttl, path=where)
-        pair = LeasePair(lease, second)
-        pair.acquire_waiting(clock)
-        self.lease = pair
 
     def _open(self) -> None:
         if self.run is None:
@@ -471,15 +455,7 @@ class Shipper:
 
     def status(self) -> Status:
         """Where this shipper stands, for its status line."""
-        now = time.time()
-        live = dead = ended = 0
-        for r in self.views.values():
-            if r.ended:
-                ended += 1
-            elif now - r.last_activity > self.dead_after:
-                dead += 1
-            else:
-                live += 1
+        live, ended, dead = Status.ranks(self.views.values(), time.time(), self.dead_after)
         lag_steps, lag_bytes = self.lag()
         return Status(
             name=self.name,
@@ -537,8 +513,9 @@ class Shipper:
         clock = RetryClock(self.retry_for)
         try:
             self._identify()
-            assert self.lease is not None and isinstance(self.lease, Lease)
-            self._hold(self.lease, clock)
+            assert self.lease is not None and isinstance(self.lease, Lease) and self.run
+            place = target_place(self.target, self.run)  # (before: it may make the file)
+            self.lease = hold(self.lease, place and default_name(place), clock)
         except BaseException:
             self.tails.close()
             raise

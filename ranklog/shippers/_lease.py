@@ -41,12 +41,26 @@ from ranklog.shippers._reopen import check_name
 from ranklog.shippers._retry import RetryClock, describe, is_permanent
 from ranklog.spool import SpoolLayout
 
-__all__ = ["DEFAULT_TTL", "Lease", "LeaseInfo", "LeasePair", "read_leases"]
+__all__ = ["DEFAULT_TTL", "Lease", "LeaseInfo", "LeasePair", "hold", "read_leases"]
 
 log = logging.getLogger("ranklog.ship")
 
 #: seconds without a renewal after which a lease is taken over
 DEFAULT_TTL: Final = 30.0
+
+
+def hold(lease: Lease, place: str | None, clock: RetryClock) -> Lease | LeasePair:
+    """``lease`` (a target's identity's) held, and with it the lease of the target's place
+    (``place``: its key, ``<kind>-<hash>``) where it has one: a hard link, a bind mount,
+    another name of the same server meet the same lease, and a second shipper is refused
+    as for a second spelling. What holds them both, for the shipper to check and release."""
+    if place is None:
+        lease.acquire_waiting(clock)
+        return lease
+    where = lease.path.with_name(f"{place}.place")
+    pair = LeasePair(lease, Lease("", "", target=lease.target, ttl=lease.ttl, path=where))
+    pair.acquire_waiting(clock)
+    return pair
 
 
 class LeasePair:

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from ranklog.shippers._ranks import RankView
 
 __all__ = ["Progress", "Status"]
 
@@ -32,6 +35,19 @@ class Status:
     lag_bytes: int
     late: int = 0
     corrupt: int = 0
+
+    @staticmethod
+    def ranks(views: Iterable[RankView], now: float, dead_after: float) -> tuple[int, int, int]:
+        """(live, ended, dead) ranks among ``views``: dead once silent for ``dead_after``."""
+        live = dead = ended = 0
+        for r in views:
+            if r.ended:
+                ended += 1
+            elif now - r.last_activity > dead_after:
+                dead += 1
+            else:
+                live += 1
+        return live, ended, dead
 
     def line(self) -> str:
         """The status text."""

@@ -4,17 +4,22 @@ Used by :mod:`ranklog.shippers.targets.mlflow`. A ranklog run's MLflow runs are 
 by the tag ``ranklog.run_id`` (and ``ranklog.role``, ``ranklog.rank``), never by a
 name, so that every shipper process, and every restart, lands in the same run; a
 create that was retried and made two runs is resolved the same way by all of them
-(the oldest, then the lowest id).
+(the oldest, then the lowest id). Also where NeMo RL's config puts them
+(:func:`nemo_arg`, :func:`nemo_options`).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Final
 
 from ranklog.errors import TargetError, TargetHeldError, TransientTargetError
 from ranklog.shippers.targets._mlflow_rows import _ms
 
-__all__ = ["KIND", "KIND_TAG", "adopt", "create", "experiment", "oldest", "search"]
+__all__ = ["KIND", "KIND_TAG", "adopt", "create", "experiment", "nemo_arg", "nemo_options",
+           "oldest", "search"]  # fmt: skip
 
 #: what MLflow 3's UI reads to show an experiment's runs as model training (its runs
 #: table and charts), not as GenAI evaluation runs
@@ -99,3 +104,32 @@ def create(
     if not found:
         raise TransientTargetError(f"the MLflow run just created for {name!r} is not found yet")
     return oldest(found)
+
+
+# -- NeMo RL's MLflow runs: where they are and how they are named -----------------------
+
+
+def nemo_arg(section: Mapping[str, Any], backend_dir: Path) -> str:
+    """NeMo RL's tracking URI: the config's, else ``MLFLOW_TRACKING_URI``, else a local store.
+
+    (NeMo RL leaves MLflow's own default; ranklog's is a sqlite file in the backend dir,
+    as MLflow's docs advise: the file store breaks on "/" in metric names.)
+    """
+    uri = section.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI")
+    return str(uri or f"sqlite:///{(backend_dir / 'mlflow.db').resolve()}")
+
+
+def nemo_options(section: Mapping[str, Any], backend_dir: Path) -> dict[str, Any]:
+    """NeMo RL's rules: each setting from the config, else its ``MLFLOW_*`` variable; a new
+    experiment's artifacts in ``artifact_location``, else the backend dir; plots at
+    ``plots/<name>.png``; GPU series under the Ray monitor's names."""
+    env = os.environ.get
+    return {
+        "run_id": section.get("run_id") or env("MLFLOW_RUN_ID"),
+        "experiment": section.get("experiment_name") or env("MLFLOW_EXPERIMENT_NAME"),
+        "run_name": section.get("run_name") or env("MLFLOW_RUN_NAME"),
+        "artifact_location": section.get("artifact_location") or backend_dir.resolve().as_uri(),
+        "image_layout": "latest",
+        "gpu_names": "nemo",
+        "histogram_stats": "mean,p50,p90,max",  # NeMo's summary of a list
+    }

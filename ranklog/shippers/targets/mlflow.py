@@ -104,7 +104,15 @@ from ranklog.shippers.targets._mlflow_rows import (
     histogram_stat_list,
     sanitize_key,
 )
-from ranklog.shippers.targets._mlflow_runs import adopt, create, experiment, oldest, search
+from ranklog.shippers.targets._mlflow_runs import (
+    adopt,
+    create,
+    experiment,
+    nemo_arg,
+    nemo_options,
+    oldest,
+    search,
+)
 from ranklog.spool import RunInfo
 
 __all__ = ["MARKER", "STEPS_TAG", "TARGET", "MlflowTarget", "held_steps", "sanitize_key"]
@@ -542,32 +550,6 @@ def _build(arg: str, context: TargetContext, options: Mapping[str, Any]) -> Mlfl
     )
 
 
-def _nemo_arg(section: Mapping[str, Any], backend_dir: Path) -> str:
-    """NeMo RL's tracking URI: the config's, else ``MLFLOW_TRACKING_URI``, else a local store.
-
-    (NeMo RL leaves MLflow's own default; ranklog's is a sqlite file in the backend dir,
-    as MLflow's docs advise: the file store breaks on "/" in metric names.)
-    """
-    uri = section.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI")
-    return str(uri or f"sqlite:///{(backend_dir / 'mlflow.db').resolve()}")
-
-
-def _nemo_options(section: Mapping[str, Any], backend_dir: Path) -> dict[str, Any]:
-    """NeMo RL's rules: each setting from the config, else its ``MLFLOW_*`` variable; a new
-    experiment's artifacts in ``artifact_location``, else the backend dir; plots at
-    ``plots/<name>.png``; GPU series under the Ray monitor's names."""
-    env = os.environ.get
-    return {
-        "run_id": section.get("run_id") or env("MLFLOW_RUN_ID"),
-        "experiment": section.get("experiment_name") or env("MLFLOW_EXPERIMENT_NAME"),
-        "run_name": section.get("run_name") or env("MLFLOW_RUN_NAME"),
-        "artifact_location": section.get("artifact_location") or backend_dir.resolve().as_uri(),
-        "image_layout": "latest",
-        "gpu_names": "nemo",
-        "histogram_stats": "mean,p50,p90,max",  # NeMo's summary of a list
-    }
-
-
 TARGET = TargetKind(
     kind="mlflow",
     arg="URI",
@@ -607,6 +589,6 @@ TARGET = TargetKind(
     ),
     extra="mlflow",
     nemo_section="mlflow",
-    nemo_arg=_nemo_arg,
-    nemo_options=_nemo_options,
+    nemo_arg=nemo_arg,
+    nemo_options=nemo_options,
 )
