@@ -189,36 +189,39 @@ def _ship_each(args: argparse.Namespace, targets: list[str]) -> int:
 
 def _kept_switches(args: argparse.Namespace, recorded: list[str]) -> list[str]:
     """What a target's shipper was started with that says how its target holds this run,
-    from the cursor's record, checked: ``--append-run`` (the file holds another run
-    before this one) and ``--below-last skip`` (steps W&B cannot take left out): without
-    them the epilogue would refuse what the shipper took."""
-    out = ["--append-run"] if "--append-run" in recorded and not args.append_run else []
-    for i, token in enumerate(recorded):
-        value = (
-            token.partition("=")[2]
-            if token.startswith("--below-last=")
-            else (recorded[i + 1] if token == "--below-last" and i + 1 < len(recorded) else None)
-        )
-        if value == "skip" and args.below_last == "refuse" and "--below-last=skip" not in out:
-            out.append("--below-last=skip")
-    return out
+    read from the cursor's record as the command line reads it, and nothing else of it:
+    ``--per-rank`` (the target holds each rank's runs too), ``--append-run`` (the file
+    holds another run before this one) and ``--below-last skip`` (steps W&B cannot take
+    left out). Without them the epilogue would refuse, or write otherwise, what the
+    shipper took."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    parser.add_argument("--per-rank", action="store_true")
+    parser.add_argument("--append-run", action="store_true")
+    parser.add_argument("--below-last", choices=("refuse", "skip"))
+    try:
+        got, _ = parser.parse_known_args([str(t) for t in recorded])
+    except argparse.ArgumentError:
+        return []  # (a damaged record: the command line's alone)
+    out = ["--per-rank"] * (got.per_rank and not args.per_rank)
+    out += ["--append-run"] * (got.append_run and not args.append_run)
+    return out + ["--below-last=skip"] * (got.below_last == "skip")
 
 
-def _shipper_flags(args: argparse.Namespace, kind: str, given: list[str]) -> list[str]:
+def _shipper_flags(args: argparse.Namespace, kind: str) -> list[str]:
     """This command's shipper options, and the target options it was given that ``kind``
-    takes (those of the identity, ``given``, win), as ``--flag=VALUE``."""
+    takes, as ``--flag=VALUE``."""
     from ranklog.shippers import all_options
 
     flags = [f"--dead-after={args.dead_after}", f"--start-grace={args.start_grace}",
              f"--lease-ttl={args.lease_ttl}", f"--late={args.late}",
              f"--below-last={args.below_last}"]  # fmt: skip
-    flags += ["--append-run"] * args.append_run
+    flags += ["--per-rank"] * args.per_rank + ["--append-run"] * args.append_run
     if args.poll is not None:
         flags.append(f"--poll={args.poll}")
     declared = all_options()
     for key, value in options(args).items():
         opt, kinds = declared[key]
-        if kind in kinds and not any(g.startswith(f"{opt.flag}=") for g in given):
+        if kind in kinds:
             flags.append(opt.flag if value is True else f"{opt.flag}={value}")
     return flags
 
@@ -264,12 +267,11 @@ def _ship_known(args: argparse.Namespace) -> int:
             code = max(code, ConfigError.exit_code)
             continue
         kind = cursor.identity.partition(":")[0]
-        per_rank = ["--per-rank"] if args.per_rank or "--per-rank" in cursor.argv else []
-        given = _shipper_flags(args, kind, flags)
-        kept = [k for k in kept_options(kind, cursor.argv)
-                if not any(g.split("=")[0] == k.split("=")[0] for g in given)]  # fmt: skip
-        switches = _kept_switches(args, cursor.argv)  # (after given: they win over defaults)
-        cmds.append([*base, *flags, *per_rank, *given, *switches, *kept, f"--name={name}",
+        # the last of a flag given twice wins: the recorded presentation options, then
+        # this command's (over them), the recorded switches (over its defaults), and the
+        # identity's (over all: it names where the target writes)
+        cmds.append([*base, *kept_options(kind, cursor.argv), *_shipper_flags(args, kind),
+                     *_kept_switches(args, cursor.argv), *flags, f"--name={name}",
                      *_invocation(args)])  # fmt: skip
         started.append((name, cursor.identity))
     if not cmds and not code:

@@ -63,3 +63,30 @@ def test_a_loop_without_step_end_still_closes_by_moving_on(spool: Path, tmp_path
     assert [x["step"] for x in lines(out)] == [0, 1, 2, 5, 10]
     assert shipper.stats.late_events == 0
     run.close()
+
+
+def test_an_older_cursor_keeps_the_watermark_its_release_judged(spool: Path) -> None:
+    """A version-1 cursor (no ``implied``) of a rank that never called step_end, at step
+    10: read back, its incarnation and segment stand closed up to 9, as that release
+    judged (not at -1, which would hold steps back and miss re-logged values)."""
+    import json
+
+    from ranklog.shippers import load_cursor
+    from ranklog.spool import SpoolLayout
+
+    cursors = SpoolLayout(spool).cursors_dir
+    cursors.mkdir(parents=True)
+    body = {
+        "version": 1, "name": "old", "target": "jsonl:x", "run_id": None, "last_step": 8,
+        "segments": {"00000/0001-000001": {"offset": 64, "seen": 64, "done": False, "seq": 3,
+                                           "closed": -1, "max_step": 10}},
+        "ranks": {"0": {"1": {"closed": -1, "max_step": 10}}},
+    }  # fmt: skip
+    (cursors / "old.json").write_text(json.dumps(body))
+    cursor = load_cursor(spool, "old")
+    assert cursor is not None
+    assert cursor.ranks["0"]["1"].watermark == 9
+    assert cursor.segments["00000/0001-000001"].implied == 9
+    (cursors / "new.json").write_text(json.dumps({**body, "version": 2, "name": "new"}))
+    fresh = load_cursor(spool, "new")
+    assert fresh is not None and fresh.ranks["0"]["1"].watermark == -1  # (2: as recorded)

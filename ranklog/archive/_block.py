@@ -48,7 +48,7 @@ from ranklog.schemas import (
     Timer,
     metrics_values,
 )
-from ranklog.spool import Frame, SegmentName
+from ranklog.spool import NO_STEP, Frame, SegmentName, implied_after
 
 __all__ = ["Block", "segment_tables"]
 
@@ -84,14 +84,14 @@ _MOVES: Final = frozenset((Metrics, MetricsRaw, MetricsPacked, *_STEPPED))
 
 
 def _implied(events: list[Any], top: int, implied: int) -> int:
-    """A stream's implied close after ``events`` (:func:`ranklog.spool.implied_after`),
-    from its highest step ``top`` and implied close so far, none of them a step_end."""
+    """A stream's implied close after ``events`` (:func:`ranklog.spool.implied_after`, up
+    to the first step_end), from its highest step ``top`` and implied close so far."""
     for ev in events:
         kind = type(ev)
         if kind is StepEnd:
             break
-        if kind in _MOVES and ev.step > top:
-            implied, top = top, ev.step
+        if kind in _MOVES:
+            implied, top = implied_after(ev.step, NO_STEP, top, implied), max(top, ev.step)
     return implied
 
 
@@ -201,7 +201,7 @@ class Block:
         if rest.events:
             top = self._add_rows(ident, rest, upto)
         if mark is not None:
-            if mark[0] == -1:  # implied_after(): moves only until the first step_end
+            if mark[0] == NO_STEP:  # implied_after(): moves only until the first step_end
                 mark[2] = _implied(every.events, mark[1], mark[2])
             if ends.events:
                 mark[0] = max(mark[0], max(map(_STEP_OF, ends.events)))

@@ -17,7 +17,7 @@ import msgspec
 
 from ranklog._fs import atomic_write
 from ranklog.errors import ArchiveError, ConfigError
-from ranklog.spool import NO_STEP, SegmentId, watermark
+from ranklog.spool import NO_STEP, SegmentId, legacy_implied, watermark
 
 __all__ = [
     "MANIFEST",
@@ -77,7 +77,7 @@ class Manifest(msgspec.Struct, forbid_unknown_fields=False):
         """The (mutable) marks of ``seg``'s incarnation."""
         mark = self.marks.setdefault(seg.incarnation_key, [NO_STEP, NO_STEP, NO_STEP])
         if len(mark) < 3:  # (an older manifest: as it judged)
-            mark.append(mark[1] - 1 if mark[0] == NO_STEP else NO_STEP)
+            mark.append(legacy_implied(mark[0], mark[1]))
         return mark
 
     def relogged_upto(self, rank: int, incarnation: int) -> int:
@@ -91,9 +91,7 @@ class Manifest(msgspec.Struct, forbid_unknown_fields=False):
         for inc in range(incarnation):
             mark = self.marks.get(SegmentId(rank, inc, 0).incarnation_key)
             if mark is not None:
-                implied = (
-                    mark[2] if len(mark) > 2 else (mark[1] - 1 if mark[0] == NO_STEP else NO_STEP)
-                )
+                implied = mark[2] if len(mark) > 2 else legacy_implied(mark[0], mark[1])
                 best = max(best, watermark(mark[0], implied))
         return best
 

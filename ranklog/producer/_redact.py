@@ -157,9 +157,7 @@ class Redactor:
     def text(self, key: str, value: str) -> str:
         """The string ``value`` of ``key`` as shipped: ``<redacted>`` when it is a
         credential, else with the credentials inside it hidden (the rest kept)."""
-        if self.value(key, value):
-            return "<redacted>"
-        return redact_in_text(value) if len(value) >= 12 else value
+        return "<redacted>" if self.value(key, value) else redact_in_text(value)
 
     def value(self, key: str, value: str) -> bool:
         """Whether the string ``value`` of ``key`` looks like a credential."""

@@ -26,7 +26,15 @@ from ranklog.errors import ConfigError, CursorError
 from ranklog.schemas import ParamValue
 from ranklog.shippers._held import StepSet
 from ranklog.shippers._reopen import check_name, reopen_flags
-from ranklog.spool import NO_STEP, RunInfo, SegmentId, SpoolLayout, deleted_segments, watermark
+from ranklog.spool import (
+    NO_STEP,
+    RunInfo,
+    SegmentId,
+    SpoolLayout,
+    deleted_segments,
+    legacy_implied,
+    watermark,
+)
 
 __all__ = [
     "CURSOR_VERSION",
@@ -39,7 +47,9 @@ __all__ = [
     "save_cursor",
 ]
 
-CURSOR_VERSION = 1
+#: 2: incarnations and segments record ``implied`` (the watermark's close by moving on);
+#: a version-1 cursor is read as its release judged (:func:`load_cursor`)
+CURSOR_VERSION = 2
 
 
 class SegmentCursor(msgspec.Struct, forbid_unknown_fields=False):
@@ -151,11 +161,20 @@ def load_cursor(spool: str | os.PathLike[str], name: str) -> Cursor | None:
     """
     path = cursor_path(spool, name)
     try:
-        return _decoder.decode(path.read_bytes())
+        cursor = _decoder.decode(path.read_bytes())
     except FileNotFoundError:
         return None
     except (msgspec.DecodeError, msgspec.ValidationError, OSError) as exc:
         raise CursorError(f"{path}: unreadable cursor ({exc}); move it away to start over") from exc
+    if cursor.version < 2:  # no ``implied`` recorded: the close its release judged
+        for incs in cursor.ranks.values():
+            for inc in incs.values():
+                inc.implied = legacy_implied(inc.closed, inc.max_step)
+        for seg in cursor.segments.values():
+            if seg.closed is not None and seg.max_step is not None:
+                seg.implied = legacy_implied(seg.closed, seg.max_step)
+        cursor.version = CURSOR_VERSION
+    return cursor
 
 
 def save_cursor(spool: str | os.PathLike[str], cursor: Cursor) -> None:

@@ -74,37 +74,8 @@ class LeasePair:
 
     def acquire_waiting(self, clock: RetryClock) -> None:
         """Hold both (one :attr:`Lease.settle_time` for any takeovers); ``LeaseHeldError``
-        naming the holder if either is held, with neither kept; a spool that cannot be
-        written waits as :meth:`Lease.acquire_waiting` does."""
-        backoff = 0.5
-        while True:
-            held: list[Lease] = []
-            try:
-                taken = False
-                for lease in (self.first, self.second):
-                    taken = lease._begin() or taken
-                    held.append(lease)
-                if taken:
-                    time.sleep(self.first.settle_time)
-                    for lease in held:
-                        lease._settle()
-                for lease in held:
-                    lease._start()
-                return
-            except OSError as exc:
-                for lease in held:
-                    lease.release()
-                if is_permanent(exc) or (clock.failed() and clock.expired()):
-                    raise SpoolError(f"cannot write the lease {self.first.path}: "
-                                     f"{describe(exc)}") from exc  # fmt: skip
-                log.warning("cannot write the leases of %s (%s); retrying in %.1fs",
-                            self.first.target, describe(exc), backoff)  # fmt: skip
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 30.0)
-            except BaseException:
-                for lease in held:
-                    lease.release()
-                raise
+        naming the holder if either is held, with neither kept."""
+        _acquire_together([self.first, self.second], clock)
 
     def check(self) -> None:
         self.first.check()
@@ -189,20 +160,7 @@ class Lease:
     def acquire_waiting(self, clock: RetryClock) -> None:
         """:meth:`acquire`, waiting out a spool that cannot be written yet (a full disk)
         for as long as ``clock`` allows; a permanent failure is a SpoolError at once."""
-        backoff = 0.5
-        while True:
-            try:
-                self.acquire()
-                return
-            except OSError as exc:
-                if is_permanent(exc) or (clock.failed() and clock.expired()):
-                    raise SpoolError(
-                        f"cannot write the lease {self.path}: {describe(exc)}"
-                    ) from exc
-                log.warning("cannot write the lease %s (%s); retrying in %.1fs",
-                            self.path, describe(exc), backoff)  # fmt: skip
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 30.0)
+        _acquire_together([self], clock)
 
     def _create(self) -> bool:
         """Create the lease if there is none (atomically, also on NFS)."""
@@ -301,6 +259,42 @@ class Lease:
         except (OSError, ValueError):
             return {}  # being replaced, or damaged: no holder anyone can name
         return data if isinstance(data, dict) else {}
+
+
+def _acquire_together(leases: list[Lease], clock: RetryClock) -> None:
+    """Hold every one of ``leases`` (their takeovers settled with one pause), or none:
+    ``LeaseHeldError`` naming a live holder; a spool that cannot be written yet (a full
+    disk) is waited out for as long as ``clock`` allows, a permanent failure is a
+    SpoolError at once."""
+    backoff = 0.5
+    while True:
+        held: list[Lease] = []
+        try:
+            taken = False
+            for lease in leases:
+                taken = lease._begin() or taken
+                held.append(lease)
+            if taken:
+                time.sleep(leases[0].settle_time)  # let a concurrent taker's rename land
+                for lease in held:
+                    lease._settle()
+            for lease in held:
+                lease._start()
+            return
+        except OSError as exc:
+            for lease in held:
+                lease.release()
+            path = leases[0].path
+            if is_permanent(exc) or (clock.failed() and clock.expired()):
+                raise SpoolError(f"cannot write the lease {path}: {describe(exc)}") from exc
+            log.warning("cannot write the lease %s (%s); retrying in %.1fs",
+                        path, describe(exc), backoff)  # fmt: skip
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 30.0)
+        except BaseException:
+            for lease in held:
+                lease.release()
+            raise
 
 
 class LeaseInfo(NamedTuple):

@@ -152,9 +152,8 @@ class RankTail(LostFrames):
                 if saved.names is not None:
                     seg.reader.resume_from(saved.names, saved.offset)
                 if saved.closed is not None and saved.max_step is not None:
-                    implied = saved.implied
-                    if implied is None:  # (an older cursor: as it judged)
-                        implied = saved.max_step - 1 if saved.closed == NO_STEP else NO_STEP
+                    implied = NO_STEP if saved.implied is None else saved.implied  # (load_cursor
+                    # gives an older cursor's as its release judged it)
                     seg.restore_state = seg.consumed_state = (saved.closed, saved.max_step, implied)
                 else:
                     seg.legacy = True

@@ -73,7 +73,7 @@ from ranklog.spool._reader import (
     read_segment,
 )
 from ranklog.spool._segid import SegmentId
-from ranklog.spool._watermark import NO_STEP, implied_after, watermark
+from ranklog.spool._watermark import NO_STEP, implied_after, legacy_implied, watermark
 from ranklog.spool._writer import DEFAULT_SEGMENT_BYTES, IncarnationWriter
 
 __all__ = [
@@ -99,6 +99,7 @@ __all__ = [
     "deleted_segments",
     "ensure_run",
     "implied_after",
+    "legacy_implied",
     "read_run",
     "read_segment",
     "record_deleted",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import socket
@@ -87,7 +86,8 @@ class IncarnationSummary:
         if self.silent is not None and self.silent > self.dead_after:
             return f"crashed ({gone}silent {self.silent:.0f}s, released; {closed})"
         if self.process_gone:
-            return f"dead (process gone, released after {self.dead_after:g}s silence; {closed})"
+            return (f"dead (process gone; a shipper releases it once silent "
+                    f"{self.dead_after:g}s; {closed})")  # fmt: skip
         return "open"
 
 
@@ -160,15 +160,17 @@ def summarize(
         for s in segs:
             by_inc.setdefault(s.incarnation, []).append(s)
         incs = sorted(by_inc)
+        written: dict[int, float] = {}  # incarnation -> when a segment of it last grew
         for s in segs:
-            key = s.id.key
-            summary.sizes[key] = s.path.stat(follow_symlinks=False).st_size
+            st = s.path.stat(follow_symlinks=False)
+            summary.sizes[s.id.key] = st.st_size
+            written[s.incarnation] = max(written.get(s.incarnation, 0.0), st.st_mtime)
         ones = [
             _one(rank, inc, by_inc[inc], n + 1 < len(incs), summary.bad)
             for n, inc in enumerate(incs)
         ]
-        for one, segs_of in zip(ones, (by_inc[i] for i in incs), strict=True):
-            _liveness(one, segs_of, now, here, dead_after)
+        for one in ones:
+            _liveness(one, written[one.incarnation], now, here, dead_after)
         for one, after in itertools.pairwise(ones):
             one.superseded_by = after.incarnation
             # events after the next incarnation's start: both processes were writing
@@ -182,17 +184,15 @@ def summarize(
 
 
 def _liveness(
-    one: IncarnationSummary, segs: list[SegmentName], now: float, here: str, dead_after: float
+    one: IncarnationSummary, written: float, now: float, here: str, dead_after: float
 ) -> None:
-    """Whether ``one``'s process is gone from this host, and how long it has been silent."""
+    """Whether ``one``'s process is gone from this host, and how long it has been silent
+    (``written``: when a segment of it last grew)."""
     one.dead_after = dead_after
     if one.host == here and one.pid is not None:
         one.process_gone = not process_running(one.pid)
-    last = [t for t in (one.last_event, one.last_heartbeat) if t is not None]
-    for seg in segs:
-        with contextlib.suppress(OSError):
-            last.append(seg.path.stat(follow_symlinks=False).st_mtime)
-    one.silent = max(0.0, now - max(last)) if last else None
+    last = max(t for t in (one.last_event, one.last_heartbeat, written) if t is not None)
+    one.silent = max(0.0, now - last)
 
 
 def _one(

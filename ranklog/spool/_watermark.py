@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["NO_STEP", "implied_after", "watermark"]
+__all__ = ["NO_STEP", "implied_after", "legacy_implied", "watermark"]
 
 #: "no step yet": the watermark of a rank that closed nothing
 NO_STEP: Final = -1
@@ -37,3 +37,10 @@ def implied_after(step: int, step_end: int, max_step: int, before: int) -> int:
     close so far) raised to ``max_step`` (its highest step so far) when ``step`` is above
     it and no ``step_end`` was written (``step_end`` is :data:`NO_STEP`)."""
     return max_step if step > max_step and step_end == NO_STEP else before
+
+
+def legacy_implied(step_end: int, max_step: int) -> int:
+    """The implied close a record of an earlier release stands for: it kept only the
+    highest ``step_end`` and step, and judged a stream with no ``step_end`` closed up to
+    the step before its highest (``max_step - 1``)."""
+    return max(NO_STEP, max_step - 1) if step_end == NO_STEP else NO_STEP

@@ -190,22 +190,25 @@ class JsonlTarget:
         return f"jsonl:{os.path.realpath(self.path.expanduser())}"
 
     def place(self, run: RunInfo) -> str | None:
-        """The file's device and inode (a hard link is the same file): created first, with
-        this run's line, as :meth:`open` creates it."""
+        """The file's device and inode (a hard link is the same file): made first, as
+        :meth:`open` makes it."""
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            mine = Holding(run.run_id, run.name, self.names)
-            _create(self.path, _line({"ranklog": _run_obj(mine)}))
+            self._make(run)
         except OSError:
             return None  # open() says why
         return file_place(self.path)
 
-    def open(self, run: RunInfo) -> StepSet:
-        """Cut a torn tail; read back which steps of ``run`` the file holds."""
-        self.close()
+    def _make(self, run: RunInfo) -> Holding:
+        """Create the file holding this run's line if it does not exist; this run's holding."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         mine = Holding(run.run_id, run.name, self.names)
         _create(self.path, _line({"ranklog": _run_obj(mine)}))
+        return mine
+
+    def open(self, run: RunInfo) -> StepSet:
+        """Cut a torn tail; read back which steps of ``run`` the file holds."""
+        self.close()
+        mine = self._make(run)
         fd = _open_ours(self.path)
         try:
             _repair(fd)
@@ -321,12 +324,11 @@ def _open_ours(path: Path) -> int:
     """Open ``path`` for appending if it is a file ranklog wrote (or an empty one).
 
     A file that is not ours (the user's JSON, a CSV, a device, a pipe) is refused,
-    never "repaired": :class:`TargetHeldError`, nothing written.
+    never "repaired": :class:`TargetHeldError`, nothing written. It is looked at before it
+    is opened (opening a device may do something); an OSError (a file system's hiccup, or
+    a permanent one) is the engine's to judge, as for any write.
     """
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        raise TargetError(f"{path}: {exc.strerror}") from exc
+    st = os.stat(path)
     if not stat.S_ISREG(st.st_mode):
         what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
         raise TargetHeldError(
