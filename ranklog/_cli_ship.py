@@ -187,24 +187,19 @@ def _ship_each(args: argparse.Namespace, targets: list[str]) -> int:
     return max(_children(cmds), default=0)
 
 
-def _kept_switches(args: argparse.Namespace, recorded: list[str]) -> list[str]:
-    """What a target's shipper was started with that says how its target holds this run,
-    read from the cursor's record as the command line reads it, and nothing else of it:
-    ``--per-rank`` (the target holds each rank's runs too), ``--append-run`` (the file
-    holds another run before this one) and ``--below-last skip`` (steps W&B cannot take
-    left out). Without them the epilogue would refuse, or write otherwise, what the
-    shipper took."""
+def _kept_per_rank(args: argparse.Namespace, recorded: list[str]) -> list[str]:
+    """``--per-rank`` when the cursor's record says the target was shipped with it (it
+    holds each rank's runs too, which the tail of the job must reach), read as the
+    command line reads it. Nothing of the record can leave a step out or merge runs:
+    ``--below-last skip`` is the epilogue's own to give (else refused in one line), and a
+    JSONL file that holds this run beside another's goes on without ``--append-run``."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
     parser.add_argument("--per-rank", action="store_true")
-    parser.add_argument("--append-run", action="store_true")
-    parser.add_argument("--below-last", choices=("refuse", "skip"))
     try:
         got, _ = parser.parse_known_args([str(t) for t in recorded])
     except argparse.ArgumentError:
         return []  # (a damaged record: the command line's alone)
-    out = ["--per-rank"] * (got.per_rank and not args.per_rank)
-    out += ["--append-run"] * (got.append_run and not args.append_run)
-    return out + ["--below-last=skip"] * (got.below_last == "skip")
+    return ["--per-rank"] * (got.per_rank and not args.per_rank)
 
 
 def _shipper_flags(args: argparse.Namespace, kind: str) -> list[str]:
@@ -268,10 +263,9 @@ def _ship_known(args: argparse.Namespace) -> int:
             continue
         kind = cursor.identity.partition(":")[0]
         # the last of a flag given twice wins: the recorded presentation options, then
-        # this command's (over them), the recorded switches (over its defaults), and the
-        # identity's (over all: it names where the target writes)
+        # this command's (over them), and the identity's (over all: where it writes)
         cmds.append([*base, *kept_options(kind, cursor.argv), *_shipper_flags(args, kind),
-                     *_kept_switches(args, cursor.argv), *flags, f"--name={name}",
+                     *_kept_per_rank(args, cursor.argv), *flags, f"--name={name}",
                      *_invocation(args)])  # fmt: skip
         started.append((name, cursor.identity))
     if not cmds and not code:

@@ -20,6 +20,7 @@ command line. How it could break, and what each test tries:
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -180,9 +181,10 @@ def test_a_targets_presentation_options_are_kept_checked(tmp_path: Path) -> None
     assert kept_options("nosuchkind", recorded) == []
 
 
-def test_append_run_and_below_last_are_kept(tmp_path: Path) -> None:
+def test_a_run_appended_once_goes_on_in_the_epilogue(tmp_path: Path) -> None:
     """Run B shipped after run A into one file with --append-run, killed: the epilogue
-    carries on with --append-run (not refused), every step of both once."""
+    carries on (the file holds B's lines: --append-run was given once), every step of
+    both once; a --below-last skip planted in the record is not obeyed."""
     a, b, out = tmp_path / "a", tmp_path / "b", tmp_path / "all.jsonl"
     _job(a, range(3))
     assert cli("ship", str(a), "--once", "--quiet", "--to", f"jsonl:{out}").returncode == 0
@@ -190,9 +192,16 @@ def test_append_run_and_below_last_are_kept(tmp_path: Path) -> None:
     res = cli("ship", str(b), "--once", "--quiet", "--to", f"jsonl:{out}", "--append-run")
     assert res.returncode == 0, res.stderr
     _job(b, range(3, 6))
+    path = next((b / "cursors").glob("*.json"))
+    raw = json.loads(path.read_text())
+    raw["argv"] += ["--below-last", "skip"]
+    path.write_text(json.dumps(raw))
     res = cli("ship", str(b), "--once", "--quiet")
     assert res.returncode == 0, res.stderr
     assert _steps(out) == [0, 1, 2, 0, 1, 2, 3, 4, 5]
+    from ranklog._cli_ship import _kept_per_rank
+
+    assert _kept_per_rank(argparse.Namespace(per_rank=False), raw["argv"]) == []
 
 
 def test_other_mlflow_stores_are_re_created() -> None:
