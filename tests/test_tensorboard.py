@@ -73,14 +73,18 @@ def accumulator(path: Path, *, purge: bool = True) -> ea.EventAccumulator:
 
 
 def series(path: Path, *, purge: bool = True) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar tag's (step, value) list, as the reader loaded them; the slowest rank
-    (a text, ``rank R (S s)``) as R."""
+    """Every scalar tag's (step, value) list, as the reader loaded them; the slowest rank's
+    series (``X/slowest_rank/rank00003``, one per rank) as one series ``X/slowest_rank``."""
     acc = accumulator(path, purge=purge)
-    out = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-    for tag in acc.Tags()["tensors"]:
-        if tag.rsplit("/", 1)[-1].startswith("slowest_rank"):
-            texts = [(e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors(tag)]
-            out[tag] = [(step, float(text.split()[1])) for step, text in texts]
+    out: dict[str, list[tuple[int, float]]] = {}
+    for tag in acc.Tags()["scalars"]:
+        pts = [(e.step, e.value) for e in acc.Scalars(tag)]
+        head, _, last = tag.rpartition("/")
+        if head.rsplit("/", 1)[-1].startswith("slowest_rank") and last.startswith("rank"):
+            assert all(v == int(last[4:]) for _, v in pts), tag
+            out[head] = sorted(out.get(head, []) + pts)
+        else:
+            out[tag] = pts
     return out
 
 
@@ -224,6 +228,26 @@ class TestValues:
         assert events[0].wall_time == RUN.created
         assert abs(events[1].wall_time - time.time()) < 60
 
+    def test_slowest_rank_is_a_series_per_rank_and_no_other_name_is_read_as_one(
+        self, tmp_path: Path
+    ) -> None:
+        """Each step's slowest rank R is ``.../slowest_rank/rankRRRRR`` = R; a name that only
+        looks like one (a fraction, NaN, another prefix) stays the scalar it was logged as."""
+        odd = {"timing/t/slowest_rank.derived": 2.0, "mine/slowest_rank": 3.0,
+               "timing/u/slowest_rank": 2.5, "timing/v/slowest_rank": math.nan}  # fmt: skip
+        steps = [_step(s, {"timing/t": 1.0, "timing/t/slowest_rank": s % 2, **odd})
+                 for s in range(4)]  # fmt: skip
+        _session(tmp_path, steps)
+        acc = accumulator(tmp_path)
+        pts = {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+        assert pts["timing/t/slowest_rank/rank00000"] == [(0, 0.0), (2, 0.0)]
+        assert pts["timing/t/slowest_rank/rank00001"] == [(1, 1.0), (3, 1.0)]
+        assert pts["timing/t/slowest_rank.derived/rank00002"] == [(s, 2.0) for s in range(4)]
+        assert pts["mine/slowest_rank"] == [(s, 3.0) for s in range(4)]
+        assert pts["timing/u/slowest_rank"] == [(s, 2.5) for s in range(4)]
+        assert all(math.isnan(v) for _, v in pts["timing/v/slowest_rank"])
+        assert "timing/t/slowest_rank" not in pts and not acc.Tags()["tensors"]
+
     def test_long_and_unicode_names_big_steps(self, tmp_path: Path) -> None:
         """Tags over 127 bytes, non-ASCII tags, 500 scalars a step, steps past 2**32 read back."""
         names = ["x" * 300, "ü/λoss", *(f"m/{i:03d}" for i in range(500))]
@@ -240,10 +264,7 @@ class TestText:
         """Three ranks' sample of one name is one text tag with a markdown block per rank."""
         _rich_spool(spool)
         acc = _shipped(spool, tmp_path / "tb")
-        assert set(acc.PluginTagToContent("text")) == {
-            "val/sample_0",
-            "timing/step_time/slowest_rank",
-        }
+        assert set(acc.PluginTagToContent("text")) == {"val/sample_0"}
         events = acc.Tensors("val/sample_0")
         assert [ev.step for ev in events] == [0, 10, 20]
         for ev in events:
@@ -330,7 +351,7 @@ class TestHparams:
         assert sorted(h.name for h in exp.hparam_infos) == ["lr", "nested.depth"]
         assert [(m.name.tag, m.name.group) for m in exp.metric_infos] == [
             (name, "") for name in sorted(expected(0)) if not name.endswith("/slowest_rank")
-        ]  # (the slowest rank is a text: no hparams metric)
+        ]  # (the slowest rank is a series per rank: no hparams metric)
 
     def test_types_and_domains(self, tmp_path: Path) -> None:
         """Strings, bools and numbers become typed hparams with their one value; None is left

@@ -190,6 +190,7 @@ class TestTensorBoardUI:
         tags = {run: set(t) for run, t in get(f"{ui['tb']}/data/plugin/scalars/tags").items()}
         assert tags["."] == {
             "train/loss", "train/tokens", "timing/step_time",
+            "timing/step_time/slowest_rank/rank00001",
             f"gpu/{HOST}/0/utilization", f"gpu/{HOST}/0/memory_used_bytes",
             "gpu/all/utilization", "gpu/all/memory_used_bytes_max",
         }  # fmt: skip
@@ -214,19 +215,17 @@ class TestTensorBoardUI:
         """The Text dashboard shows the sample at its step, rendered from markdown."""
         tags = get(f"{ui['tb']}/data/plugin/text/tags")
         assert {k: sorted(v) for k, v in tags.items()} == {
-            ".": ["timing/step_time/slowest_rank", "val/sample"]
-        }  # (in the order the plugin met them)
+            ".": ["val/sample"]
+        }
         rows = get(f"{ui['tb']}/data/plugin/text/text", run=".", tag="val/sample")
         html = "<p>hello <strong>world</strong></p>"
         assert [(r["step"], r["text"]) for r in rows] == [(2, html)]
 
-    def test_slowest_rank_is_a_text_smoothing_cannot_bend(self, ui: dict[str, Any]) -> None:
-        """Which rank was slowest is a text per step (``rank 1 (0.x s)``), not a scalar that
-        smoothing would draw as rank 0.6."""
-        rows = get(f"{ui['tb']}/data/plugin/text/text", run=".",
-                   tag="timing/step_time/slowest_rank")  # fmt: skip
-        want = [(s, f"<p>rank 1 ({step_time(1, s):.4g} s)</p>") for s in range(STEPS)]
-        assert [(r["step"], r["text"]) for r in rows] == want
+    def test_slowest_rank_is_a_series_smoothing_cannot_bend(self, ui: dict[str, Any]) -> None:
+        """Which rank was slowest is a series per rank, its value the rank (a constant, which
+        smoothing leaves as is), with a point at each step that rank was slowest."""
+        tag = "timing/step_time/slowest_rank/rank00001"
+        assert tb_points(ui, ".", tag) == [(s, 1.0) for s in range(STEPS)]
 
     def test_hparams(self, ui: dict[str, Any]) -> None:
         """The HParams dashboard lists the flattened params (the key redacted) and the metrics;
@@ -245,6 +244,50 @@ class TestTensorBoardUI:
                                     "api_key": "<redacted>"}  # fmt: skip
         last = {m["name"]["tag"]: (m["trainingStep"], m["value"]) for m in group["metricValues"]}
         assert last["train/loss"] == (STEPS - 1, (loss(0, STEPS - 1) + loss(1, STEPS - 1)) / 2)
+
+
+def slowest_of(step: int) -> int:
+    """Which of three ranks is slowest at ``step``: rank 2 on every fifth step, else 0 or 1."""
+    return 2 if step % 5 == 0 else (step // 7) % 2
+
+
+def test_tensorboard_shows_every_steps_slowest_rank(tmp_path: Path) -> None:
+    """In TensorBoard as it starts by default (its sampling kept), each of 300 steps' slowest
+    rank is read back from the Scalars dashboard's route: no step left out, none twice."""
+    spool, steps = tmp_path / "spool", 300
+    kw: dict[str, Any] = {"world_size": 3, "name": NAME, "handle_signals": False}
+    runs = [ranklog.init(spool, rank=r, **kw) for r in range(3)]
+    for step in range(steps):
+        for r, run in enumerate(runs):
+            run.log_timing("step_time", 1.0 + (r == slowest_of(step)) + step / 1024, step=step)
+            run.step_end(step)
+    for run in runs:
+        run.close()
+    ship(spool, f"tensorboard:{tmp_path / 'tb'}")
+    port = free_port()
+    cmd = [sys.executable, "-m", "tensorboard.main", "--logdir", str(tmp_path / "tb"),
+           "--host", "127.0.0.1", "--port", str(port), "--reload_interval", "1"]  # fmt: skip
+    with open(tmp_path / "tb.log", "wb") as out:
+        proc = subprocess.Popen(cmd, env=python_env(HOME=str(tmp_path)), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        tb = f"http://127.0.0.1:{port}"
+        ui = {"tb": tb}
+        want = {f"timing/step_time/slowest_rank/rank{r:05d}" for r in range(3)}
+
+        def loaded() -> bool:
+            tags = get(f"{tb}/data/plugin/scalars/tags").get(".", {})
+            return want <= set(tags) and tb_points(ui, ".", "timing/step_time")[-1:] == [
+                (steps - 1, pytest.approx(2 + (steps - 1) / 1024))
+            ]
+
+        wait_until(loaded, "tensorboard")
+        shown = sorted((s, int(v)) for tag in want for s, v in tb_points(ui, ".", tag))
+        assert shown == [(s, slowest_of(s)) for s in range(steps)]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
 
 
 def mlflow_api(server: MlflowServer, route: str, body: Any = None, **query: str) -> Any:

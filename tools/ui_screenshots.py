@@ -1,4 +1,4 @@
-"""Screenshots of what a user sees of a shipped run in MLflow's UI and trackio's dashboard.
+"""Screenshots of what a user sees of a shipped run in MLflow, TensorBoard and trackio.
 
     .venv/bin/python tools/ui_screenshots.py [--out docs/img]
 
@@ -6,7 +6,8 @@ Two ranks log 30 steps (a loss, a timer, a validation sample every 10 steps) int
 spool in a temporary directory; ``ranklog ship`` sends it to a real ``mlflow server``
 on 127.0.0.1 and to a trackio project; headless Chromium (Debian's ``chromium``) takes
 the pages docs/shipping.md shows: MLflow's runs table and run charts in its training
-view, a sample in MLflow's artifact view, and trackio's dashboard. Nothing leaves the
+view, a sample in MLflow's artifact view, TensorBoard's time series of the slowest rank
+(``tensorboard --logdir``, as it starts by default), and trackio's dashboard. Nothing leaves the
 machine; the servers are stopped at the end.
 """
 
@@ -39,14 +40,15 @@ PROJECT, NAME = "exp1", "exp1"
 
 
 def make_spool(spool: Path) -> None:
-    """Two ranks, 30 steps: train/loss (mean), step_time (max), a sample every 10 steps."""
+    """Two ranks, 30 steps: train/loss (mean), step_time (max; rank 0 the slower one in steps
+    10 to 19, rank 1 otherwise), a sample every 10 steps."""
     runs = [ranklog.init(spool, rank=r, world_size=2, name=NAME, handle_signals=False)
             for r in range(2)]  # fmt: skip
     runs[0].log_hyperparams({"optim": {"lr": 1e-3, "name": "adamw"}, "batch_size": 32})
     for s in range(30):
         for run in runs:
             with run.timer("step_time", step=s):
-                time.sleep(0.001 * (run.rank + 1))
+                time.sleep(0.006 if run.rank == (1 if s // 10 != 1 else 0) else 0.001)
             run.log_metrics({"loss": 1 / (s + 1) + run.rank / 20}, step=s, prefix="train")
             if s % 10 == 0:
                 text = f"**Q:** 2 + {s} = ?\n\n**A:** {2 + s} (rank {run.rank})"
@@ -73,6 +75,29 @@ def shoot(browser: str, url: str, png: Path, profile: Path, height: int = 900) -
 
         Image.open(png).convert("RGB").quantize(64).save(png, optimize=True)
     print(f"{png}  <- {url}")
+
+
+@contextlib.contextmanager
+def tensorboard(logdir: Path, log: Path) -> Iterator[str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host",
+           "127.0.0.1", "--port", str(port)]  # fmt: skip
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 90
+        while True:
+            with contextlib.suppress(OSError):
+                if json.load(urllib.request.urlopen(f"{url}/data/plugin/scalars/tags")):
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"tensorboard did not start:\n{log.read_text()}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 @contextlib.contextmanager
@@ -125,6 +150,10 @@ def main() -> None:
                   f"{view}", a.out / "mlflow-sample.png", d / "p3", 520)  # fmt: skip
         finally:
             server.stop()
+        ship(d / "spool", "--to", f"tensorboard:{d / 'tb'}")
+        with tensorboard(d / "tb", d / "tensorboard.log") as url:
+            shoot(browser, f"{url}/#scalars&tagFilter=slowest_rank%2Frank",
+                  a.out / "tensorboard-slowest.png", d / "p5", 480)  # fmt: skip
         ship(d / "spool", "--to", f"trackio:{PROJECT}", "--dir", str(d / "trackio"))
         with trackio_dashboard(d / "trackio", d / "trackio.log") as url:
             shoot(browser, f"{url}/?project={PROJECT}", a.out / "trackio.png", d / "p4", 560)

@@ -10,6 +10,7 @@ import functools
 import importlib
 import json
 import math
+import re
 import struct
 import time
 from types import SimpleNamespace
@@ -129,25 +130,29 @@ def text_values(texts: list[TextItem]) -> bytes:
 
 #: what a derived name of "which rank was slowest" holds (``timing/<timer>/slowest_rank``)
 SLOWEST: Final = "/slowest_rank"
+_SLOWEST_NAME: Final = re.compile(r"timing/.+/slowest_rank(?:\.derived)*")
 
 
-def split_slowest(metrics: dict[str, float]) -> tuple[dict[str, float], bytes]:
-    """(the scalars of a step, its slowest ranks as text values).
+def split_slowest(metrics: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """(the other scalars of a step, its slowest ranks as one scalar series per rank).
 
-    A rank index is no quantity: TensorBoard's smoothing would draw rank 2.6 between
-    ranks 2 and 3. So ``timing/<timer>/slowest_rank`` is a text, ``rank 3 (1.25 s)``, one
-    per step, in the Text dashboard under the same tag.
+    A rank index is no quantity: TensorBoard's smoothing would draw rank 2.6 between ranks
+    2 and 3, and a text per step is sampled (100 a tag). So ``timing/<timer>/slowest_rank``
+    of rank 3 ships as ``timing/<timer>/slowest_rank/rank00003`` = 3.0, at each step rank 3
+    was the slowest: a series of one constant, which smoothing leaves as it is, and each
+    step's slowest rank is the one series with a point there (TensorBoard keeps 1,000 points
+    a tag). A name of that form whose value is no rank (not a whole number >= 0, as a value
+    a user logged under it may be) stays the scalar it is.
     """
-    names = [n for n in metrics if SLOWEST in n]
-    if not names:
-        return metrics, b""
-    out = []
-    for n in names:
-        rank, secs = metrics[n], metrics.get(n[: n.rindex(SLOWEST)])
-        who = f"rank {int(rank)}" if math.isfinite(rank) else f"rank {rank}"
-        out.append(text_value(n, who if secs is None else f"{who} ({secs:.4g} s)"))
-    slow = set(names)
-    return {k: v for k, v in metrics.items() if k not in slow}, b"".join(out)
+    if not any(SLOWEST in n for n in metrics):
+        return metrics, {}
+    values, slow = {}, {}
+    for name, value in metrics.items():
+        if _SLOWEST_NAME.fullmatch(name) and value >= 0 and float(value).is_integer():
+            slow[f"{name}/rank{int(value):05d}"] = value
+        else:
+            values[name] = value
+    return values, slow
 
 
 def table_values(tables: list[TableItem]) -> bytes:

@@ -12,8 +12,9 @@ is ONE record, ``Event(wall_time=ts, step=step)``: each reduced scalar a float32
 ``simple_value`` (NaN/inf kept; out of range: inf), each text a text-plugin string tensor
 (markdown; several ranks' texts of one name share the tag, a block per rank: **rank R**),
 each table a text-plugin Markdown table (``name/rankNNNNN`` where ranks share a name),
-each ``timing/<timer>/slowest_rank`` a text (``rank 3 (1.25 s)``: smoothing would turn a
-rank index into fractions).
+each ``timing/<timer>/slowest_rank`` a scalar series per rank, ``.../slowest_rank/rank00003``
+= 3.0 at the steps rank 3 was slowest (smoothing would turn one series of rank indices
+into fractions; a text per step is sampled, 100 a tag).
 
 Hyperparameters: ``write_params`` appends a ``session_start_info`` (group ``--run-name``
 or the run's name). Readers keep a tag's first metadata in a run, so the hparams file,
@@ -433,8 +434,8 @@ class TensorBoardTarget:
                     started = self._run.created if self._run is not None else None
                     values = {**values, **gpu_metrics(s, style, started=started)}
                 summary = self._pack(values, main=True) + (text_values(s.texts) if s.texts else b"")
-                if slowest:
-                    summary += slowest
+                if slowest:  # not in the hparams' metrics: one tag per rank
+                    summary += self._pack(slowest, main=False)
                 if s.tables:
                     summary += table_values(s.tables)
                 if s.histograms or s.images:
