@@ -214,9 +214,7 @@ class TestTensorBoardUI:
     def test_text_sample(self, ui: dict[str, Any]) -> None:
         """The Text dashboard shows the sample at its step, rendered from markdown."""
         tags = get(f"{ui['tb']}/data/plugin/text/tags")
-        assert {k: sorted(v) for k, v in tags.items()} == {
-            ".": ["val/sample"]
-        }
+        assert {k: sorted(v) for k, v in tags.items()} == {".": ["val/sample"]}
         rows = get(f"{ui['tb']}/data/plugin/text/text", run=".", tag="val/sample")
         html = "<p>hello <strong>world</strong></p>"
         assert [(r["step"], r["text"]) for r in rows] == [(2, html)]
