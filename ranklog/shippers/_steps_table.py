@@ -1,0 +1,206 @@
+"""The ``steps`` table: the calls a target received, as rows of Parquet, and back.
+
+One engine decides what a run's steps are (:class:`~ranklog.shippers.Shipper`); this table
+keeps what it decided, call by call, so that replay hands any target the same calls
+without deciding anything again. The ``parquet:`` target writes it live; ``ranklog
+compact`` writes it into a dataset's ``steps/`` through the same target.
+
+Rows, in call order (``kind``):
+
+- ``step``: one per shipped step (``step``; ``carrier`` for late values: the step they
+  were shipped with), with ``ranks``, ``world_size``, ``complete``, ``ts``, and in
+  ``data`` the step's other kinds when it has any (texts, distributions, images,
+  tables, GPU stats: msgpack of :class:`Media`);
+- ``metric``: one per reduced value of that step, right after it, in the order the
+  target received them (``name``, ``value``; the step's columns repeated, so that a
+  query needs no join);
+- ``params``: one ``write_params``/``write_meta`` call (``data``: msgpack of the values;
+  ``step``: the step it was written before, null when it came after the last one);
+- ``end``: the job ended (``name``: ``finished``, ``failed`` or ``killed``).
+
+A DuckDB loss curve::
+
+    SELECT step, value FROM 'DS/steps/*.parquet'
+    WHERE kind = 'metric' AND name = 'train/loss' AND carrier IS NULL ORDER BY step
+
+Format evolution: readers take columns by name and ignore unknown ones and unknown
+``kind`` values; a file's ``ranklog.steps`` metadata says its version (1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+import msgspec
+
+from ranklog.schemas import ParamValue
+from ranklog.shippers._target import GpuStat, ImageItem, ShippedStep, TableItem, TextItem
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+__all__ = [
+    "STEPS_VERSION",
+    "Call",
+    "Media",
+    "StepsBuffer",
+    "read_calls",
+    "steps_schema",
+]
+
+#: the ``ranklog.steps`` metadata of a file of this table
+STEPS_VERSION: Final = "1"
+
+#: one call a target received: ("steps", [ShippedStep]), ("params", values, before),
+#: ("end", status)
+Call = tuple[Any, ...]
+
+
+class Media(msgspec.Struct, omit_defaults=True):
+    """A step's values other than metrics (its ``data``)."""
+
+    texts: list[TextItem] = msgspec.field(default_factory=list)
+    histograms: dict[str, list[float]] = msgspec.field(default_factory=dict)
+    images: list[ImageItem] = msgspec.field(default_factory=list)
+    gpu: list[GpuStat] = msgspec.field(default_factory=list)
+    tables: list[TableItem] = msgspec.field(default_factory=list)
+
+
+_ENC: Final = msgspec.msgpack.Encoder()
+_MEDIA: Final = msgspec.msgpack.Decoder(Media)
+_PARAMS: Final = msgspec.msgpack.Decoder(dict[str, ParamValue])
+_COLUMNS: Final = ("kind", "step", "carrier", "name", "value", "ranks", "world_size",
+                   "complete", "ts", "data")  # fmt: skip
+
+
+def steps_schema(metadata: dict[str, str]) -> pa.Schema:
+    """The table's Arrow schema, with ``metadata`` (``ranklog.*`` keys) on it."""
+    import pyarrow as pa
+
+    fields = [
+        pa.field("kind", pa.dictionary(pa.int8(), pa.string()), nullable=False),
+        pa.field("step", pa.int64()),
+        pa.field("carrier", pa.int64()),
+        pa.field("name", pa.string()),
+        pa.field("value", pa.float64()),
+        pa.field("ranks", pa.int32()),
+        pa.field("world_size", pa.int32()),
+        pa.field("complete", pa.bool_()),
+        pa.field("ts", pa.float64()),
+        pa.field("data", pa.binary()),
+    ]
+    return pa.schema(fields, metadata={"ranklog.steps": STEPS_VERSION, **metadata})
+
+
+class StepsBuffer:
+    """Rows of the table, added call by call, until :meth:`table` takes them."""
+
+    def __init__(self) -> None:
+        self._cols: dict[str, list[Any]] = {c: [] for c in _COLUMNS}
+        #: ``params`` rows waiting for the step they are written before
+        self._before: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self._cols["kind"])
+
+    def steps(self, steps: Sequence[ShippedStep]) -> None:
+        """A ``write(steps)`` call."""
+        c = self._cols
+        kind, step, carrier, name, value = (c[k] for k in _COLUMNS[:5])
+        ranks, world, complete, ts, data = (c[k] for k in _COLUMNS[5:])
+        for s in steps:
+            if s.carrier is None and self._before:
+                for i in self._before:
+                    step[i] = s.step
+                self._before = []
+            media = None
+            if s.texts or s.histograms or s.images or s.gpu or s.tables:
+                m = Media(s.texts, s.histograms, s.images, s.gpu, s.tables)
+                media = _ENC.encode(m)
+            n = len(s.metrics) + 1
+            kind.append("step")
+            kind += ["metric"] * (n - 1)
+            step += [s.step] * n
+            carrier += [s.carrier] * n
+            name.append(None)
+            name += s.metrics.keys()
+            value.append(None)
+            value += s.metrics.values()
+            ranks += [s.ranks] * n
+            world += [s.world_size] * n
+            complete += [s.complete] * n
+            ts += [s.ts] * n
+            data.append(media)
+            data += [None] * (n - 1)
+
+    def params(self, values: dict[str, ParamValue]) -> None:
+        """A ``write_params`` (or ``write_meta``) call: written before the next step."""
+        self._before.append(len(self))
+        self._row("params", data=_ENC.encode(values))
+
+    def end(self, status: str) -> None:
+        """An ``end(status)`` call."""
+        self._row("end", name=status)
+
+    def _row(self, kind: str, **values: Any) -> None:
+        for col, out in self._cols.items():
+            out.append(kind if col == "kind" else values.get(col))
+
+    def table(self, metadata: dict[str, str]) -> pa.Table:
+        """The rows so far as a table; the buffer is emptied (``params`` rows whose step
+        is not known yet keep null: written after the last step of the table)."""
+        import pyarrow as pa
+
+        schema = steps_schema(metadata)
+        arrays = [pa.array(self._cols[f.name], f.type) for f in schema]
+        self._cols = {c: [] for c in _COLUMNS}
+        self._before = []
+        return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def read_calls(table: pa.Table, *, where: str) -> Iterator[Call]:
+    """The calls a table's rows hold, in order (``where``: the file, for errors).
+
+    Consecutive steps are one ``("steps", [...])`` call; a ``params`` row is
+    ``("params", values, before)`` (``before``: the step, or None); ``end`` is
+    ``("end", status)``. Rows of an unknown kind (a later release's) are passed over.
+    """
+    from ranklog.errors import SpoolFormatError
+
+    cols = {n: table.column(n).to_pylist() for n in _COLUMNS if n in table.column_names}
+    if set(cols) != set(_COLUMNS):
+        missing = ", ".join(sorted(set(_COLUMNS) - set(cols)))
+        raise SpoolFormatError(f"{where}: not a ranklog steps table (no column {missing})")
+    kind, step, carrier, name, value = (cols[k] for k in _COLUMNS[:5])
+    ranks, world, complete, ts, data = (cols[k] for k in _COLUMNS[5:])
+    batch: list[ShippedStep] = []
+    i, n = 0, len(kind)
+    try:
+        while i < n:
+            k = kind[i]
+            if k == "step":
+                j = i + 1
+                while j < n and kind[j] == "metric":
+                    j += 1
+                s = ShippedStep(step[i], dict(zip(name[i + 1 : j], value[i + 1 : j], strict=True)),
+                                ranks[i], world[i], complete[i], ts[i], carrier=carrier[i])  # fmt: skip
+                if data[i] is not None:
+                    m = _MEDIA.decode(data[i])
+                    s.texts, s.histograms, s.images = m.texts, m.histograms, m.images
+                    s.gpu, s.tables = m.gpu, m.tables
+                batch.append(s)
+                i = j
+                continue
+            if batch:
+                yield ("steps", batch)
+                batch = []
+            if k == "params":
+                yield ("params", _PARAMS.decode(data[i]), step[i])
+            elif k == "end":
+                yield ("end", name[i])
+            i += 1
+    except (msgspec.DecodeError, TypeError) as exc:
+        raise SpoolFormatError(f"{where}: row {i} of the steps table is damaged ({exc})") from None
+    if batch:
+        yield ("steps", batch)
