@@ -74,3 +74,8 @@ def reduce_step(
     """One step reduced across the ranks of ``acc``, as one shipper does it."""
     part = StepPartial.build(step, acc, per_rank=per_rank)
     return part.finish(closed=closed, world_size=world_size)
+
+
+def raw_files(dataset: Path) -> list[Path]:
+    """The Parquet files of a dataset's raw tables (its steps table left out)."""
+    return sorted(p for p in dataset.rglob("*.parquet") if p.parent.name != "steps")

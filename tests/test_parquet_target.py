@@ -41,7 +41,7 @@ RUN = RunInfo(run_id="cd" * 16, created=1_700_000_000.0, name="exp")
 def calls(path: Path) -> list[tuple[Any, ...]]:
     """Every call the directory's files hold, in order."""
     out: list[tuple[Any, ...]] = []
-    for _, f in step_files(path):
+    for f in step_files(path):
         out += read_calls(pq.read_table(f), where=str(f))
     return out
 
@@ -140,7 +140,7 @@ class TestRoundTrip:
         got = calls(tmp_path)
         assert [c[0] for c in got] == ["params", "steps", "params", "end"]
         assert got[0][1:] == ({"lr": 0.1, "tags": ["a", None]}, 5)
-        assert got[2][1:] == ({"code/commit": "abc"}, None) and got[3] == ("end", "failed")
+        assert got[2][1:] == ({"@code/commit": "abc"}, None) and got[3] == ("end", "failed")
 
     def test_held_steps_are_the_steps_and_carriers(self, tmp_path: Path) -> None:
         """open() reports the steps written and each late value's carrier, across files."""

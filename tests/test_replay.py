@@ -118,6 +118,7 @@ class TestReading:
             monkeypatch.setattr(compact_mod, "CHUNK_BYTES", 512)
             monkeypatch.setattr(compact_mod, "BLOCK_BYTES", 512)
         monkeypatch.setattr(replay_mod, "_ROWS_PER_READ", rows_per_read)
+        monkeypatch.setattr(replay_mod, "whole_table", lambda *a: None)  # the raw rows
         _job(spool)
         live, again = tmp_path / "live.jsonl", tmp_path / "replay.jsonl"
         ship(spool, live)
@@ -147,7 +148,7 @@ class TestReading:
         from ranklog.archive import _rows
 
         monkeypatch.setattr(replay_mod, "_ROWS_PER_READ", 64)
-        monkeypatch.setattr(replay_mod, "scan", lambda *a, **k: (None, "the event path"))
+        monkeypatch.setattr(replay_mod, "whole_table", lambda *a: None)  # the raw rows
         run = rank(spool, 0, 1)
         for s in range(400):
             if s % 50 == 0:

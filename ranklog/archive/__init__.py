@@ -12,13 +12,8 @@
     _manifest.py   DIR/_manifest.json: what is compacted, per segment and incarnation
     _files.py      where a segment's rows are (files, part pieces), read with bounded memory
     _rows.py       rows turned back into events, in write order
-    _blocks.py     layout 2: a block's events split by segment, for replay's plan
-    _plan.py       whether a dataset replays on columns, and what the engine would know
-    _walk.py       the plan's walk: ranks' events checked as the engine's watermarks go
-    _windows.py    windows of steps read for a replay on columns
-    _spill.py      rows a window read ahead of its steps, kept in memory or temporary files
-    _columnar.py   a replay on columns: windows reduced, no engine
-    _replay.py     ranklog replay: the dataset as the engine's source, shipped like live
+    _steps.py      the steps table: written by compaction's engine, handed to it by replay
+    _replay.py     ranklog replay: the steps table, or the raw rows as the engine's source
 
 It sits beside the pipeline (schemas -> spool -> shippers -> targets): it reads
 the spool and drives the shipper engine, and nothing below it imports it.

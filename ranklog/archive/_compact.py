@@ -54,6 +54,7 @@ from ranklog.archive._parts import (
     table_entries,
 )
 from ranklog.archive._repair import repair as repair_files
+from ranklog.archive._steps import ship_steps
 from ranklog.archive._tables import NamesRow, names_row
 from ranklog.errors import ArchiveError, ConfigError, RunMismatchError
 from ranklog.schemas import (
@@ -112,6 +113,8 @@ class CompactResult:
     kept: list[str] = field(default_factory=list)  # --delete refused, with why
     merged: list[str] = field(default_factory=list)  # small parts merged into larger ones
     repaired: list[str] = field(default_factory=list)  # damaged files rewritten (--repair)
+    #: the steps table: (steps it holds, the last step shipped into it)
+    steps: tuple[int, int] = (0, -1)
 
 
 def _file(table: str, key: str, start: int, end: int) -> str:
@@ -254,8 +257,11 @@ def compact(
     force: bool = False,
     dataset_layout: int | None = None,
     repair: bool = False,
+    dead_after: float = 120.0,
 ) -> CompactResult:
-    """Compact every new complete frame of ``spool`` into the dataset at ``out``.
+    """Compact every new complete frame of ``spool`` into the dataset at ``out``, and ship
+    the steps complete so far into its steps table (``dead_after``: seconds of silence
+    after which a rank that never ended is no longer waited for, as ``ranklog ship``).
 
     ``delete``: then delete sealed segments whose rows read back equal, once every
     shipper the spool knows has shipped them (``force``: whether they did or not).
@@ -272,7 +278,8 @@ def compact(
         raise ConfigError(f"cannot create dataset directory {outdir}: {exc}") from exc
     run = require_run(spool)
     with DatasetLock(outdir) as lock:
-        return _compact_locked(layout, run, outdir, lock, delete, force, dataset_layout, repair)
+        return _compact_locked(layout, run, outdir, lock, delete, force, dataset_layout, repair,
+                               dead_after)  # fmt: skip
 
 
 def _compact_locked(
@@ -284,6 +291,7 @@ def _compact_locked(
     force: bool,
     dataset_layout: int | None,
     repair: bool,
+    dead_after: float,
 ) -> CompactResult:
     """:func:`compact`, holding the dataset's lock."""
     manifest = load_manifest(outdir)
@@ -329,6 +337,9 @@ def _compact_locked(
         lock.check()
         result.merged, written = merge_parts(outdir, manifest)
         result.files += written
+    lock.check()
+    # the steps table, before --delete (which waits for every shipper, this one too)
+    result.steps = ship_steps(layout.root, outdir, dead_after=dead_after)
     if delete:
         lock.check()
         deleted, kept = delete_verified(layout, run.run_id, outdir, manifest, force=force)

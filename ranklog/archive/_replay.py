@@ -1,11 +1,12 @@
 """Replay: a compacted Parquet dataset shipped again, through the same shipper as live.
 
-A dataset that :func:`~ranklog.archive._plan.plan` accepts (what a healthy job logs)
-is reduced on columns by :class:`~ranklog.archive._columnar.ColumnarTails`. Any other
-is read event by event: the rows are turned back into each rank's events, frame by
-frame, in the order they were written (rank, incarnation, segment, seq, idx), and
-handed to the ordinary shipper engine through :class:`ParquetSource`, a stand-in for
-the spool directory. Same events, same order, same reduction and completeness
+A dataset whose steps table is whole (compaction shipped the job to its end) replays
+from it (:class:`~ranklog.archive._steps.StepsTails`): the engine gets its own calls
+back and decides nothing again. Any other (an older release's, one compacted while
+the job ran, ``--per-rank``, ``--steps``, ``--names``, ``--relogged last``) is read event
+by event: the rows are turned back into each rank's events, frame by frame, in the
+order they were written (rank, incarnation, segment, seq, idx), and handed to the
+same engine through :class:`ParquetSource`, a stand-in for the spool directory. Same events, same order, same reduction and completeness
 rules: what replay ships is what live shipping shipped (the JSONL is byte for
 byte the same, either way). Every rank is treated as ended: an incarnation that never
 wrote ``rank_end`` gets one (status ``unknown``), so nothing waits for a rank that
@@ -35,12 +36,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ranklog.archive._columnar import ColumnarTails
 from ranklog.archive._files import GroupCache, Piece, RowGroups, Shared, read_rows, source_rows
 from ranklog.archive._manifest import Manifest, load_manifest, require_manifest
 from ranklog.archive._parts import check_files, pieces_of
-from ranklog.archive._plan import check, scan
 from ranklog.archive._rows import COLUMNS, frame_events
+from ranklog.archive._steps import StepsTails, whole_table
 from ranklog.archive._tables import STEP_TABLES, TABLES
 from ranklog.errors import ConfigError, SpoolFormatError
 from ranklog.schemas import SCHEMA_VERSION, RankEnd
@@ -346,31 +346,6 @@ class ParquetSource:
         return None
 
 
-def _columnar(dataset: Path, manifest: Manifest) -> ColumnarTails | None:
-    """The reading half of a replay on columns, when the dataset's plan allows it.
-
-    The first window is read (by the tails' thread) while the plan's second pass checks
-    the key columns, unless GPU samples wait for that pass (their steps come from it).
-    """
-    found, why = scan(_segment_files(dataset, manifest), GroupCache(_CACHE_BYTES))
-    tails = None
-    if found is not None:
-        tails = ColumnarTails(found, dataset)
-        try:
-            if not found.gpu:
-                tails.start()
-            why = check(found, manifest, found.cache)  # its footers, parsed once
-        except BaseException:
-            tails.close()
-            raise
-        if why:
-            tails.close()
-            tails = None
-    if tails is None:
-        log.info("replay of %s event by event: %s", dataset, why)
-    return tails
-
-
 def replay(
     dataset: str | os.PathLike[str],
     target: Target,
@@ -408,9 +383,11 @@ def replay(
     scratch = Path(tempfile.mkdtemp(prefix="ranklog-replay-"))
     try:
         write_run(scratch, run)
-        tails = None
-        if steps is None and names is None and not per_rank:
-            tails = _columnar(dataset, manifest)
+        tails: Any = None
+        if steps is None and names is None and not per_rank and relogged == "first":
+            whole = whole_table(dataset, run)
+            if whole is not None:
+                tails = StepsTails(whole[0], whole[1], run, late=late)
         source = None
         if tails is None:
             source = ParquetSource(dataset, run, steps=steps, names=names, relogged=relogged)

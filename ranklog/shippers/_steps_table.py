@@ -14,8 +14,9 @@ Rows, in call order (``kind``):
 - ``metric``: one per reduced value of that step, right after it, in the order the
   target received them (``name``, ``value``; the step's columns repeated, so that a
   query needs no join);
-- ``params``: one ``write_params``/``write_meta`` call (``data``: msgpack of the values;
-  ``step``: the step it was written before, null when it came after the last one);
+- ``params``: one ``write_params``/``write_meta`` call (``data``: msgpack of the values,
+  keyed as the engine keys them: run records under ``@``, ``@code/commit``; ``step``: the
+  step it was written before, null when it came after the last one);
 - ``end``: the job ended (``name``: ``finished``, ``failed`` or ``killed``).
 
 A DuckDB loss curve::
@@ -29,12 +30,15 @@ Format evolution: readers take columns by name and ignore unknown ones and unkno
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import os
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 
-from ranklog.schemas import ParamValue
+from ranklog.schemas import META_PREFIX, ParamValue
 from ranklog.shippers._target import GpuStat, ImageItem, ShippedStep, TableItem, TextItem
 
 if TYPE_CHECKING:
@@ -46,11 +50,32 @@ __all__ = [
     "Media",
     "StepsBuffer",
     "read_calls",
+    "step_files",
     "steps_schema",
 ]
 
 #: the ``ranklog.steps`` metadata of a file of this table
 STEPS_VERSION: Final = "1"
+
+#: a file of the table: its number (the order it was written in)
+FILE: Final = re.compile(r"steps-(\d{8,})\.parquet")
+
+
+def step_files(path: Path) -> tuple[list[Path], list[str]]:
+    """The steps files in ``path`` in order, and the names of other files there (a
+    writer's hidden temporary files passed over); none when ``path`` does not exist."""
+    try:
+        names = os.listdir(path)
+    except FileNotFoundError:
+        return [], []
+    files, others = [], []
+    for name in names:
+        if m := FILE.fullmatch(name):
+            files.append((int(m.group(1)), path / name))
+        elif not name.startswith("."):
+            others.append(name)
+    return [f for _, f in sorted(files)], sorted(others)
+
 
 #: one call a target received: ("steps", [ShippedStep]), ("params", values, before),
 #: ("end", status)
@@ -134,10 +159,16 @@ class StepsBuffer:
             data.append(media)
             data += [None] * (n - 1)
 
-    def params(self, values: dict[str, ParamValue]) -> None:
-        """A ``write_params`` (or ``write_meta``) call: written before the next step."""
+    def params(self, values: Mapping[str, ParamValue], *, meta: bool = False) -> None:
+        """A ``write_params`` (or, ``meta``, ``write_meta``) call: written before the next
+        step, as the engine holds it (run records' keys under ``@``, a hyperparameter
+        named ``@x`` as ``@@x``: :func:`~ranklog.schemas.split_meta` gives the call back)."""
+        if meta:
+            group = {META_PREFIX + k: v for k, v in values.items()}
+        else:
+            group = {META_PREFIX + k if k[:1] == META_PREFIX else k: v for k, v in values.items()}
         self._before.append(len(self))
-        self._row("params", data=_ENC.encode(values))
+        self._row("params", data=_ENC.encode(group))
 
     def end(self, status: str) -> None:
         """An ``end(status)`` call."""
@@ -183,8 +214,9 @@ def read_calls(table: pa.Table, *, where: str) -> Iterator[Call]:
                 j = i + 1
                 while j < n and kind[j] == "metric":
                     j += 1
-                s = ShippedStep(step[i], dict(zip(name[i + 1 : j], value[i + 1 : j], strict=True)),
-                                ranks[i], world[i], complete[i], ts[i], carrier=carrier[i])  # fmt: skip
+                metrics = dict(zip(name[i + 1 : j], value[i + 1 : j], strict=True))
+                s = ShippedStep(step[i], metrics, ranks[i], world[i], complete[i], ts[i],
+                                carrier=carrier[i])  # fmt: skip
                 if data[i] is not None:
                     m = _MEDIA.decode(data[i])
                     s.texts, s.histograms, s.images = m.texts, m.histograms, m.images

@@ -25,7 +25,6 @@ dataset's raw tables hold each rank's rows).
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
@@ -36,36 +35,29 @@ from ranklog.schemas import ParamScalar, ParamValue
 from ranklog.shippers._held import StepSet
 from ranklog.shippers._place import dir_place
 from ranklog.shippers._registry import TargetContext, TargetKind
-from ranklog.shippers._steps_table import STEPS_VERSION, StepsBuffer
+from ranklog.shippers._steps_table import FILE, STEPS_VERSION, StepsBuffer
+from ranklog.shippers._steps_table import step_files as listed
 from ranklog.shippers._target import ShippedStep
 from ranklog.spool import RunInfo
 
 __all__ = ["ParquetTarget", "held_steps", "step_files"]
 
-#: a file of the table: its number (the order it was written in)
-FILE: Final = re.compile(r"steps-(\d{8,})\.parquet")
 ALL_NAMES: Final = "*"
 
 
-def step_files(path: Path) -> list[tuple[int, Path]]:
-    """(number, path) of every steps file in ``path``, in order; a name of another form,
-    other than a writer's hidden temporary file, refuses the directory."""
-    out = []
+def step_files(path: Path) -> list[Path]:
+    """Every steps file in ``path``, in order; a file of another name (other than a
+    writer's hidden temporary one) refuses the directory."""
     try:
-        names = sorted(os.listdir(path))
-    except FileNotFoundError:
-        return []
+        files, others = listed(path)
     except OSError as exc:
         raise TargetError(f"parquet:{path}: cannot list the directory ({exc})") from exc
-    for name in names:
-        if m := FILE.fullmatch(name):
-            out.append((int(m.group(1)), path / name))
-        elif not name.startswith("."):
-            raise TargetError(
-                f"parquet:{path} holds {name!r}, which is not a ranklog steps file: "
-                "parquet: writes into an empty directory or its own (give another DIR)"
-            )
-    return sorted(out)
+    if others:
+        raise TargetError(
+            f"parquet:{path} holds {others[0]!r}, which is not a ranklog steps file: "
+            "parquet: writes into an empty directory or its own (give another DIR)"
+        )
+    return files
 
 
 def held_steps(file: Path, run_id: str, names: str) -> StepSet:
@@ -128,10 +120,11 @@ class ParquetTarget:
             raise TargetError(f"{self.spec}: cannot make the directory ({exc})") from exc
         held = StepSet()
         files = step_files(self.path)
-        for _, file in files:
+        for file in files:
             held = held.union(held_steps(file, run.run_id, self.names))
         self._run, self._rows = run, StepsBuffer()
-        self._next = files[-1][0] + 1 if files else 1
+        m = FILE.fullmatch(files[-1].name) if files else None
+        self._next = int(m.group(1)) + 1 if m else 1
         return held
 
     def write_params(self, params: dict[str, ParamValue]) -> None:
@@ -141,7 +134,7 @@ class ParquetTarget:
     def write_meta(self, meta: dict[str, ParamScalar]) -> None:
         """Run records are kept as they came (None: every key has its place)."""
         self._require()
-        self._rows.params(dict(meta))
+        self._rows.params(meta, meta=True)
 
     def write(self, steps: list[ShippedStep]) -> None:
         self._require()
