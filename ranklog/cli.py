@@ -114,6 +114,10 @@ def _compact(args: argparse.Namespace) -> int:
     from ranklog.archive import compact
 
     long_running()
+    if args.steps:
+        return _add_steps(args)
+    if args.out is None:
+        raise ConfigError("compact needs --out DIR (the dataset), or --steps DATASET")
     res = compact(args.spool, args.out, delete=args.delete, force=args.force,
                   dataset_layout=args.layout, repair=args.repair)  # fmt: skip
     for rel in res.repaired:
@@ -132,6 +136,25 @@ def _compact(args: argparse.Namespace) -> int:
         print(f"  deleted (verified): {path}")
     for why in res.kept:
         print(f"  kept: {why}")
+    return 0
+
+
+def _add_steps(args: argparse.Namespace) -> int:
+    """``ranklog compact --steps DS``: the steps table of a dataset that lacks a whole one."""
+    from ranklog.archive import write_steps
+
+    given = [f for f, v in (("--out", args.out), ("--delete", args.delete),
+                            ("--repair", args.repair), ("--layout", args.layout)) if v]  # fmt: skip
+    if given:
+        raise ConfigError(f"compact --steps DATASET takes no {given[0]}: it adds the steps "
+                          "table to a dataset, from its own rows")  # fmt: skip
+    log_to_stderr()
+    done = write_steps(args.spool)
+    if done is None:
+        print(f"{args.spool}: its steps table is whole already (nothing to do)")
+    else:
+        print(f"{args.spool}: steps table written from the raw rows: {done[0]:,} steps, up "
+              f"to step {done[1]}")  # fmt: skip
     return 0
 
 
@@ -320,9 +343,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     ship.set_defaults(func=_ship)
 
     comp = sub.add_parser("compact", help="write the spool's events as a Parquet dataset")
-    comp.add_argument("spool")
-    comp.add_argument("--out", required=True,
-                      help="dataset directory (created if missing; required)")  # fmt: skip
+    comp.add_argument("spool", help="the spool (with --steps: the dataset)")
+    comp.add_argument("--out", help="dataset directory (created if missing; required but "
+                      "with --steps)")  # fmt: skip
+    comp.add_argument(
+        "--steps", action="store_true",
+        help="SPOOL is a dataset: write its steps table (the steps as shipped, which replay "
+        "reads) from its raw rows, for a dataset of an older release or whose table is not "
+        "whole (default: off)",
+    )  # fmt: skip
     comp.add_argument(
         "--delete", action="store_true",
         help="delete sealed segments once their rows are verified in Parquet and every "

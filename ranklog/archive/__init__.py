@@ -38,13 +38,14 @@ if TYPE_CHECKING:
     from ranklog.archive._block import segment_tables
     from ranklog.archive._compact import CompactResult, compact
     from ranklog.archive._parts import check_files
-    from ranklog.archive._replay import ParquetSource, replay
+    from ranklog.archive._replay import ParquetSource, replay, write_steps
 
 #: names imported when first asked for, from the module that holds them: a replay does not
 #: load compaction's modules, nor compaction replay's
 _LAZY = {
     "ParquetSource": "_replay",
     "replay": "_replay",
+    "write_steps": "_replay",
     "CompactResult": "_compact",
     "compact": "_compact",
     "segment_tables": "_block",
@@ -68,6 +69,7 @@ __all__ = [
     "require_manifest",
     "segment_tables",
     "table_files",
+    "write_steps",
 ]
 
 

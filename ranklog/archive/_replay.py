@@ -6,13 +6,13 @@ back and decides nothing again. Any other (an older release's, one compacted whi
 the job ran, ``--per-rank``, ``--steps``, ``--names``, ``--relogged last``) is read event
 by event: the rows are turned back into each rank's events, frame by frame, in the
 order they were written (rank, incarnation, segment, seq, idx), and handed to the
-same engine through :class:`ParquetSource`, a stand-in for the spool directory. Same events, same order, same reduction and completeness
-rules: what replay ships is what live shipping shipped (the JSONL is byte for
-byte the same, either way). Every rank is treated as ended: an incarnation that never
-wrote ``rank_end`` gets one (status ``unknown``), so nothing waits for a rank that
-will never write again.
-
-Timestamps are those of the dataset, rounded to the microsecond.
+same engine through :class:`ParquetSource`, a stand-in for the spool directory: same
+events, same order, same rules. Every rank is treated as ended: an incarnation that
+never wrote ``rank_end`` gets one (status ``unknown``), so nothing waits for a rank that
+will never write again. What the raw rows cannot say, they do not: a frame that held
+no value left no row (its rank's next steps are marked partial where live shipping
+found them whole), and timestamps are rounded to the microsecond. The steps table
+holds what live shipping shipped, to the bit.
 
 After a requeue, steps a rank logged twice (between its last checkpoint and the kill)
 replay by default as live shipping shipped them: the first closed values
@@ -40,7 +40,7 @@ from ranklog.archive._files import GroupCache, Piece, RowGroups, Shared, read_ro
 from ranklog.archive._manifest import Manifest, load_manifest, require_manifest
 from ranklog.archive._parts import check_files, pieces_of
 from ranklog.archive._rows import COLUMNS, frame_events
-from ranklog.archive._steps import StepsTails, whole_table
+from ranklog.archive._steps import STEPS_DIR, StepsTails, whole_table
 from ranklog.archive._tables import STEP_TABLES, TABLES
 from ranklog.errors import ConfigError, SpoolFormatError
 from ranklog.schemas import SCHEMA_VERSION, RankEnd
@@ -58,7 +58,7 @@ from ranklog.spool import (
 )
 from ranklog.spool._layout import write_run
 
-__all__ = ["ParquetSource", "replay"]
+__all__ = ["ParquetSource", "replay", "write_steps"]
 
 log = logging.getLogger("ranklog.replay")
 
@@ -405,3 +405,33 @@ def replay(
         return shipper.run_forever(once=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def write_steps(dataset: str | os.PathLike[str]) -> tuple[int, int] | None:
+    """Add the steps table to a dataset that has none, or not a whole one (an older
+    release's, or one compacted while the job ran and whose spool is gone): the engine
+    over the raw rows ships into ``DS/steps`` (the steps it holds already are kept).
+    (steps written, the last step), or None when the table was whole already.
+
+    One at a time per dataset, as compaction (:class:`~ranklog.archive._lock.DatasetLock`).
+    """
+    from ranklog.archive._lock import DatasetLock
+    from ranklog.shippers import make_target
+
+    dataset = Path(dataset)
+    manifest = require_manifest(dataset)
+    run = RunInfo(manifest.run_id, manifest.created, manifest.name, manifest.world_size)
+    with DatasetLock(dataset):
+        if whole_table(dataset, run) is not None:
+            return None
+        target = make_target(f"parquet:{dataset / STEPS_DIR}", dataset)
+        scratch = Path(tempfile.mkdtemp(prefix="ranklog-steps-"))
+        try:
+            write_run(scratch, run)
+            source = ParquetSource(dataset, run)
+            shipper = Shipper(str(scratch), target, name="steps", start_grace=0, source=source,
+                              late="ship", retry_for=ONCE_RETRY_FOR, keep_cursor=False)  # fmt: skip
+            shipper.run_forever(once=True)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        return shipper.stats.steps_shipped, shipper.shipped_upto
