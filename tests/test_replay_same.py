@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from typing import Any
 import msgspec
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ranklog.archive import compact, load_manifest, replay
 from ranklog.archive._steps import whole_table
@@ -451,3 +454,34 @@ class TestFailures:
         replay(tmp_path / "pq", _FailsOnce(out))
         assert _FailsOnce.writes > 2
         assert out.read_bytes() == want
+
+
+class TestGenerated:
+    @settings(max_examples=12, deadline=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+    @given(seed=st.integers(0, 2**32), ends=st.sampled_from(["ok", "mixed"]),
+           damage=st.none() | st.tuples(st.floats(0.1, 0.95), st.integers(1, 64)))  # fmt: skip
+    def test_generated_spools_replay_as_live(
+        self,
+        tmp_path_factory: pytest.TempPathFactory,
+        seed: int,
+        ends: str,
+        damage: tuple[float, int] | None,
+    ) -> None:
+        """Generated jobs (values, names, specs, params, ranks that stop, die or are
+        signalled), some with bytes of a segment overwritten: live shipping, replay from the
+        steps table and replay from the raw rows give the same bytes; nothing raises."""
+        d = tmp_path_factory.mktemp("gen")
+        spool = d / "spool"
+        _job(spool, seed, ends=ends, phases=1)
+        if damage is not None:
+            at, length = damage
+            seg = max((p for p in spool.rglob("*") if p.is_file() and p.parent.name.isdigit()
+                       and p.stat().st_size > 200), key=lambda p: p.stat().st_size)  # fmt: skip
+            data = bytearray(seg.read_bytes())
+            start = int(len(data) * at)
+            data[start : start + length] = bytes(0xA5 for _ in data[start : start + length])
+            seg.write_bytes(bytes(data))
+            shutil.rmtree(d / "pq")
+            compact(spool, d / "pq", dead_after=0)
+        _live_and_both(spool, d)

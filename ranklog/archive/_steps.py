@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from ranklog.errors import ArchiveError, RanklogError
 from ranklog.shippers._cursor import Cursor
@@ -96,10 +96,25 @@ def ship_steps(spool: Path, dataset: Path, *, dead_after: float = 120.0) -> tupl
     from ranklog.shippers._retry import ONCE_RETRY_FOR
 
     target = make_target(f"parquet:{dataset / STEPS_DIR}", spool)
+    if not _files(dataset):  # a new dataset (or its table removed): this spool's cursor
+        _forget_cursor(spool, target)  # for that path is of a table that is gone
     shipper = Shipper(str(spool), target, late="ship", retry_for=ONCE_RETRY_FOR,
                       dead_after=dead_after, start_grace=min(60.0, dead_after))  # fmt: skip
     shipper.run_forever(once=True)
     return shipper.stats.steps_shipped, shipper.shipped_upto
+
+
+def _forget_cursor(spool: Path, target: Any) -> None:
+    """Remove the cursor of ``target`` (compaction's own) from ``spool``, if any."""
+    from ranklog.shippers import default_name, target_identity
+    from ranklog.shippers._cursor import cursor_path
+    from ranklog.spool import read_run
+
+    path = cursor_path(spool, default_name(target_identity(target, read_run(spool))))
+    if path.exists():
+        log.info("%s has no steps table: %s (of a table that is gone) removed, the steps "
+                 "are written again", path.parent.parent, path.name)  # fmt: skip
+        path.unlink()
 
 
 class _Done:

@@ -43,6 +43,7 @@ __all__ = [
     "SegmentCursor",
     "adopt_legacy_cursor",
     "check_not_deleted",
+    "cursor_path",
     "load_cursor",
     "save_cursor",
 ]

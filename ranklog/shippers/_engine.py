@@ -42,6 +42,7 @@ from ranklog.shippers._cursor import (
     Cursor,
     adopt_legacy_cursor,
     check_not_deleted,
+    cursor_path,
     load_cursor,
     save_cursor,
 )
@@ -232,6 +233,8 @@ class Shipper:
         self._open_error = None
         self._target_ok = self._opened = True
         self.held.opened(held)
+        if held is not None:  # (a target that cannot tell, the console, is not asked)
+            self.held.check_kept(self.cursor, cursor_path(self.spool, self.name))
         # segments compact --delete removed before they were shipped: the target must
         # hold their steps (a replay of the dataset), else nothing more is shipped
         check_not_deleted(self.spool, self.cursor, self.target.spec, self.held.steps)

@@ -6,6 +6,9 @@ applies the two rules that follow from it:
 
 - a step the target holds is not sent again (it counts as shipped: the target has it),
   nor are late values whose carrier it holds;
+- a target that holds fewer steps than the cursor counts as shipped to it (deleted,
+  moved, rolled back) is refused at open (:meth:`TargetHeld.check_kept`): shipping on
+  would skip those steps;
 - a target that cannot write below its last step (``steps_in_order``, W&B) and lacks a
   step below it refuses the batch before anything is written
   (:class:`~ranklog.errors.TargetHeldError`), or, with ``--below-last skip``, leaves
@@ -15,11 +18,16 @@ applies the two rules that follow from it:
 from __future__ import annotations
 
 import logging
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from ranklog.errors import ConfigError, TargetHeldError
 from ranklog.shippers._held import StepSet, as_step_set
 from ranklog.shippers._target import ShippedStep, Target
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from ranklog.shippers._cursor import Cursor
 
 __all__ = ["BELOW_LAST", "TargetHeld"]
 
@@ -44,6 +52,22 @@ class TargetHeld:
     def opened(self, held: StepSet | int | None) -> None:
         """What ``Target.open`` answered (an int: every step up to it)."""
         self.steps = as_step_set(held)
+
+    def check_kept(self, cursor: Cursor, path: Path) -> None:
+        """Refuse a target that holds fewer steps of this run, up to the cursor's last,
+        than the cursor (at ``path``) counts as shipped to it: it was deleted, moved or
+        rolled back, and shipping on would skip them and exit 0."""
+        last, shipped = cursor.last_step, cursor.steps_shipped
+        if last < 0 or shipped <= 0:
+            return
+        have = sum(min(hi, last) - lo + 1 for lo, hi in self.steps.ranges() if lo <= last)
+        if have < shipped:
+            raise TargetHeldError(
+                f"{self.target.spec} holds {shipped - have} fewer steps of this run than its "
+                f"cursor says were shipped to it (up to step {last}; it holds "
+                f"{self.steps.describe()}): nothing sent. To ship them into it again, remove "
+                f"{path} (the steps it holds are not sent twice), or ship into a new target"
+            )
 
     def holds(self, s: ShippedStep) -> bool:
         """Whether the target holds ``s`` (late values: whether it holds their carrier)."""
