@@ -4,6 +4,7 @@
 >>> metric_band("runs/exp1.parquet", "train/loss")      # step, mean, min, max, ranks
 >>> slowest_rank("runs/exp1.parquet")                    # step, slowest_rank, seconds, median
 >>> rank_divergence("runs/exp1.parquet", "train/loss")   # rank, mean_abs_dev, max_abs_dev
+>>> shipped("runs/exp1.parquet", "train/loss")           # step, value, ranks, complete
 
 Each rank's value at a step is the mean of what it logged at that step; the
 across-rank statistics are then taken over ranks. The same queries in DuckDB
@@ -22,7 +23,7 @@ import pyarrow.dataset as ds
 
 from ranklog.errors import ArchiveError, ConfigError
 
-__all__ = ["metric_band", "per_rank", "rank_divergence", "slowest_rank"]
+__all__ = ["metric_band", "per_rank", "rank_divergence", "shipped", "slowest_rank"]
 
 
 def _table(dataset: str | os.PathLike[str], kind: str, name: str) -> pa.Table:
@@ -100,3 +101,25 @@ def rank_divergence(dataset: str | os.PathLike[str], name: str) -> pa.Table:
     out = joined.group_by("rank").aggregate([("dev", "mean"), ("dev", "max")])
     out = out.rename_columns(["rank", "mean_abs_dev", "max_abs_dev"])
     return out.sort_by([("mean_abs_dev", "descending"), ("rank", "ascending")])
+
+
+def shipped(dataset: str | os.PathLike[str], name: str) -> pa.Table:
+    """step, value, ranks, complete: ``name`` as the dashboards got it, step by step (the
+    steps table: the reduced value live shipping shipped; late values left out)."""
+    from ranklog.archive import require_manifest
+
+    require_manifest(dataset)
+    path = Path(dataset) / "steps"
+    files = sorted(path.glob("steps-*.parquet"))
+    if not files:
+        raise ArchiveError(f"{path}: no steps table in this dataset (an older release's, or "
+                           f"compacted before any step was complete): `ranklog compact "
+                           f"--steps {dataset}` writes it")  # fmt: skip
+    table = ds.dataset(files, format="parquet")
+    metric = (ds.field("kind") == "metric") & ds.field("carrier").is_null()
+    out = table.to_table(columns=["step", "value", "ranks", "complete"],
+                         filter=metric & (ds.field("name") == name))  # fmt: skip
+    if out.num_rows == 0:
+        known = pc.unique(table.to_table(columns=["name"], filter=metric)["name"]).to_pylist()
+        raise ConfigError(_unknown(name, "shipped metrics", [str(n) for n in known if n]))
+    return out.sort_by("step")

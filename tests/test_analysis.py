@@ -49,7 +49,7 @@ def _queries() -> dict[str, str]:
 
 def test_readme_has_the_queries() -> None:
     """docs/analysis.md shows the band, slowest-rank and divergence queries, and the Polars ones."""
-    assert set(_queries()) == {"band", "slowest", "divergence", "polars"}
+    assert set(_queries()) == {"band", "slowest", "divergence", "polars", "shown"}
 
 
 class TestDuckDB:
@@ -73,6 +73,12 @@ class TestDuckDB:
         rows = self._run("slowest", dataset)
         assert {r[1] for r in rows} == {2} and rows[0][2] == pytest.approx(1.5)
         assert rows[0][4] == pytest.approx(1.5 / 1.2)  # median of 1.0, 1.1, 1.3, 1.5
+
+    def test_shown(self, dataset: Path) -> None:
+        """The loss curve as shipped, from the steps table: the mean over ranks and calls."""
+        rows = self._run("shown", dataset)
+        assert [r[0] for r in rows] == list(range(STEPS))
+        assert rows[3][1] == pytest.approx(sum(_loss(r, 3) for r in range(RANKS)) / RANKS)
 
     def test_divergence(self, dataset: Path) -> None:
         """The drifting rank comes first."""
@@ -101,6 +107,20 @@ class TestAnalysisModule:
         assert slow[0]["seconds"] == pytest.approx(1.5)
         div = rank_divergence(dataset, "train/loss").to_pylist()
         assert div[0]["rank"] == 3
+
+    def test_shipped_is_the_shown_query(self, dataset: Path) -> None:
+        """analysis.shipped gives the docs' query's values, with ranks and completeness;
+        a name it lacks is named with close ones; a dataset without the table says the
+        command that writes it."""
+        from ranklog import analysis
+        from ranklog.errors import ConfigError
+
+        got = analysis.shipped(dataset, "train/loss").to_pylist()
+        assert [(r["step"], r["ranks"], r["complete"]) for r in got] == [
+            (s, RANKS, True) for s in range(STEPS)]  # fmt: skip
+        assert got[3]["value"] == pytest.approx(TestDuckDB()._run("shown", dataset)[3][1])
+        with pytest.raises(ConfigError, match="train/loss"):
+            analysis.shipped(dataset, "train/los")
 
     def test_missing_table(self, tmp_path: Path) -> None:
         """A dataset without the table says which one is missing."""

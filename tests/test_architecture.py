@@ -113,6 +113,43 @@ class TestLayers:
         assert wrong == [f"{bad}:4: spool imports ranklog.shippers"]
 
 
+#: the modules that decide what the engine decides (docs/architecture.md, one rule per module)
+ENGINE_RULES = {
+    "ranklog.shippers._waited", "ranklog.shippers._tail", "ranklog.shippers._lost",
+    "ranklog.shippers._params", "ranklog.shippers._reduce", "ranklog.shippers._finish",
+    "ranklog.shippers._steps", "ranklog.shippers._gather",
+}  # fmt: skip
+
+
+def rule_importers(mods: dict[str, Path]) -> list[str]:
+    """Modules of archive/ that import a rule of the engine (they must run the engine)."""
+    wrong = []
+    for mod, path in mods.items():
+        if layer(mod) == "archive":
+            for imported, line in imports(path, set(mods), mod):
+                if imported in ENGINE_RULES:
+                    wrong.append(f"{path}:{line}: {mod} imports {imported}")
+    return wrong
+
+
+class TestOneEngine:
+    def test_the_archive_runs_the_engine_and_decides_nothing(self) -> None:
+        """archive/ imports none of the modules holding the engine's rules (completeness,
+        incarnations, late values, lost frames, params' step, reduction): compaction and
+        replay run the Shipper, and the steps table keeps what it decided."""
+        assert set(ENGINE_RULES) <= set(modules())
+        wrong = rule_importers(modules())
+        assert not wrong, "\n".join(wrong)
+
+    def test_a_rule_imported_by_the_archive_is_reported(self, tmp_path: Path) -> None:
+        """A replay module reducing on its own (as the columnar replay once did) is named."""
+        bad = tmp_path / "_bad.py"
+        bad.write_text("from ranklog.shippers._reduce import fsums\n")
+        mods = {**modules(), "ranklog.archive._bad": bad}
+        assert rule_importers(mods) == [f"{bad}:1: ranklog.archive._bad imports "
+                                        "ranklog.shippers._reduce"]  # fmt: skip
+
+
 class TestNoCycles:
     def test_no_import_cycles(self) -> None:
         """No module reaches itself through imports, lazy and TYPE_CHECKING ones included."""

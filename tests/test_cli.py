@@ -190,20 +190,23 @@ class TestProcess:
         assert "ranklog" in steps[0]  # the run line, then params, then the steps
         assert [x.get("step") for x in steps[1:]] == [None, 0, 1, 2, 3]
 
-    def test_compact_never_imports_the_shipper_engine(self, spool: Path, tmp_path: Path) -> None:
-        """``ranklog compact`` starts without the shipper engine or any target (a shorter
-        start); ``ship`` and ``replay`` still parse every target option."""
+    def test_compact_loads_no_backend(self, spool: Path, tmp_path: Path) -> None:
+        """``ranklog compact`` runs the engine into the steps table, and loads no backend's
+        library (TensorBoard, MLflow, W&B, SwanLab, trackio); ``ship`` and ``replay`` still
+        parse every target option."""
         _small_spool(spool)
+        backends = ("tensorboard", "mlflow", "wandb", "swanlab", "trackio", "torch")
         code = (
             "import sys\n"
             "from ranklog.cli import main\n"
             f"main(['compact', {str(spool)!r}, '--out', {str(tmp_path / 'pq')!r}])\n"
-            "print('loaded:', sorted(m for m in sys.modules if m.startswith('ranklog.ship')))\n"
+            f"print('loaded:', sorted(m for m in sys.modules if m.split('.')[0] in {backends!r}))\n"
         )
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env=python_env(), timeout=120, check=False)  # fmt: skip
         assert p.returncode == 0, p.stderr
-        assert "compacted" in p.stdout and "loaded: []" in p.stdout
+        assert "compacted" in p.stdout and "loaded: []" in p.stdout, p.stdout
+        assert "steps table: 4 steps as shipped, up to step 3" in p.stdout
         from ranklog.cli import build_parser
 
         for argv in (["ship", "S", "--to", "jsonl:x"], ["replay", "D", "--to", "jsonl:x"]):

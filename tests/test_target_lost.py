@@ -73,9 +73,7 @@ def test_the_console_is_not_taken_for_a_target_that_lost_everything(spool: Path)
     assert _ship(spool, "console").returncode == 0
 
 
-def test_a_dataset_deleted_and_compacted_again_has_its_steps(
-    spool: Path, tmp_path: Path
-) -> None:
+def test_a_dataset_deleted_and_compacted_again_has_its_steps(spool: Path, tmp_path: Path) -> None:
     """The dataset removed and compacted again: its steps table holds every step again
     (compaction's cursor was of a table that is gone), and replays as live shipped."""
     _job(spool)

@@ -50,7 +50,8 @@ class TestRegistry:
     def test_builtin_targets_declare_themselves(self) -> None:
         """Every public module of ranklog/shippers/targets/ is a target kind, named as its file."""
         files = {p.stem for p in (ROOT / "ranklog/shippers/targets").glob("[!_]*.py")}
-        assert files == {"jsonl", "console", "tensorboard", "mlflow", "wandb", "trackio", "swanlab"}
+        assert files == {"jsonl", "parquet", "console", "tensorboard", "mlflow", "wandb", "trackio",
+                         "swanlab"}  # fmt: skip
         assert {k for k in target_kinds() if k in files} == files
 
     def test_options_are_shared_by_name(self) -> None:

@@ -298,7 +298,8 @@ class TestCrashAndResume:
             )
         assert expected > 0
         cursors = list_cursors(resumed["spool"])
-        assert sorted(c.target.partition(":")[0] for c in cursors) == ["jsonl", "tensorboard"]
+        kinds = sorted(c.target.partition(":")[0] for c in cursors)
+        assert kinds == ["jsonl", "parquet", "tensorboard"]  # (parquet: compaction's steps)
         assert all(c.relogged_events == expected and c.late_events == 0 for c in cursors)
 
         counted, logged = counted_values(resumed["pq"], "train/loss")
