@@ -195,44 +195,60 @@ def read_calls(table: pa.Table, *, where: str) -> Iterator[Call]:
 
     Consecutive steps are one ``("steps", [...])`` call; a ``params`` row is
     ``("params", values, before)`` (``before``: the step, or None); ``end`` is
-    ``("end", status)``. Rows of an unknown kind (a later release's) are passed over.
+    ``("end", status)``. Rows of an unknown kind (a later release's) are passed over, with
+    the ``metric`` rows that follow them. Columns are read whole (names through their
+    dictionary, values as one float64 array: bits kept), a Python object made only for
+    what a target receives.
     """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
     from ranklog.errors import SpoolFormatError
 
-    cols = {n: table.column(n).to_pylist() for n in _COLUMNS if n in table.column_names}
-    if set(cols) != set(_COLUMNS):
-        missing = ", ".join(sorted(set(_COLUMNS) - set(cols)))
-        raise SpoolFormatError(f"{where}: not a ranklog steps table (no column {missing})")
-    kind, step, carrier, name, value = (cols[k] for k in _COLUMNS[:5])
-    ranks, world, complete, ts, data = (cols[k] for k in _COLUMNS[5:])
+    missing = sorted(set(_COLUMNS) - set(table.column_names))
+    if missing:
+        raise SpoolFormatError(f"{where}: not a ranklog steps table (no column "
+                               f"{', '.join(missing)})")  # fmt: skip
+    if table.num_rows == 0:
+        return
+    kinds = pc.cast(table.column("kind"), pa.string()).combine_chunks()
+    heads = pc.indices_nonzero(pc.not_equal(kinds, "metric")).to_numpy()
+    head = table.take(heads)
+    kind = head.column("kind").to_pylist()
+    step, carrier, ranks, world, complete, ts, data, label = (
+        head.column(c).to_pylist()
+        for c in ("step", "carrier", "ranks", "world_size", "complete", "ts", "data", "name")
+    )
+    names = pc.dictionary_encode(table.column("name")).combine_chunks()
+    lookup = [*names.dictionary.to_pylist(), None]
+    codes = pc.fill_null(names.indices, len(lookup) - 1).to_numpy()
+    name = [lookup[c] for c in codes.tolist()]
+    value = table.column("value").to_numpy().tolist()
+    ends = [*heads.tolist()[1:], table.num_rows]
     batch: list[ShippedStep] = []
-    i, n = 0, len(kind)
+    h = 0
     try:
-        while i < n:
-            k = kind[i]
+        for h, (i, j) in enumerate(zip(heads.tolist(), ends, strict=True)):
+            k = kind[h]
             if k == "step":
-                j = i + 1
-                while j < n and kind[j] == "metric":
-                    j += 1
                 metrics = dict(zip(name[i + 1 : j], value[i + 1 : j], strict=True))
-                s = ShippedStep(step[i], metrics, ranks[i], world[i], complete[i], ts[i],
-                                carrier=carrier[i])  # fmt: skip
-                if data[i] is not None:
-                    m = _MEDIA.decode(data[i])
+                s = ShippedStep(step[h], metrics, ranks[h], world[h], complete[h], ts[h],
+                                carrier=carrier[h])  # fmt: skip
+                if data[h] is not None:
+                    m = _MEDIA.decode(data[h])
                     s.texts, s.histograms, s.images = m.texts, m.histograms, m.images
                     s.gpu, s.tables = m.gpu, m.tables
                 batch.append(s)
-                i = j
                 continue
             if batch:
                 yield ("steps", batch)
                 batch = []
             if k == "params":
-                yield ("params", _PARAMS.decode(data[i]), step[i])
+                yield ("params", _PARAMS.decode(data[h]), step[h])
             elif k == "end":
-                yield ("end", name[i])
-            i += 1
-    except (msgspec.DecodeError, TypeError) as exc:
-        raise SpoolFormatError(f"{where}: row {i} of the steps table is damaged ({exc})") from None
+                yield ("end", label[h])
+    except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as exc:
+        at = int(heads[h]) if len(heads) else 0
+        raise SpoolFormatError(f"{where}: row {at} of the steps table is damaged ({exc})") from None
     if batch:
         yield ("steps", batch)
