@@ -317,6 +317,37 @@ def _compact_locked(
     if repair:
         result.repaired = repair_files(layout, run.run_id, outdir, manifest)
     check_files(outdir, manifest, layout.root)
+    # the steps table is shipped from the spool meanwhile (the engine, on a thread of its
+    # own: the raw tables' encoding, compression and fsync run without the GIL)
+    steps = ThreadPoolExecutor(1, thread_name_prefix="ranklog-steps")
+    shipped = steps.submit(ship_steps, layout.root, outdir, dead_after=dead_after)
+    try:
+        _compact_raw(layout, run, outdir, lock, manifest, result, saver, orphans)
+        lock.check()
+        # the steps table, before --delete (which waits for every shipper, this one too)
+        result.steps = shipped.result()
+    finally:
+        steps.shutdown(wait=True)  # the dataset stays locked until it is done, whatever
+    if delete:
+        lock.check()
+        deleted, kept = delete_verified(layout, run.run_id, outdir, manifest, force=force)
+        result.deleted += deleted
+        result.kept += kept
+        save_manifest(outdir, manifest)
+    return result
+
+
+def _compact_raw(
+    layout: SpoolLayout,
+    run: RunInfo,
+    outdir: Path,
+    lock: DatasetLock,
+    manifest: Manifest,
+    result: CompactResult,
+    saver: _Saver,
+    orphans: _Orphans | None,
+) -> None:
+    """The raw tables: every new complete frame of every segment, then the merge of parts."""
     try:
         for rank in layout.ranks():
             segs = layout.segments(rank)
@@ -337,16 +368,6 @@ def _compact_locked(
         lock.check()
         result.merged, written = merge_parts(outdir, manifest)
         result.files += written
-    lock.check()
-    # the steps table, before --delete (which waits for every shipper, this one too)
-    result.steps = ship_steps(layout.root, outdir, dead_after=dead_after)
-    if delete:
-        lock.check()
-        deleted, kept = delete_verified(layout, run.run_id, outdir, manifest, force=force)
-        result.deleted += deleted
-        result.kept += kept
-        save_manifest(outdir, manifest)
-    return result
 
 
 def _compact_segment(
