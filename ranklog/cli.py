@@ -5,7 +5,7 @@
     ranklog ship SPOOL --to TARGET [--to TARGET ...] [--once] [--poll S] [--dead-after S]
                  [--name N] [--per-rank] [--late count|ship] [--ray [ADDRESS]]
                  [target options]
-    ranklog compact SPOOL --out DIR [--delete] [--layout 2]
+    ranklog compact SPOOL --out DIR [--delete]
     ranklog replay DIR --to TARGET [--to TARGET ...] [--steps A:B] [--names GLOB]
                    [--relogged first|last] [--late count|ship] [target options]
     ranklog inspect SPOOL [--json]
@@ -118,8 +118,7 @@ def _compact(args: argparse.Namespace) -> int:
         return _add_steps(args)
     if args.out is None:
         raise ConfigError("compact needs --out DIR (the dataset), or --steps DATASET")
-    res = compact(args.spool, args.out, delete=args.delete, force=args.force,
-                  dataset_layout=args.layout, repair=args.repair)  # fmt: skip
+    res = compact(args.spool, args.out, delete=args.delete, force=args.force, repair=args.repair)
     for rel in res.repaired:
         print(f"  repaired from the spool: {args.out}/{rel} (the damaged file kept in "
               f"{args.out}/.damaged/{rel})")  # fmt: skip
@@ -144,7 +143,7 @@ def _add_steps(args: argparse.Namespace) -> int:
     from ranklog.archive import write_steps
 
     given = [f for f, v in (("--out", args.out), ("--delete", args.delete),
-                            ("--repair", args.repair), ("--layout", args.layout)) if v]  # fmt: skip
+                            ("--repair", args.repair)) if v]  # fmt: skip
     if given:
         raise ConfigError(f"compact --steps DATASET takes no {given[0]}: it adds the steps "
                           "table to a dataset, from its own rows")  # fmt: skip
@@ -366,11 +365,6 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "--force", action="store_true",
         help="with --delete: delete verified segments even if a shipper has not shipped them "
         "(it then says to replay them from the dataset)",
-    )  # fmt: skip
-    comp.add_argument(
-        "--layout", type=int, choices=(1, 2), default=None,
-        help="a new dataset's layout: 2, a few files per table, rows sorted by step (the "
-        "default); 1, a file per table per segment (an existing dataset keeps its own)",
     )  # fmt: skip
     comp.set_defaults(func=_compact)
 

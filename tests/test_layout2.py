@@ -84,17 +84,25 @@ class TestFiles:
             groups = {g for p, _, a, b in entry.pieces.get("metrics", []) for g in range(a, b)}
             assert seen.get((rank_, inc, seg), set()) <= groups, key
 
-    def test_a_layout_1_dataset_stays_layout_1(self, spool: Path, tmp_path: Path) -> None:
-        """A dataset made in layout 1 goes on in layout 1; asking it for layout 2 is refused,
-        naming the dataset and what to do."""
-        _grow(spool, tmp_path / "pq", 2, 1)
-        one = tmp_path / "one"
-        compact(spool, one, dataset_layout=1)
-        compact(spool, one)
-        assert load_manifest(one).layout == 1
-        assert all("part-" not in p.name for p in one.rglob("*.parquet"))
-        with pytest.raises(ConfigError, match=r"layout 1.*--layout 2"):
-            compact(spool, one, dataset_layout=2)
+    def test_a_layout_1_dataset_is_read_not_written(self, tmp_path: Path) -> None:
+        """A dataset of layout 1 (tests/data/schema5, an older release's): compaction into it
+        is refused in one line naming what to do (nothing written); replay and analysis
+        read it; `compact --steps` adds its steps table."""
+        import shutil
+
+        from ranklog.archive import write_steps
+
+        data = Path(__file__).parent / "data" / "schema5"
+        shutil.copytree(data, tmp_path / "f")
+        ds = tmp_path / "f" / "dataset"
+        before = sorted(p.relative_to(ds) for p in ds.rglob("*"))
+        with pytest.raises(ConfigError, match=r"layout 1 .*no longer adds to it.*new directory"):
+            compact(tmp_path / "f" / "spool", ds)
+        assert sorted(p.relative_to(ds) for p in ds.rglob("*") if p.name != ".compact.lock") == (
+            before)  # fmt: skip
+        replay(ds, JsonlTarget(tmp_path / "r.jsonl"))
+        assert (tmp_path / "r.jsonl").read_bytes() == (data / "expected.jsonl").read_bytes()
+        assert write_steps(ds) is not None and load_manifest(ds).layout == 1
 
     def test_a_newer_layout_is_refused(self, spool: Path, tmp_path: Path) -> None:
         """A dataset of a layout this release does not know is refused, not mixed into."""
@@ -239,7 +247,6 @@ class TestReviewed:
         log_steps(run, range(400))
         run.close()
         compact(spool, tmp_path / "whole")
-        monkeypatch.setattr(compact_mod, "CHUNK_BYTES", 1024)
         monkeypatch.setattr(compact_mod, "BLOCK_BYTES", 1024)
         monkeypatch.setattr(compact_mod, "SAVE_BYTES", 4096)
         saves = []

@@ -115,7 +115,6 @@ class TestReading:
         monkeypatch.setattr(replay_mod, "_CACHE_BYTES", 1)
         monkeypatch.setattr(replay_mod, "_SHARED_BYTES", 1)
         if by_group:
-            monkeypatch.setattr(compact_mod, "CHUNK_BYTES", 512)
             monkeypatch.setattr(compact_mod, "BLOCK_BYTES", 512)
         monkeypatch.setattr(replay_mod, "_ROWS_PER_READ", rows_per_read)
         monkeypatch.setattr(replay_mod, "whole_table", lambda *a: None)  # the raw rows

@@ -416,10 +416,7 @@ class TestRanks:
         assert [m["x/max"] for m in got] == [5.0, 7.0, 9.0]
         assert [m.get("x/max.derived") for m in got] == [None, 1.0, 2.0]
 
-    @pytest.mark.parametrize("dataset_layout", [1], indirect=True)
-    def test_a_dataset_from_an_older_release(
-        self, spool: Path, tmp_path: Path, dataset_layout: int
-    ) -> None:
+    def test_a_dataset_from_an_older_release(self, spool: Path, tmp_path: Path) -> None:
         """Ranks files without the ``events`` column (an older release), and no steps table:
         the raw rows replay as live shipped."""
         _job(spool, 5, phases=1)

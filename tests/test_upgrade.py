@@ -40,7 +40,8 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 def test_an_upgrade_keeps_one_cursor_per_target(tmp_path: Path) -> None:
     """Old spool and cursors, requeued with today's code: two cursors for two targets, the
-    epilogue exits 0, compact --delete deletes every shipped segment, replay == live."""
+    epilogue exits 0; the old dataset (layout 1) is refused, named, a new one is written,
+    compact --delete deletes every shipped segment, replay == live."""
     here = tmp_path / "job"
     shutil.copytree(DATA, here)
     spool = here / "spool"
@@ -60,10 +61,13 @@ def test_an_upgrade_keeps_one_cursor_per_target(tmp_path: Path) -> None:
     for name in ("a", "b"):
         assert [x["step"] for x in lines(here / "out" / f"{name}.jsonl")] == list(range(10))
     res = _cli("compact", str(spool), "--out", str(here / "dataset"), "--delete", cwd=here)
+    assert res.returncode == 2 and "layout 1" in res.stderr and "new directory" in res.stderr
+    assert list((spool / "ranks").glob("*/*.rlog"))  # nothing deleted
+    res = _cli("compact", str(spool), "--out", str(here / "dataset2"), "--delete", cwd=here)
     assert res.returncode == 0, res.stderr
     assert not list((spool / "ranks").glob("*/*.rlog"))
     again = tmp_path / "replay.jsonl"
-    replay(here / "dataset", JsonlTarget(again))
+    replay(here / "dataset2", JsonlTarget(again))
     assert lines(again) == lines(here / "out" / "a.jsonl")
 
 

@@ -338,7 +338,6 @@ def _bench_shapes(base: Path, budget: Budget) -> list[Row]:
             spool, pq, live, again = tmp / "spool", tmp / "pq", tmp / "live.jsonl", tmp / "r.jsonl"
             write_spool(spool, ranks, steps, metrics)
             biggest = max(p.stat().st_size for p in (spool / "ranks").rglob("*.rlog"))
-            pq1, again1 = tmp / "pq1", tmp / "r1.jsonl"
             runs = {
                 "ship --once (jsonl)": run_measured(_ship_cmd(spool, live, "--once"), tmp,
                                                     budget.ship_timeout_s),
@@ -346,23 +345,16 @@ def _bench_shapes(base: Path, budget: Budget) -> list[Row]:
                                                   budget.ship_timeout_s),
                 "replay (jsonl)": run_measured(_replay_cmd(pq, again), tmp,
                                                budget.ship_timeout_s),
-                "compact --layout 1 (version-1 path)": run_measured(
-                    _compact_cmd(spool, pq1, "--layout", "1"), tmp, budget.ship_timeout_s),
-                "replay of layout 1 (version-1 path)": run_measured(
-                    _replay_cmd(pq1, again1), tmp, budget.ship_timeout_s),
             }  # fmt: skip
             same = {
                 pq: live.is_file() and again.is_file() and live.read_bytes() == again.read_bytes(),
-                pq1: live.is_file()
-                and again1.is_file()
-                and live.read_bytes() == again1.read_bytes(),
             }
-            files = {d: _files_per_table(d) for d in (pq, pq1)}
+            files = {pq: _files_per_table(pq)}
             floor = _read_limit(pq, size, values)
             queries = _queries(pq, size, values) if ranks > 1 else []
         for label, run in runs.items():
             replayed = label.startswith("replay")
-            dataset = pq1 if "layout 1" in label else pq
+            dataset = pq
             note = f"largest segment {biggest / 2**20:.1f} MiB"
             if label.startswith("compact"):
                 note += f"; {files[dataset]} files per table (most)"
@@ -982,10 +974,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     comp, rep, live = archive
     comps = [comp, *(r for r in shapes if r.name.startswith("compact"))]
     reps = [rep, *(r for r in shapes if r.name.startswith("replay ("))]
-    # issue 32, item 2: the job of many ranks, in layout 2 (and the version-1 path beside)
+    # issue 32, item 2: the job of many ranks
     wide = [r for r in shapes if r.size.startswith(("4,096 ranks", "1,024 ranks"))]
     wide_comp = next(r for r in wide if r.name == "compact (parquet)")
-    wide_old = next(r for r in wide if r.name.startswith("compact --layout 1"))
     wide_files = int(wide_comp.note.split("; ")[1].split()[0])
     live_of = {r.size: r for r in shapes if r.name.startswith("ship")}
     limit_of = {r.size: r for r in shapes if r.name == LIMIT}
@@ -1015,9 +1006,7 @@ def main(argv: Sequence[str] | None = None) -> int:
          "ok": all((r.values_per_s or 0) >= (live_of[r.size].values_per_s or 0)
                    for r in reps[1:])},
         {"what": f"{wide_comp.size}: compaction >= 2 M values/s, <= 16 files per table",
-         "figure": f"{rate(wide_comp.values_per_s)} values/s, {wide_files} files per table "
-                   f"(version-1 path: {rate(wide_old.values_per_s)} values/s, "
-                   f"{wide_old.note.split('; ')[1]})",
+         "figure": f"{rate(wide_comp.values_per_s)} values/s, {wide_files} files per table",
          "ok": (wide_comp.values_per_s or 0) >= 2e6 and wide_files <= 16},
         incremental_check,
         spool_bytes,

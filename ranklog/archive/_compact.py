@@ -24,18 +24,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import deque
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
-from ranklog._fs import DIR_MODE, atomic_write, fsync_dir
-from ranklog.archive._block import Block
+from ranklog._fs import DIR_MODE
 from ranklog.archive._delete import delete_verified
 from ranklog.archive._lock import DatasetLock
 from ranklog.archive._manifest import (
@@ -49,9 +44,7 @@ from ranklog.archive._parts import (
     ROW_GROUP,
     Parts,
     check_files,
-    parquet_options,
     remove_orphans,
-    table_entries,
 )
 from ranklog.archive._repair import repair as repair_files
 from ranklog.archive._steps import ship_steps
@@ -82,22 +75,16 @@ __all__ = ["DEFAULT_LAYOUT", "LAYOUTS", "CompactResult", "compact"]
 
 log = logging.getLogger("ranklog.compact")
 
-#: layout 1: spool bytes read per output file. This bounds memory: decoded, 8 MiB of
-#: metric frames take ~130 MB (peak RSS ~210 MB for a 64 MiB segment, ~530 MB with 64 MiB
-#: chunks), and a file still holds ~370 K values, large enough to scan fast
-CHUNK_BYTES: Final = 8 * 1024 * 1024
-#: layout 2: spool bytes of one block (read in chunks of at most this much): a block's
+#: spool bytes of one block (read in chunks of at most this much): a block's
 #: tables are built at once and written while the next is gathered, so this bounds memory
 #: (~60 MB a block of metrics at 2 MiB); a block holds ~200 K values, ~25 row groups
 BLOCK_BYTES: Final = 2 * 1024 * 1024
 #: spool bytes compacted between two saves of the manifest (and at the end of a run)
 SAVE_BYTES: Final = 64 * 1024 * 1024
-#: chunks written at once: the writer encodes a chunk's Parquet in ~1.5x the time the main
-#: thread takes to read and build it, so a second thread keeps both cores busy
-WRITERS: Final = 2
-#: the dataset layouts this release reads and writes
+#: the dataset layouts this release reads (1: a file per segment and frame range, an older
+#: release's, read but no longer written)
 LAYOUTS: Final = (1, 2)
-#: the layout of a new dataset
+#: the layout this release writes
 DEFAULT_LAYOUT: Final = 2
 
 
@@ -117,93 +104,28 @@ class CompactResult:
     steps: tuple[int, int] = (0, -1)
 
 
-def _file(table: str, key: str, start: int, end: int) -> str:
-    """A table's file for frames [start, end) of segment ``key``, relative to the dataset."""
-    return f"{table}/{key}-{start:012d}-{end:012d}.parquet"
-
-
-def _write_tables(
-    out: Path, key: str, start: int, end: int, tables: dict[str, pa.Table]
-) -> list[str]:
-    """Each table's file (written and fsync'd; its directory is fsync'd by :class:`_Saver`)."""
-    files = []
-    for table, data in tables.items():
-        rel = _file(table, key, start, end)
-        path = out / rel
-        path.parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-        atomic_write(path, _parquet_writer(data), sync_dir=False)
-        files.append(rel)
-    return files
-
-
-class _Writer:
-    """Writes chunks' files on :data:`WRITERS` threads while the next chunk is read and built.
-
-    Encoding, compressing and fsync'ing Parquet run without the GIL, so they overlap
-    the decoding and column building of the next chunk. At most :data:`WRITERS` chunks
-    are in flight (memory stays at that many chunks' tables, and the one being built);
-    :meth:`wait` returns once every submitted file is durable, and raises what a write
-    raised.
-    """
-
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=WRITERS, thread_name_prefix="ranklog-compact")
-        self._pending: deque[Future[list[str]]] = deque()
-
-    def submit(
-        self, out: Path, key: str, start: int, end: int, tables: dict[str, pa.Table]
-    ) -> list[str]:
-        """Start writing ``tables``; the files they will be, relative to ``out``."""
-        while len(self._pending) >= WRITERS:
-            self._pending.popleft().result()
-        self._pending.append(self._pool.submit(_write_tables, out, key, start, end, tables))
-        return [_file(table, key, start, end) for table in tables]
-
-    def wait(self) -> None:
-        while self._pending:
-            self._pending.popleft().result()
-
-    def close(self) -> None:
-        """Wait for the writes in flight (whatever happened) and stop the threads."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-
 class _Saver:
     """Saves the manifest every :data:`SAVE_BYTES` of spool compacted, and at the end.
 
-    Before each save, the writes in flight are waited for and the directories of the
-    files written since the last one are fsync'd: their renames are durable before the
-    manifest lists them. A crash between
-    saves leaves files no manifest lists; the next run removes them and compacts those
-    frames again (:class:`_Orphans`).
+    Before each save, the part being written is closed (written, fsync'd with its
+    directory): the files a manifest lists are durable. A crash between saves leaves parts
+    no manifest lists; the next run removes them and compacts those frames again.
     """
 
     def __init__(
         self, out: Path, manifest: Manifest, result: CompactResult, lock: DatasetLock
     ) -> None:
         self.out, self.manifest, self.result, self.lock = out, manifest, result, lock
-        self.dirs: set[Path] = set()
         self.pending = 0  # spool bytes compacted since the last save
         self._bad = 0  # damaged ranges of this run already in the manifest
-        self.writer = _Writer()
-        #: layout 2: the part files being written
-        self.parts = Parts(out, manifest, BLOCK_BYTES, ROW_GROUP) if manifest.layout >= 2 else None
-
-    def wrote(self, files: list[str], nbytes: int) -> None:
-        self.dirs.update((self.out / rel).parent for rel in files)
-        self.pending += nbytes
+        self.parts = Parts(out, manifest, BLOCK_BYTES, ROW_GROUP)
 
     def maybe(self) -> None:
         if self.pending >= SAVE_BYTES:
             self.save()
 
     def save(self) -> None:
-        self.writer.wait()
-        if self.parts is not None:
-            self.result.files += len(self.parts.close_part())
-        for d in sorted(self.dirs):
-            fsync_dir(d)
-        self.dirs.clear()
+        self.result.files += len(self.parts.close_part())
         bad = self.result.bad
         self.manifest.bad += [str(b) for b in bad[self._bad :]]
         self._bad = len(bad)
@@ -213,40 +135,7 @@ class _Saver:
 
     def close(self) -> None:
         """Stop the writing threads (whatever happened)."""
-        self.writer.close()
-        if self.parts is not None:
-            self.parts.close()
-
-
-def _parquet_writer(data: pa.Table) -> Callable[[str], None]:
-    def write(path: str) -> None:
-        pq.write_table(data, path, row_group_size=ROW_GROUP, **parquet_options(data.schema))
-
-    return write
-
-
-class _Orphans:
-    """Files of the dataset by source segment, listed once per run.
-
-    A file a crashed run wrote but the manifest never listed is an orphan: it is removed
-    before its segment is compacted again. Each table's directory is listed once, at the
-    start of the run (one listing per segment would cost a run O(segments x files), not
-    O(new data)).
-    """
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-        self.by_key: dict[str, list[str]] = {}
-        for table, name in table_entries(out):
-            parts = name.rsplit("-", 2)  # <key>-<start>-<end>.parquet
-            if len(parts) == 3 and name.endswith(".parquet") and not name.startswith("."):
-                self.by_key.setdefault(parts[0], []).append(f"{table}/{name}")
-
-    def remove(self, key: str, entry: SegmentEntry) -> None:
-        listed = set(entry.files)
-        for rel in self.by_key.pop(key, ()):
-            if rel not in listed:
-                (self.out / rel).unlink(missing_ok=True)
+        self.parts.close()
 
 
 def compact(
@@ -255,7 +144,6 @@ def compact(
     *,
     delete: bool = False,
     force: bool = False,
-    dataset_layout: int | None = None,
     repair: bool = False,
     dead_after: float = 120.0,
 ) -> CompactResult:
@@ -265,8 +153,8 @@ def compact(
 
     ``delete``: then delete sealed segments whose rows read back equal, once every
     shipper the spool knows has shipped them (``force``: whether they did or not).
-    ``dataset_layout``: the layout of a new dataset (1 or 2; default
-    :data:`DEFAULT_LAYOUT`); an existing dataset keeps its own. ``repair``: first rewrite
+    A dataset of layout 1 (an older release's) is refused: it is read, no longer written
+    (compact into a new directory). ``repair``: first rewrite
     the dataset's damaged files from the spool (:mod:`ranklog.archive._repair`). One run
     at a time per dataset (:class:`~ranklog.archive._lock.DatasetLock`).
     """
@@ -278,8 +166,7 @@ def compact(
         raise ConfigError(f"cannot create dataset directory {outdir}: {exc}") from exc
     run = require_run(spool)
     with DatasetLock(outdir) as lock:
-        return _compact_locked(layout, run, outdir, lock, delete, force, dataset_layout, repair,
-                               dead_after)  # fmt: skip
+        return _compact_locked(layout, run, outdir, lock, delete, force, repair, dead_after)
 
 
 def _compact_locked(
@@ -289,7 +176,6 @@ def _compact_locked(
     lock: DatasetLock,
     delete: bool,
     force: bool,
-    dataset_layout: int | None,
     repair: bool,
     dead_after: float,
 ) -> CompactResult:
@@ -298,11 +184,12 @@ def _compact_locked(
     if manifest.run_id and manifest.run_id != run.run_id:
         raise RunMismatchError(f"{outdir} holds run {manifest.run_id}, not {run.run_id}")
     if not manifest.run_id:  # a new dataset
-        manifest.layout = DEFAULT_LAYOUT if dataset_layout is None else dataset_layout
-    elif dataset_layout is not None and dataset_layout != manifest.layout:
+        manifest.layout = DEFAULT_LAYOUT
+    elif manifest.layout == 1:
         raise ConfigError(
-            f"{outdir} is a dataset of layout {manifest.layout}: compact into it without "
-            f"--layout, or into a new directory with --layout {dataset_layout}"
+            f"{outdir} is a dataset of layout 1 (an older ranklog's): this release reads it "
+            "(replay, analysis, report) but no longer adds to it: compact into a new "
+            "directory (`ranklog compact --steps` adds its steps table)"
         )
     if manifest.layout not in LAYOUTS:
         raise ArchiveError(f"{outdir}: dataset layout {manifest.layout} is newer than this "
@@ -311,9 +198,7 @@ def _compact_locked(
     manifest.world_size, manifest.created = run.world_size, run.created
     result = CompactResult()
     saver = _Saver(outdir, manifest, result, lock)
-    orphans = _Orphans(outdir) if manifest.layout == 1 else None
-    if orphans is None:
-        remove_orphans(outdir, manifest)
+    remove_orphans(outdir, manifest)
     if repair:
         result.repaired = repair_files(layout, run.run_id, outdir, manifest)
     check_files(outdir, manifest, layout.root)
@@ -322,7 +207,7 @@ def _compact_locked(
     steps = ThreadPoolExecutor(1, thread_name_prefix="ranklog-steps")
     shipped = steps.submit(ship_steps, layout.root, outdir, dead_after=dead_after)
     try:
-        _compact_raw(layout, run, outdir, lock, manifest, result, saver, orphans)
+        _compact_raw(layout, run, outdir, lock, manifest, result, saver)
         lock.check()
         # the steps table, before --delete (which waits for every shipper, this one too)
         result.steps = shipped.result()
@@ -345,7 +230,6 @@ def _compact_raw(
     manifest: Manifest,
     result: CompactResult,
     saver: _Saver,
-    orphans: _Orphans | None,
 ) -> None:
     """The raw tables: every new complete frame of every segment, then the merge of parts."""
     try:
@@ -357,25 +241,20 @@ def _compact_raw(
                 entry = manifest.segments.setdefault(key, SegmentEntry())
                 if entry.done:
                     continue
-                if orphans is not None:
-                    orphans.remove(key, entry)
-                _compact_segment(run.run_id, seg, later, outdir, key, entry, result, saver)
+                _compact_segment(run.run_id, seg, later, entry, result, saver)
                 saver.maybe()
         saver.save()
     finally:
         saver.close()
-    if manifest.layout >= 2:
-        lock.check()
-        result.merged, written = merge_parts(outdir, manifest)
-        result.files += written
+    lock.check()
+    result.merged, written = merge_parts(outdir, manifest)
+    result.files += written
 
 
 def _compact_segment(
     run_id: str,
     seg: SegmentName,
     later: bool,
-    outdir: Path,
-    key: str,
     entry: SegmentEntry,
     result: CompactResult,
     saver: _Saver,
@@ -387,18 +266,16 @@ def _compact_segment(
     upto = manifest.relogged_upto(seg.rank, seg.incarnation)
     mark = manifest.mark(seg.id)
     while True:
-        chunk = CHUNK_BYTES if saver.parts is None else min(CHUNK_BYTES, BLOCK_BYTES)
-        res = reader.read(entry.offset, writer_gone=later, max_bytes=chunk)
+        res = reader.read(entry.offset, writer_gone=later, max_bytes=BLOCK_BYTES)
         header = reader.header
         foreign = header is not None and (header.run_id, header.rank, header.incarnation) != (
             run_id, seg.rank, seg.incarnation,
         )  # fmt: skip
-        tables: dict[str, pa.Table] = {}
         added: dict[str, int] = {}
         if res.frames and not foreign:
             layouts = reader.layouts.copy()  # as they were before these frames (for a retry)
             decoded, undecodable = _decode(str(seg.path), res.frames, reader.layouts, raw=True)
-            block = saver.parts.block if saver.parts is not None else Block(run_id)
+            block = saver.parts.block
             got = block.add(seg, decoded, upto, mark)
             if got is None:  # a values map Metrics refuses: the events as the reader has them
                 decoded, undecodable = _decode(str(seg.path), res.frames, layouts,
@@ -406,8 +283,6 @@ def _compact_segment(
                 got = block.add(seg, decoded, upto, mark)
             assert got is not None  # decoded Metrics: no map to refuse
             added = got
-            if saver.parts is None:
-                tables = block.tables(dictionary=True)
             res.bad = sorted(res.bad + undecodable, key=lambda b: b.offset)  # in file order
         for b in res.bad:
             if b.offset >= entry.offset:
@@ -421,15 +296,8 @@ def _compact_segment(
             entry.offset, entry.done = res.size, True
             return
         if res.frames:
-            start = res.frames[0].offset
-            if saver.parts is not None:
-                saver.parts.added(entry, added, res.end - entry.offset)
-                saver.pending += res.end - entry.offset
-            else:
-                files = saver.writer.submit(outdir, key, start, res.end, tables)
-                saver.wrote(files, res.end - entry.offset)
-                entry.files += files
-                result.files += len(files)
+            saver.parts.added(entry, added, res.end - entry.offset)
+            saver.pending += res.end - entry.offset
             for table, n in added.items():
                 entry.rows[table] = entry.rows.get(table, 0) + n
                 result.rows[table] = result.rows.get(table, 0) + n

@@ -12,7 +12,6 @@ from typing import Final
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from ranklog._fs import fsync_dir
 from ranklog.archive._block import segment_tables
@@ -148,10 +147,10 @@ def _rows_of(
     sid: SegmentId,
     shared: Shared,
 ) -> pa.Table:
-    """The segment's rows of ``table`` as the dataset holds them, in write order."""
-    held = entry.pieces.get(table)
-    if not held:  # layout 1: files of its own
-        return pa.concat_tables([pq.read_table(outdir / f) for f in files]).cast(SCHEMAS[table])
+    """The segment's rows of ``table`` as the dataset holds them, in write order (none when
+    the manifest names no piece of it: the rows then differ, nothing is deleted)."""
+    if not entry.pieces.get(table):
+        return SCHEMAS[table].empty_table()
     names = list(SCHEMAS[table].names)
     pieces = pieces_of(outdir, sid, entry)[table]
     got = pa.concat_tables([source_rows(piece, table, names, shared) for piece in pieces])

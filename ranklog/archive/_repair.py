@@ -11,7 +11,9 @@ each segment from the segment itself, while the spool still has it:
   are in one piece: kept pieces are told apart by ``seq``). Each run of adjacent damaged
   pieces (a merged part holds several pieces of one segment side by side) becomes one
   block of a new part, in its place in the segment's write order: each row once.
-- layout 1: the file held one segment's frames ``[start, end)``: those frames again.
+
+A dataset of layout 1 (an older release's) is read, no longer written: compaction, and so
+repair, refuses it before this runs.
 
 The new files are written (tmp, fsync, rename) before the manifest names them; the
 damaged ones are then moved to ``DIR/.damaged/`` (kept, never deleted; a missing one, or
@@ -58,7 +60,6 @@ def repair(layout: SpoolLayout, run_id: str, out: Path, manifest: Manifest) -> l
             "the file from a copy (nothing was changed)"
         )
     writer = _NewPart(out, manifest.parts)
-    layout1: list[tuple[str, pa.Table]] = []
     for sid, entry in affected:
         seg = SegmentName(sid.rank, sid.incarnation, sid.segment, layout.segment_path(*sid))
         frames = SegmentReader(seg.path).read(0, writer_gone=True).frames
@@ -69,16 +70,7 @@ def repair(layout: SpoolLayout, run_id: str, out: Path, manifest: Manifest) -> l
             done = [f for f in frames if f.end <= entry.offset]
             want = segment_tables(run_id, seg, done, upto, dictionary=True).get(table)
             entry.pieces[table] = _rebuilt(out, sid, table, held, want, damaged, writer)
-        for rel in [f for f in entry.files if f in damaged and not entry.pieces]:  # layout 1
-            start, end = (int(x) for x in rel[: -len(".parquet")].rsplit("-", 2)[1:])
-            chunk = [f for f in frames if start <= f.offset and f.end <= end]
-            table = rel.partition("/")[0]
-            got = segment_tables(run_id, seg, chunk, upto, dictionary=True).get(table)
-            if got is None:
-                raise ArchiveError(f"{out / rel}: its segment {sid.key} holds no {table} rows "
-                                   "for it any more: restore the file from a copy")  # fmt: skip
-            layout1.append((rel, got))
-        if entry.pieces:  # layout 2: the damaged parts out, the new part in
+        if entry.pieces:  # the damaged parts out, the new part in
             entry.files = [f for f in entry.files if f not in damaged]
             entry.files += [f for f in writer.files if f not in entry.files and _holds(entry, f)]
     new = writer.close()
@@ -90,8 +82,6 @@ def repair(layout: SpoolLayout, run_id: str, out: Path, manifest: Manifest) -> l
             continue
         (aside / rel).parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         os.replace(out / rel, aside / rel)  # (kept: a file is never deleted by a repair)
-    for rel, data in layout1:
-        _write(out / rel, data)
     for d in sorted({(out / f).parent for f in [*new, *damaged]}):
         fsync_dir(d)
     save_manifest(out, manifest)
