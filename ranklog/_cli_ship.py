@@ -244,6 +244,8 @@ def _ship_known(args: argparse.Namespace) -> int:
     started: list[tuple[str, str]] = []  # (cursor name, identity)
     code = 0
     for name in names:
+        if name.startswith("compact-"):  # a dataset's steps table: `ranklog compact` ships it
+            continue
         try:
             cursor = load_cursor(spool, check_name(name))
         except (CursorError, ConfigError) as exc:

@@ -224,7 +224,7 @@ class _Recorder:
 def _replays(dataset: Path, out: Path, **kw: Any) -> bytes:
     """The JSONL of a replay from the steps table, checked equal to the raw rows' (and
     every call the target got, time stamps too); returned."""
-    assert whole_table(dataset, read_manifest_run(dataset)) is not None
+    assert whole_table(dataset, read_manifest_run(dataset), load_manifest(dataset)) is not None
     fast, slow = out / "steps.jsonl", out / "events.jsonl"
     fast_rec, slow_rec = _Recorder(), _Recorder()
     for f in (fast, slow):

@@ -6,11 +6,16 @@ How it could break, and the test of each:
   later compaction must go on without writing a step twice (``TestIncremental``);
 - a compaction killed at any instant of its steps (after a file is linked, before its
   cursor): the next one writes each step once (``TestIncremental``);
-- a table that is not whole (the job had not ended) must not be replayed as if it were:
-  replay goes to the raw rows and says so;
+- a table that is not whole (the job had not ended), or does not cover every frame the
+  raw tables hold (a requeue after the end; a compaction stopped before its steps), must
+  not be replayed as if it were: replay goes to the raw rows and says so (``TestCovered``);
+- the epilogue (``ranklog ship SPOOL``) re-creating compaction's steps target, without the
+  dataset's lock or its options, or making a moved dataset's ``steps/`` again;
 - the table damaged, truncated, of another run, or a stranger's file in ``steps/``
   (the dataset is shared: its files are data): replay refuses, naming the file and the
-  command that writes it again (``TestHostile``);
+  command that writes it again (``TestHostile``); a file crafted under our name (columns
+  of other types, steps out of order, a value without a name, ranks below zero, a kind
+  version 1 has not): refused in one line, exit 4 (``TestCrafted``);
 - a dataset of an older release (no table; layout 1; layout 2): ``compact --steps``
   writes its table from the raw rows, and replay from it gives what it gave before
   (``TestOlder``); a dataset with a table written by this release stays readable;
@@ -19,10 +24,12 @@ How it could break, and the test of each:
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -109,6 +116,84 @@ class TestIncremental:
         ship(spool, tmp_path / "live.jsonl")
         assert replayed(tmp_path / "pq", tmp_path / "r.jsonl") == (
             tmp_path / "live.jsonl").read_bytes()  # fmt: skip
+
+
+class TestCovered:
+    """The table is read only when it covers every frame the raw tables hold."""
+
+    def test_a_requeue_after_the_end_is_not_left_out(self, spool: Path, tmp_path: Path) -> None:
+        """Steps 0-3 compacted to the job's end; a requeue logs 4-6 (rank 1 leaves 4 open):
+        compacted again, the table still ends with the first end, but does not cover the
+        new frames: replay reads the raw rows and ships 4-6 too."""
+        _steps(spool, 2, range(4))
+        compact(spool, tmp_path / "pq")
+        r0, r1 = rank(spool, 0, 2), rank(spool, 1, 2)
+        for s in range(4, 7):
+            r0.log_metrics({"loss": float(s)}, step=s)
+            r0.step_end(s)
+        r1.log_metrics({"loss": 4.0}, step=4)
+        r0.close()
+        r1.flush()
+        compact(spool, tmp_path / "pq")
+        got = replayed(tmp_path / "pq", tmp_path / "r.jsonl")
+        assert [x["step"] for x in map(json.loads, got.splitlines()[1:]) if "step" in x] == list(
+            range(7))  # fmt: skip
+        r1.close()
+
+    def test_a_compaction_stopped_before_its_steps(
+        self, spool: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A compaction whose steps failed after the raw tables were written: the table
+        (whole as of the first compaction) does not cover them; replay reads the raw rows."""
+        import ranklog.archive._compact as compact_mod
+
+        runs = _steps(spool, 2, range(4), end=False)
+        for run in runs:
+            run.close()
+        compact(spool, tmp_path / "pq")
+        more = [rank(spool, r, 2) for r in range(2)]
+        for s in range(4, 8):
+            for run in more:
+                run.log_metrics({"loss": float(s)}, step=s)
+                run.step_end(s)
+        for run in more:
+            run.close()
+
+        def failing(*args: Any, **kw: Any) -> Any:
+            raise OSError(5, "Input/output error")
+
+        monkeypatch.setattr(compact_mod, "ship_steps", failing)
+        with pytest.raises(OSError):
+            compact(spool, tmp_path / "pq")
+        got = replayed(tmp_path / "pq", tmp_path / "r.jsonl")
+        assert got.count(b'"step"') == 8
+
+    def test_the_epilogue_leaves_the_steps_table_to_compact(
+        self, spool: Path, tmp_path: Path
+    ) -> None:
+        """`ranklog ship SPOOL` (the epilogue) re-creates the job's targets, not compaction's
+        steps table: a dataset moved away is not made again, nothing is refused."""
+        _steps(spool, 2, range(4))
+        out = tmp_path / "out.jsonl"
+        assert ranklog_cmd("ship", str(spool), "--to", f"jsonl:{out}", "--once").returncode == 0
+        compact(spool, tmp_path / "pq")
+        (tmp_path / "pq").rename(tmp_path / "moved")
+        done = ranklog_cmd("ship", str(spool), "--once")
+        assert done.returncode == 0, done.stderr
+        assert not (tmp_path / "pq").exists()
+
+    def test_after_delete_the_hint_is_compact_steps(self, spool: Path, tmp_path: Path) -> None:
+        """Segments removed by --delete, then the steps table removed: compaction cannot
+        ship them again from the spool, and says to write it from the dataset."""
+        _steps(spool, 2, range(4))
+        assert ranklog_cmd("compact", str(spool), "--out", str(tmp_path / "pq"),
+                           "--delete").returncode == 0  # fmt: skip
+        shutil.rmtree(tmp_path / "pq" / "steps")
+        done = ranklog_cmd("compact", str(spool), "--out", str(tmp_path / "pq"))
+        assert done.returncode == 3 and "compact --steps" in done.stderr, done.stderr
+        fixed = ranklog_cmd("compact", "--steps", str(tmp_path / "pq"))
+        assert fixed.returncode == 0, fixed.stderr
+        assert replayed(tmp_path / "pq", tmp_path / "r.jsonl").count(b'"step"') == 4
 
 
 class TestHostile:
@@ -209,3 +294,90 @@ class TestShapes:
         ship(spool, tmp_path / "live.jsonl")
         got = replayed(tmp_path / "pq", tmp_path / "a.jsonl")
         assert got == (tmp_path / "live.jsonl").read_bytes() and b'"params"' in got
+
+
+def _rewrite(f: Path, change: Any) -> None:
+    """Rewrite steps file ``f`` with ``change(table) -> table`` (its metadata kept)."""
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(f)
+    pq.write_table(change(t).replace_schema_metadata(t.schema.metadata), f)
+
+
+class TestCrafted:
+    """Steps files with the right names and crafted contents: refused in one line naming
+    the file (exit 4 from the command line), never shipped as if they were ours."""
+
+    @pytest.fixture
+    def dataset(self, spool: Path, tmp_path: Path) -> Path:
+        _steps(spool, 2, range(8))
+        compact(spool, tmp_path / "pq")
+        return tmp_path / "pq"
+
+    @pytest.mark.parametrize(
+        ("what", "match"),
+        [
+            ("value_as_text", "column value is string"),
+            ("null_name", "without a name"),
+            ("step_as_float", "column step is double"),
+            ("steps_backwards", "after step"),
+            ("negative_ranks", "ranks"),
+            ("unknown_kind", "of kind 'later'"),
+            ("null_step", "without its step"),
+        ],
+    )
+    def test_a_crafted_file_is_refused(
+        self, dataset: Path, tmp_path: Path, what: str, match: str
+    ) -> None:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        f = sorted((dataset / "steps").glob("*.parquet"))[0]
+
+        def change(t: pa.Table) -> pa.Table:
+            col = t.column_names.index
+            kinds = pc.cast(t.column("kind"), pa.string())
+            if what == "value_as_text":
+                return t.set_column(col("value"), "value", pc.cast(t.column("value"), pa.string()))
+            if what == "null_name":
+                names = [None if k == "metric" else n
+                         for k, n in zip(kinds.to_pylist(), t.column("name").to_pylist(),
+                                         strict=True)]  # fmt: skip
+                return t.set_column(col("name"), "name", pa.array(names, pa.string()))
+            if what == "step_as_float":
+                return t.set_column(col("step"), "step", pc.cast(t.column("step"), pa.float64()))
+            if what == "steps_backwards":
+                steps = t.column("step").to_pylist()
+                return t.set_column(col("step"), "step", pa.array(
+                    [None if s is None else 100 - s for s in steps], pa.int64()))  # fmt: skip
+            if what == "negative_ranks":
+                return t.set_column(col("ranks"), "ranks", pa.array(
+                    [None if r is None else -5 for r in t.column("ranks").to_pylist()],
+                    pa.int32()))  # fmt: skip
+            if what == "unknown_kind":
+                k = kinds.to_pylist()
+                k[k.index("metric")] = "later"  # a row of a kind version 1 has not
+                return t.set_column(col("kind"), "kind",
+                                    pa.array(k, pa.string()).dictionary_encode())  # fmt: skip
+            steps = t.column("step").to_pylist()
+            steps[0] = None
+            return t.set_column(col("step"), "step", pa.array(steps, pa.int64()))
+
+        _rewrite(f, change)
+        with pytest.raises(ArchiveError, match=match):
+            replay(dataset, JsonlTarget(tmp_path / "out.jsonl"))
+        done = ranklog_cmd("replay", str(dataset), "--to", f"jsonl:{tmp_path / 'cli.jsonl'}")
+        assert done.returncode == 4 and "Traceback" not in done.stderr, done.stderr
+
+    def test_a_file_of_another_run_first_is_refused(
+        self, dataset: Path, tmp_path: Path, spool: Path
+    ) -> None:
+        """Another run's steps file put first in the table: refused (every file's run is
+        checked, not the last one's)."""
+        other = tmp_path / "other"
+        _steps(other, 1, range(3))
+        compact(other, tmp_path / "pq2")
+        theirs = sorted((tmp_path / "pq2" / "steps").glob("*.parquet"))[0]
+        shutil.copy(theirs, dataset / "steps" / "steps-00000000.parquet")
+        with pytest.raises(ArchiveError, match="another run"):
+            replay(dataset, JsonlTarget(tmp_path / "out.jsonl"))

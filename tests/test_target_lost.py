@@ -83,3 +83,42 @@ def test_a_dataset_deleted_and_compacted_again_has_its_steps(spool: Path, tmp_pa
     ship(spool, tmp_path / "live.jsonl")
     replay(tmp_path / "pq", JsonlTarget(tmp_path / "again.jsonl"))
     assert (tmp_path / "again.jsonl").read_bytes() == (tmp_path / "live.jsonl").read_bytes()
+
+
+def test_a_plug_in_that_says_none_holds_none(spool: Path, tmp_path: Path) -> None:
+    """docs/targets.md's CSV example returns None for "holds none": its file deleted after
+    shipping, the next ship is refused (TargetHeldError), not a silent nothing."""
+    import pytest
+
+    from ranklog.errors import TargetHeldError
+
+    from .example_target.csv_target import CsvTarget
+
+    _job(spool)
+    out = tmp_path / "out.csv"
+    ship_to(spool, CsvTarget(out, ";"))
+    out.unlink()
+    with pytest.raises(TargetHeldError, match="6 fewer steps"):
+        ship_to(spool, CsvTarget(out, ";"))
+
+
+def test_a_target_that_cannot_tell_is_not_refused(spool: Path, tmp_path: Path) -> None:
+    """A target with ``held_known = False`` (it cannot say what it holds) is shipped to
+    again without a refusal."""
+    from .example_target.csv_target import CsvTarget
+
+    class Forgetful(CsvTarget):
+        held_known = False
+
+    _job(spool)
+    out = tmp_path / "out.csv"
+    ship_to(spool, Forgetful(out, ";"))
+    out.unlink()
+    ship_to(spool, Forgetful(out, ";"))
+
+
+def ship_to(spool: Path, target: object) -> None:
+    from ranklog.shippers import Shipper
+
+    Shipper(str(spool), target, name="t", dead_after=3600,  # type: ignore[arg-type]
+            start_grace=0).run_forever(once=True)  # fmt: skip

@@ -47,7 +47,7 @@ from ranklog.archive._parts import (
     remove_orphans,
 )
 from ranklog.archive._repair import repair as repair_files
-from ranklog.archive._steps import ship_steps
+from ranklog.archive._steps import mark_steps, ship_steps
 from ranklog.archive._tables import NamesRow, names_row
 from ranklog.errors import ArchiveError, ConfigError, RunMismatchError
 from ranklog.schemas import (
@@ -211,6 +211,8 @@ def _compact_locked(
         lock.check()
         # the steps table, before --delete (which waits for every shipper, this one too)
         result.steps = shipped.result()
+        mark_steps(layout.root, outdir, manifest)  # how far the table covers the raw rows
+        save_manifest(outdir, manifest)
     finally:
         steps.shutdown(wait=True)  # the dataset stays locked until it is done, whatever
     if delete:

@@ -23,6 +23,7 @@ __all__ = [
     "MANIFEST",
     "Manifest",
     "SegmentEntry",
+    "StepsMark",
     "load_manifest",
     "require_manifest",
     "save_manifest",
@@ -53,6 +54,16 @@ class SegmentEntry(msgspec.Struct, forbid_unknown_fields=False):
     pieces: dict[str, list[list[int]]] = msgspec.field(default_factory=dict)
 
 
+class StepsMark(msgspec.Struct, forbid_unknown_fields=False):
+    """How far the steps table covers the raw tables, as of the last compaction."""
+
+    #: the table's files then
+    files: int = 0
+    #: segment stem -> the bytes of it the steps table's shipper had consumed (everything
+    #: before: shipped, or counted); a segment compacted further than this is not covered
+    covered: dict[str, int] = msgspec.field(default_factory=dict)
+
+
 class Manifest(msgspec.Struct, forbid_unknown_fields=False):
     """Which frames of which segment are in which files, and each incarnation's marks."""
 
@@ -72,6 +83,18 @@ class Manifest(msgspec.Struct, forbid_unknown_fields=False):
     #: incarnation key (``3/1``) -> [highest step_end, highest step, implied close]: what
     #: it had closed (:func:`ranklog.spool.watermark`; older manifests: the first two)
     marks: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    #: the steps table (None: no compaction of this release wrote one)
+    steps: StepsMark | None = None
+
+    def steps_cover(self, files: int) -> bool:
+        """Whether the steps table, holding ``files`` files, covers every frame the raw
+        tables hold (then replay may read it instead of them)."""
+        mark = self.steps
+        if mark is None or mark.files != files:
+            return False
+        covered = mark.covered
+        return all(entry.offset <= covered.get(stem, 0) or not entry.rows
+                   for stem, entry in self.segments.items())  # fmt: skip
 
     def mark(self, seg: SegmentId) -> list[int]:
         """The (mutable) marks of ``seg``'s incarnation."""

@@ -37,7 +37,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ranklog.archive._files import GroupCache, Piece, RowGroups, Shared, read_rows, source_rows
-from ranklog.archive._manifest import Manifest, load_manifest, require_manifest
+from ranklog.archive._manifest import (
+    Manifest,
+    StepsMark,
+    load_manifest,
+    require_manifest,
+    save_manifest,
+)
 from ranklog.archive._parts import check_files, pieces_of
 from ranklog.archive._rows import COLUMNS, frame_events
 from ranklog.archive._steps import STEPS_DIR, StepsTails, whole_table
@@ -47,6 +53,7 @@ from ranklog.schemas import SCHEMA_VERSION, RankEnd
 from ranklog.shippers import Shipper, Target
 from ranklog.shippers._retry import ONCE_RETRY_FOR
 from ranklog.shippers._source import SegState
+from ranklog.shippers._steps_table import step_files
 from ranklog.spool import (
     HEADER_SIZE,
     Frame,
@@ -385,7 +392,7 @@ def replay(
         write_run(scratch, run)
         tails: Any = None
         if steps is None and names is None and not per_rank and relogged == "first":
-            whole = whole_table(dataset, run)
+            whole = whole_table(dataset, run, manifest)
             if whole is not None:
                 tails = StepsTails(whole[0], whole[1], run, late=late)
         source = None
@@ -422,8 +429,11 @@ def write_steps(dataset: str | os.PathLike[str]) -> tuple[int, int] | None:
     manifest = require_manifest(dataset)
     run = RunInfo(manifest.run_id, manifest.created, manifest.name, manifest.world_size)
     with DatasetLock(dataset):
-        if whole_table(dataset, run) is not None:
+        manifest = require_manifest(dataset)  # (as it is, now that it is locked)
+        if whole_table(dataset, run, manifest) is not None:
             return None
+        if (dataset / STEPS_DIR).is_dir():  # not whole: written again, from the raw rows
+            shutil.rmtree(dataset / STEPS_DIR)
         target = make_target(f"parquet:{dataset / STEPS_DIR}", dataset)
         scratch = Path(tempfile.mkdtemp(prefix="ranklog-steps-"))
         try:
@@ -434,4 +444,8 @@ def write_steps(dataset: str | os.PathLike[str]) -> tuple[int, int] | None:
             shipper.run_forever(once=True)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
+        # every raw row went through the engine: the table covers every segment as compacted
+        files = len(step_files(dataset / STEPS_DIR)[0])
+        manifest.steps = StepsMark(files, {k: e.offset for k, e in manifest.segments.items()})
+        save_manifest(dataset, manifest)
         return shipper.stats.steps_shipped, shipper.shipped_upto

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
 
+from ranklog.archive._manifest import Manifest, StepsMark
 from ranklog.errors import ArchiveError, RanklogError
 from ranklog.shippers._cursor import Cursor
 from ranklog.shippers._ranks import ParamsRead, RankView, StepGap, TailCommit, TailPoll
@@ -34,7 +35,7 @@ from ranklog.shippers._steps_table import STEPS_VERSION, read_calls, step_files
 from ranklog.shippers._target import ShippedStep
 from ranklog.spool import RunInfo
 
-__all__ = ["STEPS_DIR", "StepsTails", "ship_steps", "whole_table"]
+__all__ = ["COMPACT_PREFIX", "STEPS_DIR", "StepsTails", "mark_steps", "ship_steps", "whole_table"]
 
 log = logging.getLogger("ranklog.replay")
 
@@ -56,9 +57,11 @@ def _files(dataset: Path) -> list[Path]:
     return files
 
 
-def whole_table(dataset: Path, run: RunInfo) -> tuple[list[Path], str] | None:
-    """(files, the job's end status) when ``dataset`` has a steps table of ``run`` that ends
-    with the job's end; None when it has none or it is not whole (the reason is logged)."""
+def whole_table(dataset: Path, run: RunInfo, manifest: Manifest) -> tuple[list[Path], str] | None:
+    """(files, the job's end status) when ``dataset`` has a steps table of ``run`` that
+    covers every frame its raw tables hold (the manifest says so) and ends with the job's
+    end; None otherwise, the reason logged. A file of another run or damaged is refused
+    (:class:`ArchiveError`, naming it)."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
@@ -66,19 +69,26 @@ def whole_table(dataset: Path, run: RunInfo) -> tuple[list[Path], str] | None:
     files = _files(dataset)
     if not files:
         return None
+    f = files[-1]
     try:
-        meta = pq.read_schema(files[-1]).metadata or {}
-        if meta.get(b"ranklog.steps") != STEPS_VERSION.encode():
-            log.info("replay of %s through the engine: %s is a steps table of another "
-                     "version", dataset, files[-1])  # fmt: skip
+        for f in files:
+            meta = pq.read_schema(f).metadata or {}
+            if meta.get(b"ranklog.steps") != STEPS_VERSION.encode():
+                log.info("replay of %s through the engine: %s is a steps table of another "
+                         "version", dataset, f)  # fmt: skip
+                return None
+            if meta.get(b"ranklog.run_id", b"").decode(errors="replace") != run.run_id:
+                raise ArchiveError(f"{f} holds another run's steps than {dataset}'s "
+                                   f"({run.run_id}): move {dataset / STEPS_DIR} away")  # fmt: skip
+        if not manifest.steps_cover(len(files)):
+            log.info("replay of %s through the engine: its steps table does not cover every "
+                     "frame the raw tables hold (compacted while the job ran, or a compaction "
+                     "stopped before its steps)", dataset)  # fmt: skip
             return None
-        if meta.get(b"ranklog.run_id", b"").decode(errors="replace") != run.run_id:
-            raise ArchiveError(f"{files[-1]} holds another run's steps than {dataset}'s "
-                               f"({run.run_id}): move {dataset / STEPS_DIR} away")  # fmt: skip
         table = pq.read_table(files[-1], columns=["kind", "name"])
         last = table.slice(max(table.num_rows - 1, 0))
     except (OSError, pa.ArrowException) as exc:
-        raise ArchiveError(f"{files[-1]} is damaged ({exc}): run `ranklog compact --steps "
+        raise ArchiveError(f"{f} is damaged ({exc}): run `ranklog compact --steps "
                            f"{dataset}` to write the steps table again") from exc  # fmt: skip
     kinds = pc.cast(last.column("kind"), pa.string()).to_pylist()
     if kinds != ["end"]:
@@ -88,29 +98,65 @@ def whole_table(dataset: Path, run: RunInfo) -> tuple[list[Path], str] | None:
     return files, str(last.column("name")[0].as_py())
 
 
+#: the cursor names of compaction's steps shippers start so: the epilogue (``ranklog ship
+#: SPOOL`` without ``--to``) leaves them to ``ranklog compact``
+COMPACT_PREFIX: Final = "compact-"
+
+
 def ship_steps(spool: Path, dataset: Path, *, dead_after: float = 120.0) -> tuple[int, int]:
     """Ship ``spool`` into ``dataset``'s steps table with the engine, as a shipper would
     (its own cursor and lease; what is not complete yet ships at a later compaction):
     (steps shipped in all, the last step shipped)."""
+    from ranklog.errors import CursorError
     from ranklog.shippers import Shipper, make_target
     from ranklog.shippers._retry import ONCE_RETRY_FOR
 
     target = make_target(f"parquet:{dataset / STEPS_DIR}", spool)
+    name = _cursor_name(spool, target)
     if not _files(dataset):  # a new dataset (or its table removed): this spool's cursor
-        _forget_cursor(spool, target)  # for that path is of a table that is gone
-    shipper = Shipper(str(spool), target, late="ship", retry_for=ONCE_RETRY_FOR,
+        _forget_cursor(spool, name)  # for that path is of a table that is gone
+    shipper = Shipper(str(spool), target, name=name, late="ship", retry_for=ONCE_RETRY_FOR,
                       dead_after=dead_after, start_grace=min(60.0, dead_after))  # fmt: skip
-    shipper.run_forever(once=True)
+    try:
+        shipper.run_forever(once=True)
+    except CursorError as exc:  # segments --delete removed: the dataset's rows hold them
+        raise CursorError(
+            f"{dataset / STEPS_DIR}: the spool no longer holds every segment "
+            f"(compact --delete removed some): write the steps table from the "
+            f"dataset with `ranklog compact --steps {dataset}` ({exc})"
+        ) from exc
     return shipper.stats.steps_shipped, shipper.shipped_upto
 
 
-def _forget_cursor(spool: Path, target: Any) -> None:
-    """Remove the cursor of ``target`` (compaction's own) from ``spool``, if any."""
+def mark_steps(spool: Path, dataset: Path, manifest: Manifest) -> None:
+    """Record in ``manifest`` how far the steps table covers the spool's segments: what its
+    shipper's cursor consumed (with what an earlier compaction recorded: segments only
+    grow), and how many files the table holds. The caller saves the manifest."""
+    from ranklog.shippers import load_cursor, make_target
+    from ranklog.spool import SegmentId
+
+    target = make_target(f"parquet:{dataset / STEPS_DIR}", spool)
+    cursor = load_cursor(spool, _cursor_name(spool, target))
+    old = manifest.steps.covered if manifest.steps is not None else {}
+    covered = dict(old)
+    for key, seg in (cursor.segments if cursor is not None else {}).items():
+        stem = SegmentId.parse(key).stem
+        covered[stem] = max(covered.get(stem, 0), seg.offset)
+    manifest.steps = StepsMark(len(_files(dataset)), covered)
+
+
+def _cursor_name(spool: Path, target: Any) -> str:
     from ranklog.shippers import default_name, target_identity
-    from ranklog.shippers._cursor import cursor_path
     from ranklog.spool import read_run
 
-    path = cursor_path(spool, default_name(target_identity(target, read_run(spool))))
+    return COMPACT_PREFIX + default_name(target_identity(target, read_run(spool)))
+
+
+def _forget_cursor(spool: Path, name: str) -> None:
+    """Remove compaction's cursor ``name`` from ``spool``, if any."""
+    from ranklog.shippers._cursor import cursor_path
+
+    path = cursor_path(spool, name)
     if path.exists():
         log.info("%s has no steps table: %s (of a table that is gone) removed, the steps "
                  "are written again", path.parent.parent, path.name)  # fmt: skip
@@ -152,6 +198,7 @@ class StepsTails:
         self._world = run.world_size or 1
         self._built: dict[int, _Done] = {}
         self._last = -1  # the last step read so far
+        self._where = str(files[0].parent) if files else ""
         self._done = False
         self._params_read = 0  # params calls read: each one's place, read once
 
@@ -206,8 +253,12 @@ class StepsTails:
     def _take(self, steps: list[ShippedStep]) -> None:
         for s in steps:
             if s.carrier is None:
+                if s.step <= self._last:  # written in increasing order: else not ours
+                    raise ArchiveError(f"{self._where}: step {s.step} after step {self._last}: "
+                                       "a steps table holds each step once, in order; run "
+                                       f"`ranklog compact --steps` on the dataset")  # fmt: skip
                 self._built[s.step] = _Done(s)
-                self._last = max(self._last, s.step)
+                self._last = s.step
             elif self._late:
                 done = self._built.get(s.carrier)
                 if done is None:  # a carrier with nothing of its own

@@ -233,7 +233,7 @@ class Shipper:
         self._open_error = None
         self._target_ok = self._opened = True
         self.held.opened(held)
-        if held is not None:  # (a target that cannot tell, the console, is not asked)
+        if getattr(self.target, "held_known", True):  # (the console cannot tell)
             self.held.check_kept(self.cursor, cursor_path(self.spool, self.name))
         # segments compact --delete removed before they were shipped: the target must
         # hold their steps (a replay of the dataset), else nothing more is shipped

@@ -24,8 +24,10 @@ A DuckDB loss curve::
     SELECT step, value FROM 'DS/steps/*.parquet'
     WHERE kind = 'metric' AND name = 'train/loss' AND carrier IS NULL ORDER BY step
 
-Format evolution: readers take columns by name and ignore unknown ones and unknown
-``kind`` values; a file's ``ranklog.steps`` metadata says its version (1).
+Format evolution: a file's ``ranklog.steps`` metadata says its version (1). Readers take
+columns by name and pass over columns they do not know; a new ``kind`` of row comes with
+a new version (a reader of version 1 refuses a row of another kind, as damage: replay
+then reads the raw rows of a table of another version).
 """
 
 from __future__ import annotations
@@ -195,8 +197,10 @@ def read_calls(table: pa.Table, *, where: str) -> Iterator[Call]:
 
     Consecutive steps are one ``("steps", [...])`` call; a ``params`` row is
     ``("params", values, before)`` (``before``: the step, or None); ``end`` is
-    ``("end", status)``. Rows of an unknown kind (a later release's) are passed over, with
-    the ``metric`` rows that follow them. Columns are read whole (names through their
+    ``("end", status)``. Anything else (a column of another type, a step without its
+    step, ranks above the world size, a value without a name, a row of a kind version 1
+    has not) is :class:`~ranklog.errors.SpoolFormatError` naming the row: the table is
+    data, never trusted. Columns are read whole (names through their
     dictionary, values as one float64 array: bits kept), a Python object made only for
     what a target receives.
     """
@@ -205,10 +209,16 @@ def read_calls(table: pa.Table, *, where: str) -> Iterator[Call]:
 
     from ranklog.errors import SpoolFormatError
 
-    missing = sorted(set(_COLUMNS) - set(table.column_names))
-    if missing:
-        raise SpoolFormatError(f"{where}: not a ranklog steps table (no column "
-                               f"{', '.join(missing)})")  # fmt: skip
+    want = steps_schema({})
+    for f in want:
+        if f.name not in table.column_names:
+            raise SpoolFormatError(f"{where}: not a ranklog steps table (no column {f.name})")
+        got = table.schema.field(f.name).type
+        if pa.types.is_dictionary(got):
+            got = got.value_type
+        if got != (f.type.value_type if pa.types.is_dictionary(f.type) else f.type):
+            raise SpoolFormatError(f"{where}: column {f.name} is {got}, not {f.type}: not a "
+                                   "steps table this release wrote")  # fmt: skip
     if table.num_rows == 0:
         return
     kinds = pc.cast(table.column("kind"), pa.string()).combine_chunks()
@@ -231,6 +241,17 @@ def read_calls(table: pa.Table, *, where: str) -> Iterator[Call]:
         for h, (i, j) in enumerate(zip(heads.tolist(), ends, strict=True)):
             k = kind[h]
             if k == "step":
+                if (
+                    step[h] is None
+                    or complete[h] is None
+                    or ts[h] is None
+                    or not (
+                        ranks[h] is not None and world[h] is not None and 0 <= ranks[h] <= world[h]
+                    )
+                ):
+                    raise TypeError("a step row without its step, ranks, world size or time")
+                if None in name[i + 1 : j]:
+                    raise TypeError("a value without a name")
                 metrics = dict(zip(name[i + 1 : j], value[i + 1 : j], strict=True))
                 s = ShippedStep(step[h], metrics, ranks[h], world[h], complete[h], ts[h],
                                 carrier=carrier[h])  # fmt: skip
@@ -243,10 +264,12 @@ def read_calls(table: pa.Table, *, where: str) -> Iterator[Call]:
             if batch:
                 yield ("steps", batch)
                 batch = []
-            if k == "params":
+            if k == "params" and data[h] is not None:
                 yield ("params", _PARAMS.decode(data[h]), step[h])
-            elif k == "end":
+            elif k == "end" and label[h] in ("finished", "failed", "killed"):
                 yield ("end", label[h])
+            else:  # (version 1 has no other kind: a later one has another version)
+                raise TypeError(f"a row of kind {k!r}")
     except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as exc:
         at = int(heads[h]) if len(heads) else 0
         raise SpoolFormatError(f"{where}: row {at} of the steps table is damaged ({exc})") from None

@@ -27,6 +27,10 @@ Optional attributes the engine reads with ``getattr``:
   a step the target does not hold below its last is refused before anything is written
   (or left out, counted, with ``--below-last skip``).
 - ``takes_late = True``: see below.
+- ``held_known = False``: ``open`` cannot tell which steps it holds (the console; W&B
+  online beyond the server's last step). Otherwise the engine refuses a target that
+  holds fewer steps than its cursor counts as shipped to it (deleted, cut short, rolled
+  back): ``None`` from ``open`` means it holds none.
 - ``end(status)``: called once every rank ended and everything was shipped.
 
 The one exception to step order is a *late* step (``carrier`` set, only with

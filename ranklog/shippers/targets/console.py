@@ -67,6 +67,9 @@ class ConsoleTarget:
         """Where lines go (standard output unless given)."""
         return self._out if self._out is not None else sys.stdout
 
+    #: what it printed is gone: it cannot say which steps it holds (see Target)
+    held_known = False
+
     def open(self, run: RunInfo) -> int | None:
         self._run = run
         print(f"ranklog: run {run.name} ({run.run_id})", file=self.out)

@@ -221,6 +221,8 @@ class WandbTarget(WandbRecords):
     """Logs shipped steps to W&B runs; durable after :meth:`flush` (see the module docstring)."""
 
     kind = "wandb"
+    #: whether ``open`` could tell which steps the run holds (set by it; see Target)
+    held_known = True
     #: late values (``--late ship``) are handled: see :class:`~ranklog.shippers.Target`
     takes_late = True
     #: W&B drops a step below the run's current one: the engine refuses to send one
@@ -269,7 +271,11 @@ class WandbTarget(WandbRecords):
         if self.mode == "online":
             main = self._held[None] = _Held(base, None, -1)
             self._start(main)
+            # the server says how far the run got, not of its per-rank runs: beyond that
+            # it cannot be told what this run holds (no check against the cursor)
+            self.held_known = not (self.per_rank or main.durable < 0)
             return StepSet.upto(None if self.per_rank or main.durable < 0 else main.durable)
+        self.held_known = True
         self._wait_forwriters(base)
         mark: dict[str, Any] = {}
         steps, self._config = scan_offline(self.root, base, mark)
