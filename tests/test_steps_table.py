@@ -256,8 +256,14 @@ class TestOlder:
         """tests/data/steps1: replayed from its table and from its raw rows, the JSONL
         shipping its spool gave."""
         want = (DATA / "format1" / "expected.jsonl").read_bytes()
+        from ranklog.archive import load_manifest
+        from ranklog.archive._steps import whole_table
+        from ranklog.spool import RunInfo
+
         ds = tmp_path / "ds"
         shutil.copytree(DATA / "steps1" / "dataset", ds)
+        m = load_manifest(ds)
+        assert whole_table(ds, RunInfo(m.run_id, m.created, m.name, m.world_size), m)
         assert replayed(ds, tmp_path / "a.jsonl") == want
         shutil.rmtree(ds / "steps")
         assert replayed(ds, tmp_path / "b.jsonl").splitlines()[1:] == want.splitlines()[1:]
