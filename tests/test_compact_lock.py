@@ -132,19 +132,14 @@ def test_a_damaged_part_is_named_not_a_traceback(tmp_path: Path) -> None:
         assert len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
-@pytest.mark.parametrize("layout", [1, 2])
-def test_repair_rewrites_a_damaged_file_from_the_spool(
-    tmp_path: Path, layout: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_repair_rewrites_a_damaged_file_from_the_spool(tmp_path: Path) -> None:
     """A file cut short: ``compact --repair`` rewrites what it held from the segments (the
     damaged one moved aside), and replay then gives what live shipping gave."""
-    import ranklog.archive._compact as compact_mod
     from ranklog.archive import replay
     from ranklog.shippers.targets.jsonl import JsonlTarget
 
     from .shiphelp import lines, ship
 
-    monkeypatch.setattr(compact_mod, "DEFAULT_LAYOUT", layout)
     spool, ds = tmp_path / "spool", tmp_path / "ds"
     values = _job(spool, ranks=3, steps=60, metrics=4)
     compact(spool, ds)
