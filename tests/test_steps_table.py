@@ -330,6 +330,7 @@ class TestCrafted:
             ("negative_ranks", "ranks"),
             ("unknown_kind", "of kind 'later'"),
             ("null_step", "without its step"),
+            ("values_first", "values before any step"),
         ],
     )
     def test_a_crafted_file_is_refused(
@@ -363,6 +364,11 @@ class TestCrafted:
             if what == "unknown_kind":
                 k = kinds.to_pylist()
                 k[k.index("metric")] = "later"  # a row of a kind version 1 has not
+                return t.set_column(col("kind"), "kind",
+                                    pa.array(k, pa.string()).dictionary_encode())  # fmt: skip
+            if what == "values_first":  # the first step's row made a value: orphan values
+                k = kinds.to_pylist()
+                k[0] = "metric"
                 return t.set_column(col("kind"), "kind",
                                     pa.array(k, pa.string()).dictionary_encode())  # fmt: skip
             steps = t.column("step").to_pylist()

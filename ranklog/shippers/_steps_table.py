@@ -235,23 +235,16 @@ def read_calls(table: pa.Table, *, where: str) -> Iterator[Call]:
     name = [lookup[c] for c in codes.tolist()]
     value = table.column("value").to_numpy().tolist()
     ends = [*heads.tolist()[1:], table.num_rows]
+    if not len(heads) or heads[0] != 0:
+        raise SpoolFormatError(f"{where}: row 0 of the steps table is damaged (values before "
+                               "any step)")  # fmt: skip
+    _check_rows(head, kinds, codes, len(lookup) - 1, heads, where)
     batch: list[ShippedStep] = []
     h = 0
     try:
         for h, (i, j) in enumerate(zip(heads.tolist(), ends, strict=True)):
             k = kind[h]
             if k == "step":
-                if (
-                    step[h] is None
-                    or complete[h] is None
-                    or ts[h] is None
-                    or not (
-                        ranks[h] is not None and world[h] is not None and 0 <= ranks[h] <= world[h]
-                    )
-                ):
-                    raise TypeError("a step row without its step, ranks, world size or time")
-                if None in name[i + 1 : j]:
-                    raise TypeError("a value without a name")
                 metrics = dict(zip(name[i + 1 : j], value[i + 1 : j], strict=True))
                 s = ShippedStep(step[h], metrics, ranks[h], world[h], complete[h], ts[h],
                                 carrier=carrier[h])  # fmt: skip
@@ -264,6 +257,8 @@ def read_calls(table: pa.Table, *, where: str) -> Iterator[Call]:
             if batch:
                 yield ("steps", batch)
                 batch = []
+            if j != i + 1:
+                raise TypeError(f"values after a row of kind {k!r}")
             if k == "params" and data[h] is not None:
                 yield ("params", _PARAMS.decode(data[h]), step[h])
             elif k == "end" and label[h] in ("finished", "failed", "killed"):
@@ -275,3 +270,37 @@ def read_calls(table: pa.Table, *, where: str) -> Iterator[Call]:
         raise SpoolFormatError(f"{where}: row {at} of the steps table is damaged ({exc})") from None
     if batch:
         yield ("steps", batch)
+
+
+def _check_rows(head: pa.Table, kinds: pa.Array, codes: Any, null: int, heads: Any,
+                where: str) -> None:  # fmt: skip
+    """Refuse rows that do not hold what their kind needs, all at once (columns, not rows):
+    a step without its step, time or completeness, ranks outside 0..world size; a value
+    without a name."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from ranklog.errors import SpoolFormatError
+
+    is_step = pc.equal(head.column("kind").cast(pa.string()), "step")
+    steps = head.filter(is_step)
+    bad = pc.or_kleene(
+        pc.or_kleene(pc.is_null(steps.column("step")), pc.is_null(steps.column("ts"))),
+        pc.or_kleene(pc.is_null(steps.column("complete")),
+                     pc.invert(pc.and_kleene(pc.greater_equal(steps.column("ranks"), 0),
+                                             pc.less_equal(steps.column("ranks"),
+                                                           steps.column("world_size"))))),
+    )  # fmt: skip
+    bad = pc.fill_null(bad, True)
+    if pc.any(bad).as_py():
+        at = int(heads[np.flatnonzero(is_step.to_numpy(zero_copy_only=False))[
+            pc.index(bad, True).as_py()]])  # fmt: skip
+        raise SpoolFormatError(f"{where}: row {at} of the steps table is damaged (a step row "
+                               "without its step, time or completeness, or ranks outside 0 "
+                               "to its world size)")  # fmt: skip
+    metric = pc.equal(kinds, "metric").to_numpy(zero_copy_only=False)
+    unnamed = np.flatnonzero(metric & (codes == null))
+    if len(unnamed):
+        raise SpoolFormatError(f"{where}: row {int(unnamed[0])} of the steps table is damaged "
+                               "(a value without a name)")  # fmt: skip
