@@ -258,13 +258,15 @@ def read_calls(table: pa.Table, *, where: str) -> Iterator[Call]:
                 yield ("steps", batch)
                 batch = []
             if j != i + 1:
-                raise TypeError(f"values after a row of kind {k!r}")
+                raise SpoolFormatError(f"{where}: row {i + 1} of the steps table is damaged "
+                                       f"(values after a row of kind {k!r})")  # fmt: skip
             if k == "params" and data[h] is not None:
                 yield ("params", _PARAMS.decode(data[h]), step[h])
             elif k == "end" and label[h] in ("finished", "failed", "killed"):
                 yield ("end", label[h])
             else:  # (version 1 has no other kind: a later one has another version)
-                raise TypeError(f"a row of kind {k!r}")
+                raise SpoolFormatError(f"{where}: row {i} of the steps table is damaged (a row "
+                                       f"of kind {k!r})")  # fmt: skip
     except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as exc:
         at = int(heads[h]) if len(heads) else 0
         raise SpoolFormatError(f"{where}: row {at} of the steps table is damaged ({exc})") from None
