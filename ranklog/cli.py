@@ -125,8 +125,11 @@ def _compact(args: argparse.Namespace) -> int:
     rows = ", ".join(f"{t} {n:,}" for t, n in sorted(res.rows.items())) or "nothing new"
     print(f"compacted {res.files} files into {args.out}: {rows}")
     shipped, last = res.steps
-    print(f"  steps table: {shipped:,} steps as shipped, up to step {last}"
-          if last >= 0 else "  steps table: no step complete yet")  # fmt: skip
+    if res.steps_left:
+        print(f"  steps table: not written: {res.steps_left}")
+    else:
+        print(f"  steps table: {shipped:,} steps as shipped, up to step {last}"
+              if last >= 0 else "  steps table: no step complete yet")  # fmt: skip
     for b in res.bad:
         print(f"  corrupt: {b}")
     if res.merged:

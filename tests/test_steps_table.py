@@ -19,7 +19,9 @@ How it could break, and the test of each:
 - a dataset of an older release (no table; layout 1; layout 2): ``compact --steps``
   writes its table from the raw rows, and replay from it gives what it gave before
   (``TestOlder``); a dataset with a table written by this release stays readable;
-- steps sparse and huge (up to 2**63-1), a single step, a job of no step (``TestShapes``).
+- steps sparse and huge (up to 2**63-1), a single step, a job of no step (``TestShapes``);
+- a read-only spool (a copy compacted elsewhere): the raw tables written, the steps table
+  not, said in one line with the command that writes it.
 """
 
 from __future__ import annotations
@@ -393,3 +395,37 @@ class TestCrafted:
         shutil.copy(theirs, dataset / "steps" / "steps-00000000.parquet")
         with pytest.raises(ArchiveError, match="another run"):
             replay(dataset, JsonlTarget(tmp_path / "out.jsonl"))
+
+
+def test_a_read_only_spool_compacts_without_its_steps(spool: Path, tmp_path: Path) -> None:
+    """A spool seen read-only (a bindfs -r mount: a copy a user may compact): the raw
+    tables are written, the steps table is not (a shipper keeps its cursor in the spool),
+    said in one line with the command that writes it; replay reads the raw rows."""
+    import os
+    import subprocess
+
+    if shutil.which("bindfs") is None:
+        msg = "bindfs is not installed (./tools/test installs it with apt-get as root)"
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+    _steps(spool, 2, range(5))
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    proc = subprocess.run(["bindfs", "-r", str(spool), str(mnt)], capture_output=True,
+                          text=True, check=False)  # fmt: skip
+    if proc.returncode != 0:
+        if os.environ.get("CI"):
+            pytest.fail(f"bindfs could not mount: {proc.stderr.strip()}")
+        pytest.skip(f"bindfs could not mount: {proc.stderr.strip()}")
+    try:
+        done = ranklog_cmd("compact", str(mnt), "--out", str(tmp_path / "pq"))
+        assert done.returncode == 0, done.stderr
+        assert "steps table: not written" in done.stdout and "compact --steps" in done.stdout
+        ship(spool, tmp_path / "live.jsonl")
+        got = replayed(tmp_path / "pq", tmp_path / "r.jsonl")
+        assert got == (tmp_path / "live.jsonl").read_bytes()
+    finally:
+        for cmd in (["fusermount", "-u", str(mnt)], ["umount", "-l", str(mnt)]):
+            if subprocess.run(cmd, capture_output=True, check=False).returncode == 0:
+                break

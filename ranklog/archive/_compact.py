@@ -102,6 +102,8 @@ class CompactResult:
     repaired: list[str] = field(default_factory=list)  # damaged files rewritten (--repair)
     #: the steps table: (steps it holds, the last step shipped into it)
     steps: tuple[int, int] = (0, -1)
+    #: why the steps table was left as it is ("" when it was shipped)
+    steps_left: str = ""
 
 
 class _Saver:
@@ -204,17 +206,23 @@ def _compact_locked(
     check_files(outdir, manifest, layout.root)
     # the steps table is shipped from the spool meanwhile (the engine, on a thread of its
     # own: the raw tables' encoding, compression and fsync run without the GIL)
-    steps = ThreadPoolExecutor(1, thread_name_prefix="ranklog-steps")
-    shipped = steps.submit(ship_steps, layout.root, outdir, dead_after=dead_after)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="ranklog-steps")
+    shipped = pool.submit(ship_steps, layout.root, outdir, dead_after=dead_after)
     try:
         _compact_raw(layout, run, outdir, lock, manifest, result, saver)
         lock.check()
         # the steps table, before --delete (which waits for every shipper, this one too)
-        result.steps = shipped.result()
-        mark_steps(layout.root, outdir, manifest)  # how far the table covers the raw rows
-        save_manifest(outdir, manifest)
+        steps = shipped.result()
+        if steps is None:
+            result.steps_left = (f"{layout.root} is read-only (a shipper keeps its cursor "
+                                 "there): replay reads the raw rows; `ranklog compact "
+                                 f"--steps {outdir}` writes the steps table from them")  # fmt: skip
+        else:
+            result.steps = steps
+            mark_steps(layout.root, outdir, manifest)  # how far the table covers the rows
+            save_manifest(outdir, manifest)
     finally:
-        steps.shutdown(wait=True)  # the dataset stays locked until it is done, whatever
+        pool.shutdown(wait=True)  # the dataset stays locked until it is done, whatever
     if delete:
         lock.check()
         deleted, kept = delete_verified(layout, run.run_id, outdir, manifest, force=force)

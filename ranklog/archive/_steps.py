@@ -103,13 +103,21 @@ def whole_table(dataset: Path, run: RunInfo, manifest: Manifest) -> tuple[list[P
 COMPACT_PREFIX: Final = "compact-"
 
 
-def ship_steps(spool: Path, dataset: Path, *, dead_after: float = 120.0) -> tuple[int, int]:
+def ship_steps(spool: Path, dataset: Path, *, dead_after: float = 120.0) -> tuple[int, int] | None:
     """Ship ``spool`` into ``dataset``'s steps table with the engine, as a shipper would
     (its own cursor and lease; what is not complete yet ships at a later compaction):
-    (steps shipped in all, the last step shipped)."""
+    (steps shipped in all, the last step shipped). None when the spool cannot be written
+    (a read-only copy): a shipper keeps its cursor there, so the table is left as it is
+    (replay reads the raw rows; ``ranklog compact --steps`` writes it from them)."""
+    import os
+
     from ranklog.errors import CursorError
     from ranklog.shippers import Shipper, make_target
     from ranklog.shippers._retry import ONCE_RETRY_FOR
+
+    cursors = spool / "cursors"
+    if not os.access(cursors if cursors.is_dir() else spool, os.W_OK):
+        return None
 
     target = make_target(f"parquet:{dataset / STEPS_DIR}", spool)
     name = _cursor_name(spool, target)
