@@ -167,8 +167,15 @@ class SegmentReader:
         self._hint = (list(names), offset)
 
     def names_before(self, offset: int) -> list[int]:
-        """The offsets of the frames before ``offset`` that hold names records (format 2)."""
-        return [o for o in self.names_at if o < offset]
+        """The offsets of the frames before ``offset`` that hold names records (format 2).
+
+        Before its first read, a reader :meth:`resume_from` told of them still knows them:
+        a run that reads nothing new saves them again (not an empty list, which would lose
+        the names of every packed frame after them at the next run)."""
+        known = set(self.names_at)
+        if self._hint is not None:
+            known.update(p for p in self._hint[0] if type(p) is int)
+        return sorted(o for o in known if o < offset)
 
     def _names_frame(self, offset: int) -> None:
         """A frame holding names records was read at ``offset`` (once, if read again)."""
