@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -244,8 +245,6 @@ def _ship_known(args: argparse.Namespace) -> int:
     started: list[tuple[str, str]] = []  # (cursor name, identity)
     code = 0
     for name in names:
-        if name.startswith("compact-"):  # a dataset's steps table: `ranklog compact` ships it
-            continue
         try:
             cursor = load_cursor(spool, check_name(name))
         except (CursorError, ConfigError) as exc:
@@ -254,6 +253,8 @@ def _ship_known(args: argparse.Namespace) -> int:
             continue
         if cursor is None:
             continue
+        if name.startswith("compact-") and re.fullmatch(r"parquet:/.*/steps", cursor.identity):
+            continue  # a dataset's steps table: `ranklog compact` ships it
         try:
             flags = reopen_flags(cursor.identity)
         except ConfigError:

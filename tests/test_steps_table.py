@@ -429,3 +429,32 @@ def test_a_read_only_spool_compacts_without_its_steps(spool: Path, tmp_path: Pat
         for cmd in (["fusermount", "-u", str(mnt)], ["umount", "-l", str(mnt)]):
             if subprocess.run(cmd, capture_output=True, check=False).returncode == 0:
                 break
+
+
+def test_compact_steps_mid_run_then_compaction_freezes_nothing(spool: Path, tmp_path: Path) -> None:
+    """`compact --steps` on a dataset of a running job (step 5 logged by one rank of two)
+    writes step 5 partial, every rank taken as ended; a later compaction of the spool adds
+    the rest but leaves that table as it is and says so: replay reads the raw rows (step
+    5 whole, as live shipped it); `compact --steps` again covers them."""
+    from ranklog.archive import write_steps
+
+    runs = _steps(spool, 2, range(5), end=False)
+    runs[0].log_metrics({"loss": 5.0}, step=5)
+    runs[0].flush()
+    compact(spool, tmp_path / "pq")
+    assert write_steps(tmp_path / "pq") is not None
+    for s in range(5, 8):
+        for r, run in enumerate(runs):
+            if (s, r) != (5, 0):
+                run.log_metrics({"loss": s + r / 4}, step=s)
+            run.step_end(s)
+    for run in runs:
+        run.close()
+    done = ranklog_cmd("compact", str(spool), "--out", str(tmp_path / "pq"))
+    assert done.returncode == 0 and "run it again to cover" in done.stdout, done.stdout
+    ship(spool, tmp_path / "live.jsonl")
+    want = (tmp_path / "live.jsonl").read_bytes()
+    assert replayed(tmp_path / "pq", tmp_path / "a.jsonl") == want
+    assert write_steps(tmp_path / "pq") is not None
+    assert replayed(tmp_path / "pq", tmp_path / "b.jsonl").splitlines()[1:] == (
+        want.splitlines()[1:])  # fmt: skip

@@ -122,3 +122,38 @@ def ship_to(spool: Path, target: object) -> None:
 
     Shipper(str(spool), target, name="t", dead_after=3600,  # type: ignore[arg-type]
             start_grace=0).run_forever(once=True)  # fmt: skip
+
+
+def test_no_false_refusal_for_per_rank_wandb_or_left_out_steps(spool: Path, tmp_path: Path) -> None:
+    """Targets whose holding is no measure of what they were sent ship again without a
+    refusal: W&B offline --per-rank with a rank that stopped early (it holds what every
+    run holds), and SwanLab given --leave-out texts (a step of a text alone goes out
+    empty, and SwanLab records no empty step)."""
+    import os
+
+    from ranklog.shippers import Shipper
+
+    from .shiphelp import age, build_target
+
+    os.environ.setdefault("WANDB_SILENT", "true")
+    runs = [rank(spool, r, 2) for r in range(2)]
+    for s in range(3):
+        for r, run in enumerate(runs):
+            run.log_metrics({"loss": s + r / 4}, step=s)
+            if s == 1:
+                run.log_text("sample", "hello", step=s)
+            run.step_end(s)
+    runs[1].flush()
+    for s in range(3, 6):
+        runs[0].log_text("sample", "only text", step=s)
+        runs[0].step_end(s)
+    runs[0].close()
+    age(spool, 1, 600)
+    cases = [("wandb", "proj", {"mode": "offline", "dir": str(tmp_path / "wb"),
+                                "per_rank": True}),
+             ("swanlab", "proj", {"dir": str(tmp_path / "sw"), "leave_out": "texts"})]  # fmt: skip
+    for kind, arg, opts in cases:
+        for _ in range(2):
+            target = build_target(kind, arg, spool, opts)
+            Shipper(str(spool), target, name=kind, dead_after=60, start_grace=0,
+                    per_rank=bool(opts.get("per_rank"))).run_forever(once=True)  # fmt: skip

@@ -207,13 +207,22 @@ def _compact_locked(
     # the steps table is shipped from the spool meanwhile (the engine, on a thread of its
     # own: the raw tables' encoding, compression and fsync run without the GIL)
     pool = ThreadPoolExecutor(1, thread_name_prefix="ranklog-steps")
-    shipped = pool.submit(ship_steps, layout.root, outdir, dead_after=dead_after)
+    # a table `compact --steps` wrote from the raw rows is left as it is (it treated every
+    # rank as ended): the rows compacted since are not covered, replay reads them
+    from_rows = manifest.steps is not None and manifest.steps.source == "rows"
+    shipped = pool.submit(lambda: None if from_rows else ship_steps(
+        layout.root, outdir, dead_after=dead_after))  # fmt: skip
     try:
         _compact_raw(layout, run, outdir, lock, manifest, result, saver)
         lock.check()
         # the steps table, before --delete (which waits for every shipper, this one too)
         steps = shipped.result()
-        if steps is None:
+        if from_rows:
+            result.steps_left = (f"{outdir / 'steps'} was written from the raw rows by "
+                                 f"`ranklog compact --steps {outdir}`: run it again to "
+                                 "cover the rows compacted since (replay reads them "
+                                 "meanwhile)")  # fmt: skip
+        elif steps is None:
             result.steps_left = (f"{layout.root} is read-only (a shipper keeps its cursor "
                                  "there): replay reads the raw rows; `ranklog compact "
                                  f"--steps {outdir}` writes the steps table from them")  # fmt: skip

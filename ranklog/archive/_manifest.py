@@ -62,6 +62,9 @@ class StepsMark(msgspec.Struct, forbid_unknown_fields=False):
     #: segment stem -> the bytes of it the steps table's shipper had consumed (everything
     #: before: shipped, or counted); a segment compacted further than this is not covered
     covered: dict[str, int] = msgspec.field(default_factory=dict)
+    #: who wrote the table: ``spool`` (compaction's shipper) or ``rows`` (``compact
+    #: --steps``, from the raw rows: a later compaction leaves it as it is)
+    source: str = "spool"
 
 
 class Manifest(msgspec.Struct, forbid_unknown_fields=False):

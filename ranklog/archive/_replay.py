@@ -446,6 +446,7 @@ def write_steps(dataset: str | os.PathLike[str]) -> tuple[int, int] | None:
             shutil.rmtree(scratch, ignore_errors=True)
         # every raw row went through the engine: the table covers every segment as compacted
         files = len(step_files(dataset / STEPS_DIR)[0])
-        manifest.steps = StepsMark(files, {k: e.offset for k, e in manifest.segments.items()})
+        covered = {k: e.offset for k, e in manifest.segments.items()}
+        manifest.steps = StepsMark(files, covered, source="rows")
         save_manifest(dataset, manifest)
         return shipper.stats.steps_shipped, shipper.shipped_upto

@@ -69,6 +69,11 @@ class LeaveOut:
         self.kinds = kinds
         log.info("%s: leaving out %s (--leave-out)", target.spec, ", ".join(sorted(kinds)))
 
+    #: a step whose values were all left out may go out empty, and some backends record
+    #: no empty step (SwanLab): what the target holds is then no measure of what it was
+    #: sent (no check against the cursor)
+    held_known = False
+
     def __getattr__(self, name: str) -> Any:  # kind, spec, identity, end, takes_late ...
         return getattr(self._target, name)
 

@@ -297,7 +297,10 @@ class WandbTarget(WandbRecords):
                     last = -1 if held.last is None else held.last
                     self._held[int(m[1])] = _Held(wid, int(m[1]), last)
             low = min(h.durable for h in self._held.values())
-            return StepSet.upto(None if low < 0 else low)  # what every run holds
+            # what every run holds: a rank that stopped early holds less than the main
+            # run was sent, which is no loss (no check against the cursor)
+            self.held_known = False
+            return StepSet.upto(None if low < 0 else low)
         return steps
 
     def _wait_forwriters(self, base: str) -> None:
