@@ -10,10 +10,12 @@ all of them and runs backend and Ray tests).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +137,30 @@ def chromium() -> str:
             pytest.fail(why)
         pytest.skip(why)
     return browser
+
+
+@contextlib.contextmanager
+def bindfs(under: Path, mnt: Path, *options: str) -> Iterator[Path]:
+    """``under`` seen through a bindfs FUSE mount at ``mnt`` (``options``: bindfs's, e.g.
+    ``-r`` read-only), unmounted at the end. Skipped where bindfs cannot mount; in CI,
+    where ``./tools/test`` installs it, it fails."""
+    import shutil
+
+    why = "bindfs is not installed (./tools/test installs it with apt-get as root)"
+    if shutil.which("bindfs") is not None:
+        proc = subprocess.run(["bindfs", *options, str(under), str(mnt)], capture_output=True,
+                              text=True, check=False)  # fmt: skip
+        why = "" if proc.returncode == 0 else f"bindfs could not mount: {proc.stderr.strip()}"
+    if why:
+        if os.environ.get("CI"):
+            pytest.fail(why)
+        pytest.skip(why)
+    try:
+        yield mnt
+    finally:
+        for cmd in (["fusermount", "-u", str(mnt)], ["umount", "-l", str(mnt)]):
+            if subprocess.run(cmd, capture_output=True, check=False).returncode == 0:
+                break
 
 
 def headless_dom(url: str, profile: Path, *, height: int = 6000, wait_ms: int = 20000) -> str:

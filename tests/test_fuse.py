@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +13,7 @@ from ranklog.shippers import Shipper
 from ranklog.shippers._source import SpoolSource, filesystem_of
 from ranklog.shippers.targets.jsonl import JsonlTarget
 
+from .conftest import bindfs
 from .shiphelp import lines, rank
 
 #: The kernel's attribute cache on the mount (libfuse's default, set explicitly): a
@@ -28,30 +26,11 @@ SLACK = 1.0
 @pytest.fixture
 def fuse_mount(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     """(directory written by producers, the same directory seen through bindfs)."""
-    if shutil.which("bindfs") is None:
-        msg = "bindfs is not installed (./tools/test installs it with apt-get as root)"
-        if os.environ.get("CI"):
-            pytest.fail(msg)
-        pytest.skip(msg)
     under, mnt = tmp_path / "under", tmp_path / "mnt"
     under.mkdir()
     mnt.mkdir()
-    proc = subprocess.run(
-        ["bindfs", "-o", f"attr_timeout={ATTR_TIMEOUT:g}", str(under), str(mnt)],
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode != 0:
-        msg = f"bindfs could not mount: {proc.stderr.strip()}"
-        if os.environ.get("CI"):
-            pytest.fail(msg)
-        pytest.skip(msg)
-    try:
+    with bindfs(under, mnt, "-o", f"attr_timeout={ATTR_TIMEOUT:g}"):
         yield under, mnt
-    finally:
-        for cmd in (["fusermount", "-u", str(mnt)], ["umount", "-l", str(mnt)]):
-            if subprocess.run(cmd, capture_output=True).returncode == 0:
-                break
 
 
 def test_inotify_sees_nothing_on_the_mount(fuse_mount: tuple[Path, Path]) -> None:

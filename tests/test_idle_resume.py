@@ -13,34 +13,38 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import ranklog
 from ranklog.archive import compact, replay
 from ranklog.shippers.targets.jsonl import JsonlTarget
 
 from .shiphelp import lines, rank, ship
 
 
-def test_a_run_with_nothing_new_keeps_the_names(spool: Path, tmp_path: Path) -> None:
-    """Two runs with nothing new keep the cursor's names frames; the steps logged after
-    them all ship, none skipped as corrupt."""
-    runs = [rank(spool, r, 2) for r in range(2)]
-    for s in range(4):
+def _log(runs: list[ranklog.Run], steps: range, *, close: bool) -> None:
+    """Each rank logs ``loss`` for ``steps``, closing each; then flushes, or closes."""
+    for s in steps:
         for run in runs:
             run.log_metrics({"loss": float(s)}, step=s)
             run.step_end(s)
     for run in runs:
-        run.flush()
+        if close:
+            run.close()
+        else:
+            run.flush()
+
+
+def test_a_run_with_nothing_new_keeps_the_names(spool: Path, tmp_path: Path) -> None:
+    """Two runs with nothing new keep the cursor's names frames; the steps logged after
+    them all ship, none skipped as corrupt."""
+    runs = [rank(spool, r, 2) for r in range(2)]
+    _log(runs, range(4), close=False)
     out = tmp_path / "out.jsonl"
     for _ in range(3):
         ship(spool, out)
     (cursor,) = (spool / "cursors").glob("*.json")
     names = [seg["names"] for seg in json.loads(cursor.read_text())["segments"].values()]
     assert all(n for n in names), names
-    for s in range(4, 7):
-        for run in runs:
-            run.log_metrics({"loss": float(s)}, step=s)
-            run.step_end(s)
-    for run in runs:
-        run.close()
+    _log(runs, range(4, 7), close=True)
     ship(spool, out)
     assert [x["step"] for x in lines(out) if "step" in x] == list(range(7))
 
@@ -49,20 +53,10 @@ def test_compaction_with_nothing_new_keeps_its_steps(spool: Path, tmp_path: Path
     """Compacted twice mid-run with nothing new, then after the end: the steps table holds
     every step, and replay from it gives what live shipping gave."""
     runs = [rank(spool, r, 2) for r in range(2)]
-    for s in range(4):
-        for run in runs:
-            run.log_metrics({"loss": float(s)}, step=s)
-            run.step_end(s)
-    for run in runs:
-        run.flush()
+    _log(runs, range(4), close=False)
     compact(spool, tmp_path / "pq")
     compact(spool, tmp_path / "pq")
-    for s in range(4, 7):
-        for run in runs:
-            run.log_metrics({"loss": float(s)}, step=s)
-            run.step_end(s)
-    for run in runs:
-        run.close()
+    _log(runs, range(4, 7), close=True)
     res = compact(spool, tmp_path / "pq")
     assert res.steps[1] == 6 and not res.bad
     ship(spool, tmp_path / "live.jsonl")

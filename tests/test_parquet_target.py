@@ -151,7 +151,8 @@ class TestRoundTrip:
 
     def test_duckdb_reads_a_loss_curve(self, tmp_path: Path) -> None:
         """docs' one-line DuckDB query gives (step, value) of a metric, late values apart."""
-        duckdb = pytest.importorskip("duckdb")
+        import duckdb  # (the test extra installs it)
+
         session(tmp_path, [ShippedStep(s, {"train/loss": s / 2}, 2, 2, True, 0.0)
                            for s in range(5)])  # fmt: skip
         q = (f"SELECT step, value FROM '{tmp_path}/*.parquet' WHERE kind = 'metric' AND "

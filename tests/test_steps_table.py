@@ -41,7 +41,7 @@ from ranklog.archive import compact, replay
 from ranklog.errors import ArchiveError
 from ranklog.shippers.targets.jsonl import JsonlTarget
 
-from .conftest import python_env
+from .conftest import bindfs, python_env
 from .shiphelp import rank, ship
 
 DATA = Path(__file__).parent / "data"
@@ -401,34 +401,16 @@ def test_a_read_only_spool_compacts_without_its_steps(spool: Path, tmp_path: Pat
     """A spool seen read-only (a bindfs -r mount: a copy a user may compact): the raw
     tables are written, the steps table is not (a shipper keeps its cursor in the spool),
     said in one line with the command that writes it; replay reads the raw rows."""
-    import os
-    import subprocess
-
-    if shutil.which("bindfs") is None:
-        msg = "bindfs is not installed (./tools/test installs it with apt-get as root)"
-        if os.environ.get("CI"):
-            pytest.fail(msg)
-        pytest.skip(msg)
     _steps(spool, 2, range(5))
     mnt = tmp_path / "ro"
     mnt.mkdir()
-    proc = subprocess.run(["bindfs", "-r", str(spool), str(mnt)], capture_output=True,
-                          text=True, check=False)  # fmt: skip
-    if proc.returncode != 0:
-        if os.environ.get("CI"):
-            pytest.fail(f"bindfs could not mount: {proc.stderr.strip()}")
-        pytest.skip(f"bindfs could not mount: {proc.stderr.strip()}")
-    try:
+    with bindfs(spool, mnt, "-r"):
         done = ranklog_cmd("compact", str(mnt), "--out", str(tmp_path / "pq"))
         assert done.returncode == 0, done.stderr
         assert "steps table: not written" in done.stdout and "compact --steps" in done.stdout
         ship(spool, tmp_path / "live.jsonl")
         got = replayed(tmp_path / "pq", tmp_path / "r.jsonl")
         assert got == (tmp_path / "live.jsonl").read_bytes()
-    finally:
-        for cmd in (["fusermount", "-u", str(mnt)], ["umount", "-l", str(mnt)]):
-            if subprocess.run(cmd, capture_output=True, check=False).returncode == 0:
-                break
 
 
 def test_compact_steps_mid_run_then_compaction_freezes_nothing(spool: Path, tmp_path: Path) -> None:

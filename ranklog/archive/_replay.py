@@ -386,30 +386,35 @@ def replay(
     manifest = require_manifest(dataset)
     check_files(dataset, manifest)
     run = RunInfo(manifest.run_id, manifest.created, manifest.name, manifest.world_size)
-    # run.json and the lease (the cursor is kept in memory only)
+    tails: Any = None
+    if steps is None and names is None and not per_rank and relogged == "first":
+        whole = whole_table(dataset, run, manifest)
+        if whole is not None:
+            tails = StepsTails(whole[0], whole[1], run, late=late)
+    source = None
+    if tails is None:
+        source = ParquetSource(dataset, run, steps=steps, names=names, relogged=relogged)
+    retry = ONCE_RETRY_FOR if retry_for is None else retry_for
+    code, _ = _engine_once(run, target, name="replay", per_rank=per_rank, source=source,
+                           tails=tails, late=late, below_last=below_last,
+                           retry_for=retry)  # fmt: skip
+    return code
+
+
+def _engine_once(run: RunInfo, target: Target, **kw: Any) -> tuple[int, Shipper]:
+    """The engine run once into ``target`` over a dataset's source or tails (``kw``: the
+    Shipper's): its spool a scratch directory for run.json and the lease, its cursor kept
+    in memory (the target's steps say where it stands)."""
     scratch = Path(tempfile.mkdtemp(prefix="ranklog-replay-"))
     try:
         write_run(scratch, run)
-        tails: Any = None
-        if steps is None and names is None and not per_rank and relogged == "first":
-            whole = whole_table(dataset, run, manifest)
-            if whole is not None:
-                tails = StepsTails(whole[0], whole[1], run, late=late)
-        source = None
-        if tails is None:
-            source = ParquetSource(dataset, run, steps=steps, names=names, relogged=relogged)
         try:
-            shipper = Shipper(
-                str(scratch), target, name="replay", start_grace=0, per_rank=per_rank,
-                source=source, tails=tails, late=late, below_last=below_last,
-                retry_for=ONCE_RETRY_FOR if retry_for is None else retry_for,
-                keep_cursor=False,
-            )  # fmt: skip
+            shipper = Shipper(str(scratch), target, start_grace=0, keep_cursor=False, **kw)
         except BaseException:
-            if tails is not None:
-                tails.close()
+            if kw.get("tails") is not None:
+                kw["tails"].close()
             raise
-        return shipper.run_forever(once=True)
+        return shipper.run_forever(once=True), shipper
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -430,20 +435,14 @@ def write_steps(dataset: str | os.PathLike[str]) -> tuple[int, int] | None:
     run = RunInfo(manifest.run_id, manifest.created, manifest.name, manifest.world_size)
     with DatasetLock(dataset):
         manifest = require_manifest(dataset)  # (as it is, now that it is locked)
+        check_files(dataset, manifest)
         if whole_table(dataset, run, manifest) is not None:
             return None
         if (dataset / STEPS_DIR).is_dir():  # not whole: written again, from the raw rows
             shutil.rmtree(dataset / STEPS_DIR)
         target = make_target(f"parquet:{dataset / STEPS_DIR}", dataset)
-        scratch = Path(tempfile.mkdtemp(prefix="ranklog-steps-"))
-        try:
-            write_run(scratch, run)
-            source = ParquetSource(dataset, run)
-            shipper = Shipper(str(scratch), target, name="steps", start_grace=0, source=source,
-                              late="ship", retry_for=ONCE_RETRY_FOR, keep_cursor=False)  # fmt: skip
-            shipper.run_forever(once=True)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+        _, shipper = _engine_once(run, target, name="steps", source=ParquetSource(dataset, run),
+                                  late="ship", retry_for=ONCE_RETRY_FOR)  # fmt: skip
         # every raw row went through the engine: the table covers every segment as compacted
         files = len(step_files(dataset / STEPS_DIR)[0])
         covered = {k: e.offset for k, e in manifest.segments.items()}

@@ -67,20 +67,9 @@ def held_steps(file: Path, run_id: str, names: str) -> StepSet:
     import pyarrow.parquet as pq
 
     try:
-        meta = pq.read_schema(file).metadata or {}
-        if meta.get(b"ranklog.steps") != STEPS_VERSION.encode():
-            version = meta.get(b"ranklog.steps", b"none").decode(errors="replace")
-            raise TargetError(f"{file} is not a ranklog steps file of this release "
-                              f"(version {version}): give another DIR")  # fmt: skip
-        theirs = meta.get(b"ranklog.run_id", b"").decode(errors="replace")
-        if theirs != run_id:
-            raise TargetHeldError(f"parquet:{file.parent} holds run {theirs}'s steps, not this "
-                                  f"run's ({run_id}): give another DIR")  # fmt: skip
-        named = meta.get(b"ranklog.names", b"*").decode(errors="replace")
-        if named != names:
-            raise TargetHeldError(f"parquet:{file.parent} holds this run's steps with --names "
-                                  f"{named!r}, not {names!r}: give another DIR")  # fmt: skip
-        t = pq.read_table(file, columns=["kind", "step", "carrier"])
+        with pq.ParquetFile(file) as pf:  # (opened once: its footer, then its step columns)
+            _check_steps_file(file, pf.schema_arrow.metadata or {}, run_id, names)
+            t = pf.read(columns=["kind", "step", "carrier"])
     except (OSError, pa.ArrowException) as exc:
         raise TargetError(f"{file} is damaged ({exc}): move it away, then ship again "
                           "(its steps are shipped again)") from exc  # fmt: skip
@@ -88,6 +77,22 @@ def held_steps(file: Path, run_id: str, names: str) -> StepSet:
     steps = t.filter(pc.equal(kinds, "step"))
     own = pc.fill_null(steps.column("carrier"), steps.column("step"))
     return StepSet(own.to_pylist())
+
+
+def _check_steps_file(file: Path, meta: dict[bytes, bytes], run_id: str, names: str) -> None:
+    """Refuse a steps file of another version, another run or another ``--names``."""
+    if meta.get(b"ranklog.steps") != STEPS_VERSION.encode():
+        version = meta.get(b"ranklog.steps", b"none").decode(errors="replace")
+        raise TargetError(f"{file} is not a ranklog steps file of this release "
+                          f"(version {version}): give another DIR")  # fmt: skip
+    theirs = meta.get(b"ranklog.run_id", b"").decode(errors="replace")
+    if theirs != run_id:
+        raise TargetHeldError(f"parquet:{file.parent} holds run {theirs}'s steps, not this "
+                              f"run's ({run_id}): give another DIR")  # fmt: skip
+    named = meta.get(b"ranklog.names", b"*").decode(errors="replace")
+    if named != names:
+        raise TargetHeldError(f"parquet:{file.parent} holds this run's steps with --names "
+                              f"{named!r}, not {names!r}: give another DIR")  # fmt: skip
 
 
 class ParquetTarget:
